@@ -20,9 +20,8 @@ import math
 import os
 import struct
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
-import numpy as np
 import tiktoken
 import torch
 import torch.nn as nn
@@ -153,7 +152,8 @@ class GPT(nn.Module):
 # ----------------------------------------------------------------------------- tokenizers
 
 EOT = "<|endoftext|>"
-GPT2_PATTERN = (r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s""")
+GPT2_PATTERN = (r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++"""
+                r"""|\s++$|\s+(?!\S)|\s""")
 
 
 def gpt2_byte_chars() -> list[tuple[int, str]]:
@@ -177,7 +177,8 @@ def byte_tokenizer() -> tiktoken.Encoding:
 
 
 def load_tokenizer(path: str) -> tiktoken.Encoding:
-    """GPT-2 BPE from vocab.json + merges.txt (Hugging Face) or encoder.json + vocab.bpe (OpenAI)."""
+    """GPT-2 BPE from vocab.json + merges.txt (Hugging Face's names) or encoder.json +
+    vocab.bpe (OpenAI's); the merges must agree with the vocabulary's ranks."""
     for vocab_name, merges_name in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")):
         vocab_file, merges_file = os.path.join(path, vocab_name), os.path.join(path, merges_name)
         if os.path.exists(vocab_file) and os.path.exists(merges_file):
@@ -206,7 +207,8 @@ def load_tokenizer(path: str) -> tiktoken.Encoding:
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "F64": torch.float64, "I64": torch.int64, "U8": torch.uint8}
-CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
+                  "mlp.c_proj.weight")  # HF's Conv1D stores (in, out); nn.Linear wants (out, in)
 
 
 def read_safetensors(path: str) -> dict[str, torch.Tensor]:
@@ -283,12 +285,12 @@ def _from_hf_state(hf_state: dict, expected: dict, path: str) -> dict:
         state["transformer." + key] = t.t() if key.endswith(CONV1D_WEIGHTS) else t
     state["lm_head.weight"] = state.get("transformer.wte.weight")
     for key, want in expected.items():
-        got = state.get(key)
+        got, name = state.get(key), key.removeprefix("transformer.")
         if got is None:
-            raise ValueError(f"{path}: checkpoint is missing tensor {key.removeprefix('transformer.')}")
+            raise ValueError(f"{path}: checkpoint is missing tensor {name}")
         if got.shape != want.shape:
-            raise ValueError(f"{path}: tensor {key.removeprefix('transformer.')} has shape "
-                             f"{tuple(got.shape)}; config.json implies {tuple(want.shape)}")
+            raise ValueError(f"{path}: tensor {name} has shape {tuple(got.shape)}; "
+                             f"config.json implies {tuple(want.shape)}")
     if unexpected := sorted(set(state) - set(expected)):
         raise ValueError(f"{path}: unexpected tensors {unexpected[:5]}")
     return state

@@ -19,7 +19,7 @@ import os
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,8 +28,10 @@ from kernels import AttentionMetadata
 from paged_cache import BlockAllocator, BlockTable, KVCache, cdiv
 from scheduler import POLICIES, Scheduler, Sequence, SequenceStatus
 
-DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "shakespeare")
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_MODEL = os.path.join(HERE, "checkpoints", "shakespeare")  # trained by model.py, shipped
 HUB_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+KV_CACHE_BYTES = 1 << 30  # the default KV cache's memory budget: 1 GiB
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -69,7 +71,8 @@ class EngineConfig:
     dtype: str = "auto"                   # auto: float32 on CPU, bfloat16 on CUDA
     attention: str = "auto"               # torch | triton; auto: torch on CPU, triton on CUDA
     block_size: int = 16                  # tokens per KV block
-    kv_cache_tokens: int = 32768          # KV cache capacity in tokens (all sequences)
+    kv_cache_tokens: int | None = None    # KV capacity in tokens; None: max_num_seqs full
+                                          # contexts, at most KV_CACHE_BYTES of memory
     max_num_seqs: int = 64                # sequences in one step at most
     token_budget: int = 512               # tokens in one step at most (max batched tokens)
     chunked_prefill: bool = True          # split long prompts across steps
@@ -90,7 +93,7 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "token_budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.kv_cache_tokens < self.block_size:
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError(f"kv_cache_tokens ({self.kv_cache_tokens}) is less than one block "
                              f"({self.block_size} tokens)")
         if self.attention == "auto":
@@ -222,7 +225,8 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.model, self.tokenizer = load_model(config)
         c = self.model.config
-        num_blocks = config.kv_cache_tokens // config.block_size
+        kv_cache_tokens = config.kv_cache_tokens or self._default_kv_cache_tokens()
+        num_blocks = kv_cache_tokens // config.block_size
         self.kv_cache = KVCache(c.n_layer, num_blocks, config.block_size, c.n_head, c.head_dim,
                                 config.device, DTYPES[config.dtype])
         self.allocator = BlockAllocator(num_blocks)
@@ -233,34 +237,40 @@ class Engine:
         self.stats = EngineStats()
         self._ids = itertools.count()
 
+    def _default_kv_cache_tokens(self) -> int:
+        c = self.model.config
+        bytes_per_token = 2 * c.n_layer * c.n_embd * DTYPES[self.config.dtype].itemsize  # K and V
+        return min(self.config.max_num_seqs * c.n_positions, KV_CACHE_BYTES // bytes_per_token)
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a request; raises ValueError, with nothing queued, if it can never be served."""
         params = params or SamplingParams()
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt, allowed_special="all")
-        else:
-            token_ids, prompt = list(prompt), self.detokenize(prompt)
+        is_text = isinstance(prompt, str)  # else token ids
+        token_ids = self.tokenizer.encode(prompt, allowed_special="all") if is_text else prompt
         request_id = str(next(self._ids)) if request_id is None else request_id
         self._validate(token_ids, params, request_id)
+        if not is_text:
+            prompt = self.detokenize(token_ids)
         generator = self.generator
         if params.seed is not None:
             generator = torch.Generator(self.config.device).manual_seed(params.seed)
-        seq = Sequence(request_id, prompt, token_ids, params, BlockTable(self.config.block_size),
-                       generator)
+        seq = Sequence(request_id, prompt, list(token_ids), params,
+                       BlockTable(self.config.block_size), generator)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         self.stats.num_prompt_tokens += len(token_ids)
         return request_id
 
     def _validate(self, token_ids: list[int], params: SamplingParams, request_id: str) -> None:
-        n, context = len(token_ids), self.model.config.n_positions
+        n, c = len(token_ids), self.model.config
+        context, vocab = c.n_positions, c.vocab_size
         if n == 0:
             raise ValueError("prompt is empty: it needs at least one token")
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not all(0 <= t < self.model.config.vocab_size for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.model.config.vocab_size})")
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if n + params.max_tokens > context:
             raise ValueError(f"prompt has {n} tokens and max_tokens is {params.max_tokens}: "
                              f"{n + params.max_tokens} tokens; the model's context is {context}")
@@ -270,8 +280,9 @@ class Engine:
             raise ValueError(f"request needs {blocks} KV blocks ({cached} tokens) but the cache "
                              f"has {self.allocator.num_blocks}; raise kv_cache_tokens")
         if not self.config.chunked_prefill and cached > self.config.token_budget:
-            raise ValueError(f"request may need to prefill {cached} tokens in one step but "
-                             f"token_budget is {self.config.token_budget} and chunked prefill is off")
+            raise ValueError(f"request may need to prefill {cached} tokens in one step, but "
+                             f"token_budget is {self.config.token_budget} and chunked prefill "
+                             "is off")
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
@@ -310,12 +321,13 @@ class Engine:
         tables = [seq.block_table.block_ids + [0] * (width - len(seq.block_table.block_ids))
                   for seq in seqs]
         context_lens = [seq.num_computed_tokens + n for seq, n in scheduled.items()]
-        tensor = lambda x, dtype=torch.int64: torch.tensor(x, dtype=dtype, device=self.config.device)  # noqa: E731
+        device = self.config.device
+        tensor = lambda x, dtype=torch.int64: torch.tensor(x, dtype=dtype, device=device)  # noqa: E731
         meta = AttentionMetadata(
             slot_mapping=tensor(slots), block_tables=tensor(tables, torch.int32),
             context_lens=tensor(context_lens, torch.int32),
             query_start_loc=tensor(starts, torch.int32),
-            max_query_len=max(scheduled.values()), max_context_len=max(context_lens))
+            max_query_len=max(scheduled.values()))
         return Batch(tensor(input_ids), tensor(positions), meta, tensor(sample_rows), sample_seqs)
 
     def _check_stop(self, seq: Sequence) -> None:
@@ -362,7 +374,8 @@ class LLM:
         self.engine = Engine(EngineConfig(model=model, **engine_args))
 
     def generate(self, prompts: str | list[str | list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+                 params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
         """Serve all prompts as one continuous batch; outputs in prompt order."""
         prompts = [prompts] if isinstance(prompts, str) else prompts
         params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -411,7 +424,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tokens per step (max batched tokens)")
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--block-size", type=int, default=defaults["block_size"].default)
-    g.add_argument("--kv-cache-tokens", type=int, default=defaults["kv_cache_tokens"].default)
+    g.add_argument("--kv-cache-tokens", type=int, help="KV cache capacity in tokens; default: "
+                   "max-num-seqs full contexts, within 1 GiB")
     return p.parse_args(argv)
 
 
@@ -433,7 +447,8 @@ def run_prompts(engine: Engine, args: argparse.Namespace) -> None:
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                 stop=args.stop, ignore_eos=args.ignore_eos)
         ids.append(engine.add_request(prompt, params))
-    latest, shown, current = {}, None, 0  # request `current` is streamed; later ones wait their turn
+    # Request `current` streams; later ones wait their turn. shown: its characters printed.
+    latest, shown, current = {}, None, 0
     start = time.perf_counter()
     while engine.has_unfinished() or current < len(ids):
         latest.update((o.request_id, o) for o in engine.step())
