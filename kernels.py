@@ -49,22 +49,27 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 # ----------------------------------------------------------------------------- reference
 
+DECODE_GROUP = 8  # decodes attended together in the reference path
+
+
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Attention of queries q (N, H, D) over the paged caches k_cache, v_cache (NB, BS, H, D).
 
     Returns (N, H, D). Query j of sequence s (of q_len queries, context_len cached tokens)
     sits at position context_len - q_len + j and sees cached positions 0..that position.
-    Decodes are done together in one gather; each prefill chunk is done on its own, so no
+    Decodes are gathered and attended a group at a time; each prefill chunk on its own, so no
     sequence is padded to the longest chunk in the batch.
     """
-    starts = meta.query_start_loc.tolist()
+    starts, ctx_lens = meta.query_start_loc.tolist(), meta.context_lens.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:])]
     out = torch.empty_like(q)
-    decode = [s for s, n in enumerate(q_lens) if n == 1]
-    if decode:
-        rows = torch.tensor([starts[s] for s in decode], device=q.device)
-        out[rows] = _attend(q[rows].unsqueeze(1), k_cache, v_cache, meta, decode, scale).squeeze(1)
+    # Decodes in groups of DECODE_GROUP by context length: each is padded to its group's
+    # longest context, not the batch's (one 600-token sequence would slow all 31 others).
+    decode = sorted((s for s, n in enumerate(q_lens) if n == 1), key=ctx_lens.__getitem__)
+    for group in (decode[i:i + DECODE_GROUP] for i in range(0, len(decode), DECODE_GROUP)):
+        rows = torch.tensor([starts[s] for s in group], device=q.device)
+        out[rows] = _attend(q[rows].unsqueeze(1), k_cache, v_cache, meta, group, scale).squeeze(1)
     for s in (s for s, n in enumerate(q_lens) if n > 1):
         rows = slice(starts[s], starts[s + 1])
         out[rows] = _attend(q[rows].unsqueeze(0), k_cache, v_cache, meta, [s], scale).squeeze(0)
@@ -76,8 +81,10 @@ def _attend(q, k_cache, v_cache, meta, seqs, scale):
     ctx_lens = meta.context_lens[seqs].to(q.device)                        # (s,)
     num_blocks = (int(ctx_lens.max()) + k_cache.shape[1] - 1) // k_cache.shape[1]
     tables = meta.block_tables[seqs, :num_blocks]                          # (s, nb)
-    k = k_cache[tables].flatten(1, 2)                                      # (s, T, H, D)
-    v = v_cache[tables].flatten(1, 2)
+    # index_select, not k_cache[tables]: the same gather, about twice as fast on CPU
+    shape = (len(seqs), -1, *k_cache.shape[2:])
+    k = k_cache.index_select(0, tables.flatten()).view(shape)             # (s, T, H, D)
+    v = v_cache.index_select(0, tables.flatten()).view(shape)
     q_len, t = q.shape[1], k.shape[1]
     q_pos = ctx_lens[:, None] - q_len + torch.arange(q_len, device=q.device)  # (s, L)
     visible = torch.arange(t, device=q.device)[None, None, :] <= q_pos[:, :, None]  # (s, L, T)

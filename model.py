@@ -49,7 +49,7 @@ class GPTConfig:
 
 
 PRESETS = {
-    "tiny": GPTConfig(),  # 3.4M parameters: tests, benchmarks, quick runs
+    "tiny": GPTConfig(),  # 3.5M parameters: tests, benchmarks, quick runs
     "gpt2": GPTConfig(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12),
 }
 
@@ -388,7 +388,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description="Train a byte-level GPT-2 on a text file.")
     p.add_argument("--train", required=True, help="UTF-8 text file; its last 10%% is held out")
     p.add_argument("--out", required=True, help="directory to write the checkpoint to")
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=256, help="also the model's context length")
     p.add_argument("--n-layer", type=int, default=6)
@@ -396,6 +396,6 @@ if __name__ == "__main__":
     p.add_argument("--n-embd", type=int, default=192)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--eval-every", type=int, default=500)
+    p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--seed", type=int, default=1337)
     train(p.parse_args())

@@ -2,6 +2,8 @@
 
 Everything runs on CPU, offline. Tests that need ../shared/data skip with the reason.
 """
+import contextlib
+import io
 import json
 import os
 import struct
@@ -11,6 +13,7 @@ import sys
 import pytest
 import torch
 
+import bench
 import model as M
 from kernels import AttentionMetadata, paged_attention, paged_attention_ref, store_kv
 from nanoserve import LLM, Engine, EngineConfig, SamplingParams, hub_checkpoint
@@ -452,3 +455,62 @@ def test_cli_reports_bad_input_without_a_traceback():
     run = subprocess.run([sys.executable, "nanoserve.py", "--prompt", "x", "--top-p", "2"],
                          cwd=HERE, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and run.stderr.strip() == "error: top_p must be in (0, 1], got 2.0"
+
+
+# ----------------------------------------------------------------------------- bench.py
+# bench.py at a tiny scale: its JSON is complete and consistent. Never its speed.
+
+TINY = ("--num-requests 8 --prompt-len 16 --limits 8 16 --online-requests 6 --online-limit 12 "
+        "--mean-output-len 6 --rates 40 inf --max-num-seqs 4 --token-budget 24").split()
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        bench.main(TINY + ["--out", str(out)])
+    return json.loads(out.read_text()), printed.getvalue()
+
+
+def test_bench_json_is_complete_and_consistent(bench_run):
+    result, printed = bench_run
+    cfg = result["config"]
+    assert set(result["versions"]) >= {"torch", "device", "threads"}
+    assert list(result["offline"]) == ["8", "16"] and cfg["modes"] == list(bench.MODES)
+    for limit, runs in result["offline"].items():
+        lengths = runs["lengths"]
+        assert len(lengths) == 8 and all(1 <= n <= int(limit) for n in lengths)
+        assert list(runs["modes"]) == cfg["modes"]
+        for mode, r in runs["modes"].items():
+            assert r["output_tokens"] == sum(lengths), (limit, mode)
+            assert r["tok_s"] == pytest.approx(r["output_tokens"] / r["wall_s"])
+            assert r["same_tokens"] == 1.0, (limit, mode)  # greedy: batching changes nothing
+            assert 0 < r["kv_real_share"] <= 1 and 0 < r["seqs_per_step"] <= 4
+            assert r["kv_slots_mean"] <= r["kv_slots_peak"] and r["preemptions"] >= 0
+            if mode not in ("naive", "no-chunk"):
+                assert r["tokens_per_step"] <= 24
+        assert runs["modes"]["naive"]["vs_naive"] == runs["modes"]["static"]["vs_static"] == 1
+    assert list(result["online"]) == ["40.0", "inf"]
+    for runs in result["online"].values():
+        assert list(runs) == [m for m in cfg["modes"] if m != "naive"]
+        for r in runs.values():
+            assert r["requests"] == 6 and r["output_tokens"] == sum(result["online_lengths"])
+            for metric in ("ttft", "tpot", "itl", "e2e"):
+                assert 0 <= r[metric]["p50"] <= r[metric]["p99"]
+            assert r["ttft"]["mean"] <= r["e2e"]["mean"]
+    assert [d["batch"] for d in result["hardware"]["decode"]] == [1, 4]
+    assert all(d["paged_step_ms"] > 0 < d["dense_step_ms"] for d in result["hardware"]["decode"])
+    assert all(isinstance(t["met"], bool) for t in result["targets"])
+    for title in ("Offline throughput", "Online", "Decode step", "Targets"):
+        assert title in printed
+
+
+def test_naive_baseline_pads_and_matches_the_engine():
+    llm = LLM(preset="tiny")
+    prompts = [[5, 6, 7], list(range(40, 60)), [9] * 11]  # left-padded to 20 in one batch
+    lengths = [7, 3, 12]
+    outputs = llm.generate(prompts, [bench.greedy(n) for n in lengths])
+    want = [o.outputs[0].token_ids for o in outputs]
+    log = []
+    assert bench.naive_batch(llm.engine.model, prompts, lengths, log) == want
+    assert len(log) == max(lengths)  # every row runs until the longest finishes
