@@ -437,7 +437,8 @@ def main(argv=None) -> None:
             runs[mode] = run_online(cfg, mode, prompts, lengths, rate)
             progress(f"online, {rate} req/s, {mode}: "
                      f"TTFT p50 {runs[mode]['ttft']['p50'] * 1e3:.0f} ms")
-    batches = sorted({1, cfg.max_num_seqs})
+    batches = [2 ** i for i in range(cfg.max_num_seqs.bit_length()) if 2 ** i < cfg.max_num_seqs]
+    batches.append(cfg.max_num_seqs)  # powers of two, then the batch size itself
     result["hardware"] = dict(decode=[decode_step(cfg, model, b) for b in batches],
                               matmul_n=1024, matmul_gflops=matmul_gflops(model, 1024))
     result["targets"] = targets(result)

@@ -470,8 +470,10 @@ def run_prompts(engine: Engine, args: argparse.Namespace) -> None:
     context = engine.model.config.n_positions
     ids = []
     for prompt in args.prompt:
-        max_tokens = args.max_tokens or min(200, context - len(engine.tokenizer.encode(prompt)))
-        params = SamplingParams(max_tokens=max(max_tokens, 1), temperature=args.temperature,
+        max_tokens = args.max_tokens
+        if max_tokens is None:  # 200, or what the context leaves (at least 1: then it says why)
+            max_tokens = max(1, min(200, context - len(engine.tokenizer.encode(prompt))))
+        params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                 stop=args.stop, ignore_eos=args.ignore_eos)
         ids.append(engine.add_request(prompt, params))
