@@ -215,8 +215,10 @@ def read_safetensors(path: str) -> dict[str, torch.Tensor]:
     """A .safetensors file: 8-byte little-endian header length, a JSON header, raw tensors."""
     with open(path, "rb") as f:
         data = bytearray(f.read())
-    (n,) = struct.unpack("<Q", bytes(data[:8]).ljust(8, b"\0"))
-    if len(data) < 8 or 8 + n > len(data):
+    if len(data) < 8:
+        raise ValueError(f"{path}: corrupt safetensors header (file is {len(data)} bytes)")
+    (n,) = struct.unpack("<Q", data[:8])
+    if 8 + n > len(data):
         raise ValueError(f"{path}: corrupt safetensors header (length {n}, file {len(data)} bytes)")
     try:
         header = json.loads(data[8:8 + n])
