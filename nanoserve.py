@@ -154,7 +154,6 @@ def hub_checkpoint(name: str) -> str:
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", ""):
         raise ValueError(advice.format("HF_HUB_OFFLINE is set"))
     target = os.path.join(hub, f"models--openai-community--{name}", "snapshots", "main")
-    os.makedirs(target, exist_ok=True)
     for f in files:
         url = f"https://huggingface.co/openai-community/{name}/resolve/main/{f}"
         try:
@@ -165,14 +164,20 @@ def hub_checkpoint(name: str) -> str:
 
 
 def _download(url: str, path: str) -> None:
-    with urllib.request.urlopen(url, timeout=10) as r, open(path + ".part", "wb") as f:
-        total, done = int(r.headers.get("Content-Length") or 0), 0
-        while chunk := r.read(1 << 20):
-            done += f.write(chunk)
-            print(f"\rdownloading {os.path.basename(path)}: {done / 1e6:.0f}/{total / 1e6:.0f} MB",
-                  end="", file=sys.stderr)
-    print(file=sys.stderr)
+    with urllib.request.urlopen(url, timeout=10) as r:
+        os.makedirs(os.path.dirname(path), exist_ok=True)  # only once the hub has answered
+        with open(path + ".part", "wb") as f:
+            _copy_with_progress(r, f, os.path.basename(path))
     os.replace(path + ".part", path)
+
+
+def _copy_with_progress(r, f, name: str) -> None:
+    total, done = int(r.headers.get("Content-Length") or 0), 0
+    while chunk := r.read(1 << 20):
+        done += f.write(chunk)
+        print(f"\rdownloading {name}: {done / 1e6:.0f}/{total / 1e6:.0f} MB", end="",
+              file=sys.stderr)
+    print(file=sys.stderr)
 
 
 def keep_freed_memory() -> None:

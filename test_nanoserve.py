@@ -427,6 +427,24 @@ def test_gpt2_name_is_found_in_the_hugging_face_cache(tmp_path, monkeypatch):
     assert LLM(model="gpt2").engine.model.config == SMALL
 
 
+def test_download_writes_the_file_with_a_progress_line(tmp_path, capsys):
+    import functools
+    import http.server
+    import threading
+    from nanoserve import _download
+    (tmp_path / "model.safetensors").write_bytes(b"w" * 2_500_000)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)  # loopback only
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        target = tmp_path / "hub" / "snapshot" / "model.safetensors"
+        _download(f"http://127.0.0.1:{server.server_address[1]}/model.safetensors", str(target))
+    finally:
+        server.shutdown()
+    assert target.read_bytes() == b"w" * 2_500_000 and not os.path.exists(f"{target}.part")
+    assert "downloading model.safetensors: 2/2 MB" in capsys.readouterr().err
+
+
 def test_gpt2_name_offline_without_cache_fails_at_once(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
