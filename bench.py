@@ -63,7 +63,7 @@ class BenchConfig:
     token_budget: int = arg(512, "tokens per engine step (no-chunk: at least prompt + limit)")
     kv_cache_tokens: int = arg(0, "paged KV cache capacity in tokens; 0: the engine's default")
     block_size: int = arg(16, "tokens per KV block")
-    preset: str = arg("tiny", "model shape, random seeded weights: tiny (3.4M) or gpt2 (124M)")
+    preset: str = arg("tiny", "model shape, random seeded weights: tiny (3.5M) or gpt2 (124M)")
     device: str = arg("cpu", "cpu or cuda")
     threads: int = arg(1, "torch CPU threads (0: torch's default); 1 is steadier on shared cores")
     seed: int = arg(0, "seeds the weights, prompts, lengths and arrivals")

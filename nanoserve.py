@@ -367,7 +367,7 @@ class Engine:
         """Update seq.text; finish the sequence on end-of-text, a stop string or max_tokens."""
         params, output_ids = seq.params, seq.output_token_ids
         eos = output_ids[-1] == self.tokenizer.eot_token and not params.ignore_eos
-        seq.text = self.detokenize(output_ids[:-1] if eos else output_ids)
+        seq.text = self.detokenize(output_ids)  # <|endoftext|> never appears in text
         stops = [i for i in (seq.text.find(s) for s in params.stop) if i >= 0]
         if stops:
             seq.text = seq.text[:min(stops)]
