@@ -11,8 +11,15 @@ Shape legend: N tokens in the flat batch, S sequences, H heads, D head dim,
 NB blocks in the cache, BS block size (tokens per block), MB max blocks per sequence.
 
 Left out on purpose: sliding windows, ALiBi, GQA, fp8 caches, split-K decode.
+
+Checked on a CPU (test_nanoserve.py): the kernel against the reference in Triton's interpreter
+(fp32, and fp16 against an fp32 reference), and its compilation for sm_80 and sm_90 with the
+very specialisation a launch from paged_attention binds, with ptxas's register, spill and
+shared-memory counts. Not checked without a GPU: its speed, and its results on one.
 """
+import contextlib
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -117,9 +124,13 @@ def _paged_attention_kernel(
     The tile's BLOCK_M queries are loaded once; keys and values stream past BLOCK_N tokens at a
     time, each token's row gathered through the block table, with an online softmax (m_i, l_i,
     acc) in fp32. Keys stop at the last position the tile's last query can see.
-    Checked: results against paged_attention_ref in Triton's interpreter on CPU (fp32), and
-    ahead-of-time compilation to PTX and cubin for sm_80 and sm_90 in fp16, bf16 and fp32.
-    Not checked: speed, or results, on a real GPU.
+    Checked: results against paged_attention_ref in Triton's interpreter on CPU (fp32, and fp16
+    against the fp32 reference); compilation for sm_80 and sm_90 in fp16, bf16 and fp32 with the
+    specialisation (signature, 16-byte alignment, unit strides) that paged_attention's launch
+    binds, found by Triton's own JITFunction.run; in fp16 and bf16, ptxas counts at most 128
+    registers, no spills, under 64 KB of shared memory, and K/V arrive by cp.async with the next
+    tile's copies in flight during this tile's math.
+    Not checked: speed, or results, on a real GPU (those tests skip without one).
     """
     seq, head, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -180,36 +191,60 @@ def _paged_attention_kernel(
 
 # Tiles: BLOCK_M 16 (tl.dot's minimum; a decode fills 1 row of it), BLOCK_N 64 keys per step.
 BLOCK_M, BLOCK_N = 16, 64
+# K/V addresses hang on a block-id load, so Triton's pipeliner needs 5 stages (3 leaves one
+# buffer and waits for every copy) to double-buffer K/V: step n+1's copies fly during step n.
+NUM_WARPS, NUM_STAGES = 4, 5
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Triton twin of paged_attention_ref: same arguments, same result."""
+    """Triton twin of paged_attention_ref: same arguments, same result.
+
+    The launch reads no tensor's value (shapes, strides and the Python int max_query_len only),
+    so it never waits for the GPU; it runs on q's device, which need not be the current one.
+    """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = meta.context_lens.shape[0]
-    assert q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in (torch.float16, torch.bfloat16,
-                                                                       torch.float32)
-    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_heads, head_dim)
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    # Triton's CPU interpreter multiplies bf16 bit patterns in tl.dot (triton issue #11584).
-    assert not (q.device.type == "cpu" and q.dtype == torch.bfloat16), "bf16 needs a GPU"
-    assert q.stride(-1) == 1  # q may be a view of the fused qkv projection; rows need not touch
-    assert meta.block_tables.dtype == meta.context_lens.dtype == meta.query_start_loc.dtype \
-        == torch.int32
-    assert meta.block_tables.stride(1) == 1 and meta.query_start_loc.shape == (num_seqs + 1,)
+    tables, lens, starts = meta.block_tables, meta.context_lens, meta.query_start_loc
+    assert q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in (
+        torch.float16, torch.bfloat16, torch.float32), f"dtypes {q.dtype}, {k_cache.dtype}"
+    assert all(t.device == q.device for t in (k_cache, v_cache, tables, lens, starts)), \
+        "q, caches and metadata must share one device"
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_heads, head_dim), \
+        f"caches {tuple(k_cache.shape)} do not fit q {tuple(q.shape)}"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
+    # Triton's interpreter multiplies bf16 bit patterns in tl.dot (triton issue #11584).
+    assert not (triton.knobs.runtime.interpret and q.dtype == torch.bfloat16), "bf16 needs a GPU"
+    assert q.stride(-1) == 1, "q's head dim must be contiguous"  # rows may be qkv-strided
+    assert tables.dtype == lens.dtype == starts.dtype == torch.int32, "metadata must be int32"
+    assert tables.stride(1) == 1 and starts.shape == (num_seqs + 1,), "bad block_tables/starts"
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     # Grid: one program per sequence, head and BLOCK_M-query tile of the longest query run.
     grid = (num_seqs, num_heads, triton.cdiv(meta.max_query_len, BLOCK_M))
-    _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out,
-        meta.block_tables, meta.context_lens, meta.query_start_loc,
-        scale,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
-        meta.block_tables.stride(0),
-        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        CACHE_BLOCK_SIZE=k_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-    )
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _paged_attention_kernel[grid](
+            q, k_cache, v_cache, out, tables, lens, starts, scale,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), tables.stride(0),
+            HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+            CACHE_BLOCK_SIZE=k_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        )
     return out
 
 
 ATTENTION_BACKENDS = {"torch": paged_attention_ref, "triton": paged_attention}
+_warned_interpreter = False
+
+
+def select_attention(name: str, device: str):
+    """The attention function for a backend name on a device; "auto": Triton on CUDA, else torch."""
+    global _warned_interpreter
+    if name == "auto":
+        name = "triton" if str(device).startswith("cuda") else "torch"
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention {name!r}; choose auto, torch or triton")
+    if name == "triton" and not str(device).startswith("cuda") and not _warned_interpreter:
+        _warned_interpreter = True
+        print("note: Triton attention on a CPU runs in Triton's interpreter: exact but slow",
+              file=sys.stderr)
+    return ATTENTION_BACKENDS[name]

@@ -19,7 +19,9 @@ import json
 import math
 import os
 import struct
+import sys
 import time
+import urllib.request
 from dataclasses import asdict, dataclass
 
 import tiktoken
@@ -27,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import ATTENTION_BACKENDS, AttentionMetadata, store_kv
+from kernels import AttentionMetadata, paged_attention_ref, store_kv
 
 
 @dataclass
@@ -101,7 +103,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig, attention: str = "torch"):
+    def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
         self.transformer = nn.ModuleDict(dict(
@@ -112,7 +114,6 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
-        self.attention = ATTENTION_BACKENDS[attention]
         self.apply(self._init_weights)
 
     def _init_weights(self, module):
@@ -125,15 +126,17 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                k_caches: torch.Tensor, v_caches: torch.Tensor) -> torch.Tensor:
+                k_caches: torch.Tensor, v_caches: torch.Tensor,
+                attention=paged_attention_ref) -> torch.Tensor:
         """Paged forward of the flat batch: input_ids, positions (N,) -> hidden states (N, C).
 
         k_caches, v_caches are (n_layer, NB, BS, H, D); this step's K/V are written into them.
+        `attention` is one of kernels.py's backends (same signature), chosen by the engine.
         """
         tr = self.transformer
         x = tr.wte(input_ids) + tr.wpe(positions)  # (N, C)
         for i, block in enumerate(tr.h):
-            x = block(x, meta, k_caches[i], v_caches[i], self.attention)
+            x = block(x, meta, k_caches[i], v_caches[i], attention)
         return tr.ln_f(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -259,13 +262,13 @@ def config_from_hf(hf: dict) -> GPTConfig:
                      layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5))
 
 
-def load_checkpoint(path: str, attention: str = "torch") -> GPT:
+def load_checkpoint(path: str) -> GPT:
     """A Hugging Face GPT-2 directory: config.json + model.safetensors or pytorch_model.bin."""
     config_file = os.path.join(path, "config.json")
     if not os.path.exists(config_file):
         raise ValueError(f"{path} is not a GPT-2 checkpoint directory: no config.json")
     with open(config_file) as f:
-        model = GPT(config_from_hf(json.load(f)), attention)
+        model = GPT(config_from_hf(json.load(f)))
     if os.path.exists(os.path.join(path, "model.safetensors")):
         hf_state = read_safetensors(os.path.join(path, "model.safetensors"))
     elif os.path.exists(os.path.join(path, "pytorch_model.bin")):
@@ -296,6 +299,70 @@ def _from_hf_state(hf_state: dict, expected: dict, path: str) -> dict:
     if unexpected := sorted(set(state) - set(expected)):
         raise ValueError(f"{path}: unexpected tensors {unexpected[:5]}")
     return state
+
+
+HUB_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints",
+                             "shakespeare")  # trained by train() below, shipped with the repo
+
+
+def load_model(model: str | None = None, preset: str | None = None, seed: int = 0
+               ) -> tuple[GPT, tiktoken.Encoding]:
+    """(model, tokenizer): random seeded weights of a preset, a checkpoint directory, a GPT-2
+    name from the Hugging Face cache (downloaded once if missing), or the shipped model."""
+    if preset is not None:
+        torch.manual_seed(seed)
+        return GPT(PRESETS[preset]), byte_tokenizer()
+    path = model or DEFAULT_MODEL
+    if path in HUB_MODELS and not os.path.isdir(path):
+        path = hub_checkpoint(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"model {path!r} is neither a checkpoint directory nor one of "
+                         f"{', '.join(HUB_MODELS)}")
+    return load_checkpoint(path), load_tokenizer(path)
+
+
+
+def hub_checkpoint(name: str) -> str:
+    """A GPT-2 checkpoint from the local Hugging Face cache, else downloaded into it."""
+    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"), "hub")
+    files = ("config.json", "vocab.json", "merges.txt", "model.safetensors")
+    for repo in (name, f"openai-community/{name}"):
+        snapshots = os.path.join(hub, "models--" + repo.replace("/", "--"), "snapshots")
+        for snap in sorted(os.listdir(snapshots)) if os.path.isdir(snapshots) else []:
+            if all(os.path.exists(os.path.join(snapshots, snap, f)) for f in files):
+                return os.path.join(snapshots, snap)
+    advice = (f"{name} is not in the Hugging Face cache ({hub}) and cannot be downloaded"
+              f" ({{}}); pass --model DIR with a GPT-2 checkpoint directory, or no --model"
+              f" for the built-in Shakespeare model")
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", ""):
+        raise ValueError(advice.format("HF_HUB_OFFLINE is set"))
+    target = os.path.join(hub, f"models--openai-community--{name}", "snapshots", "main")
+    for f in files:
+        url = f"https://huggingface.co/openai-community/{name}/resolve/main/{f}"
+        try:
+            _download(url, os.path.join(target, f))
+        except OSError as e:
+            raise ValueError(advice.format(e)) from None
+    return target
+
+
+def _download(url: str, path: str) -> None:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        os.makedirs(os.path.dirname(path), exist_ok=True)  # only once the hub has answered
+        with open(path + ".part", "wb") as f:
+            _copy_with_progress(r, f, os.path.basename(path))
+    os.replace(path + ".part", path)
+
+
+def _copy_with_progress(r, f, name: str) -> None:
+    total, done = int(r.headers.get("Content-Length") or 0), 0
+    while chunk := r.read(1 << 20):
+        done += f.write(chunk)
+        print(f"\rdownloading {name}: {done / 1e6:.0f}/{total / 1e6:.0f} MB", end="",
+              file=sys.stderr)
+    print(file=sys.stderr)
 
 
 def save_checkpoint(model: GPT, path: str, dtype=torch.float16) -> None:
@@ -387,9 +454,12 @@ def evaluate(model: GPT, data: torch.Tensor, seq_len: int) -> float:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description="Train a byte-level GPT-2 on a text file.")
+    p = argparse.ArgumentParser(description="Train a byte-level GPT-2 on a text file.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--train", required=True, help="UTF-8 text file; its last 10%% is held out")
-    p.add_argument("--out", required=True, help="directory to write the checkpoint to")
+    p.add_argument("--out", default=os.path.join("checkpoints", "trained"),
+                   help="directory to write the checkpoint to (the shipped model is "
+                   "checkpoints/shakespeare; serve a new one with --model DIR)")
     p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=256, help="also the model's context length")

@@ -31,10 +31,14 @@ def cdiv(a: int, b: int) -> int:
 
 
 class BlockAllocator:
-    """Free list and reference counts of the physical block ids 0..num_blocks-1."""
+    """Free list and reference counts of the physical block ids 0..num_blocks-1.
 
-    def __init__(self, num_blocks: int):
+    It owns `block_size` (tokens per block): every other user reads it from here.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks = num_blocks
+        self.block_size = block_size
         self.free_block_ids = deque(range(num_blocks))
         self.ref_counts = [0] * num_blocks
 
@@ -62,40 +66,38 @@ class BlockAllocator:
 
 
 class BlockTable:
-    """One sequence's logical -> physical block map."""
+    """One sequence's logical -> physical block map, its blocks taken from `allocator`."""
 
-    def __init__(self, block_size: int):
-        self.block_size = block_size
+    def __init__(self, allocator: BlockAllocator):
+        self.allocator = allocator
         self.block_ids: list[int] = []
 
-    def ensure(self, num_tokens: int, allocator: BlockAllocator) -> bool:
+    def num_missing_blocks(self, num_tokens: int) -> int:
+        """Blocks still to allocate before the table holds `num_tokens` tokens."""
+        return max(0, cdiv(num_tokens, self.allocator.block_size) - len(self.block_ids))
+
+    def ensure(self, num_tokens: int) -> bool:
         """Grow to hold `num_tokens` tokens; False (and nothing taken) if blocks ran out."""
-        missing = cdiv(num_tokens, self.block_size) - len(self.block_ids)
-        if missing <= 0:
-            return True
-        if not allocator.can_allocate(missing):
+        missing = self.num_missing_blocks(num_tokens)
+        if not self.allocator.can_allocate(missing):
             return False
-        self.block_ids += allocator.allocate(missing)
+        self.block_ids += self.allocator.allocate(missing)
         return True
 
-    def release(self, allocator: BlockAllocator) -> None:
-        allocator.free(self.block_ids)
+    def release(self) -> None:
+        self.allocator.free(self.block_ids)
         self.block_ids = []
 
     def slots(self, start: int, end: int) -> list[int]:
         """Flat cache slots of token positions start..end-1."""
-        bs = self.block_size
+        bs = self.allocator.block_size
         return [self.block_ids[t // bs] * bs + t % bs for t in range(start, end)]
 
 
-class KVCache:
-    """The cache tensors, (n_layer, num_blocks, block_size, n_head, head_dim) for K and for V."""
-
-    def __init__(self, n_layer: int, num_blocks: int, block_size: int, n_head: int,
-                 head_dim: int, device: str, dtype: torch.dtype):
-        shape = (n_layer, num_blocks, block_size, n_head, head_dim)
-        # zeros, not empty: padded reads past a sequence's end must be finite to be masked away
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.block_size = block_size
-        self.num_blocks = num_blocks
+def allocate_kv_cache(n_layer: int, num_blocks: int, block_size: int, n_head: int, head_dim: int,
+                      device: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache tensors K and V, each (n_layer, num_blocks, block_size, n_head, head_dim)."""
+    shape = (n_layer, num_blocks, block_size, n_head, head_dim)
+    # zeros, not empty: padded reads past a sequence's end must be finite to be masked away
+    return (torch.zeros(shape, device=device, dtype=dtype),
+            torch.zeros(shape, device=device, dtype=dtype))

@@ -10,7 +10,8 @@ its prompt and the tokens it had generated. This is vLLM v1's rule, after Orca a
 Left out: swapping to CPU, priorities set by the client, lookahead slots.
 """
 import enum
-from collections import deque
+import heapq
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +26,7 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"
     FINISHED_STOPPED = "stop"       # end-of-text or a stop string
     FINISHED_LENGTH = "length"      # max_tokens reached
-    FINISHED_ABORTED = "abort"
+    FINISHED_ABORTED = "abort"      # aborted by the caller, or failed
 
 
 @dataclass(eq=False)
@@ -37,18 +38,21 @@ class Sequence:
     params: "SamplingParams"  # noqa: F821 (nanoserve.SamplingParams)
     block_table: BlockTable
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+    detokenizer: "Detokenizer" = None         # noqa: F821 (nanoserve.Detokenizer)
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     arrival_step: int = 0
-    text: str = ""                            # detokenized output, stop strings cut off
+    stop_reason: str | None = None            # the stop string that ended it, or why it aborted
+    num_sent_tokens: int = 0                  # output tokens already returned in outputs
+    queue_entry: int | None = None            # its live entry in the waiting queue
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -60,34 +64,80 @@ class Sequence:
 
     def estimated_remaining(self) -> int:
         """SJF's job size: tokens still to prefill plus tokens still to generate."""
-        num_generated = len(self.token_ids) - len(self.prompt_token_ids)
-        return self.num_uncomputed_tokens + self.params.max_tokens - num_generated
+        return self.num_uncomputed_tokens + self.params.max_tokens - self.num_output_tokens
+
+
+class WaitingQueue:
+    """Waiting sequences in admission order, in a heap: taking the next costs O(log n), not a
+    sort of everything waiting. fcfs: arrival order, but a preempted sequence goes back to
+    the front. sjf: shortest estimated remaining job first, except that the oldest arrival
+    goes first once it has waited `max_wait_steps` (a second heap, by arrival, finds it).
+    Removal is lazy: an entry is live only while it is its sequence's `queue_entry`."""
+
+    def __init__(self, policy: str, max_wait_steps: int):
+        self.policy, self.max_wait_steps = policy, max_wait_steps
+        self._heap: list = []        # (policy key, entry, seq)
+        self._by_arrival: list = []  # sjf: (arrival_step, entry, seq)
+        self._entries = itertools.count()
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def push(self, seq: Sequence, front: bool = False) -> None:
+        entry = seq.queue_entry = next(self._entries)
+        if self.policy == "sjf":
+            key = (seq.estimated_remaining(), seq.arrival_step)
+            heapq.heappush(self._by_arrival, (seq.arrival_step, entry, seq))
+        else:  # the most recently preempted first, then arrivals in order
+            key = (0, -entry) if front else (1, entry)
+        heapq.heappush(self._heap, (key, entry, seq))
+        self._len += 1
+
+    def remove(self, seq: Sequence) -> None:
+        seq.queue_entry = None
+        self._len -= 1
+
+    def peek(self, step: int) -> Sequence | None:
+        """The sequence to admit next at scheduler step `step`, or None if none waits."""
+        if self.policy == "sjf":
+            oldest = self._live_top(self._by_arrival)
+            if oldest is not None and step - oldest.arrival_step >= self.max_wait_steps:
+                return oldest
+        return self._live_top(self._heap)
+
+    @staticmethod
+    def _live_top(heap: list) -> Sequence | None:
+        while heap and heap[0][2].queue_entry != heap[0][1]:
+            heapq.heappop(heap)  # a stale entry: its sequence was admitted, aborted or re-queued
+        return heap[0][2] if heap else None
 
 
 class Scheduler:
-    """Picks each step's work under two limits: max_num_seqs and token_budget (tokens/step)."""
+    """Picks each step's work under two limits: max_num_seqs and max_num_batched_tokens."""
 
-    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, token_budget: int,
-                 chunked_prefill: bool = True, policy: str = "fcfs", sjf_max_wait_steps: int = 256):
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True, policy: str = "fcfs",
+                 eos_token_id: int | None = None, sjf_max_wait_steps: int = 256):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {POLICIES}")
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
-        self.token_budget = token_budget
-        self.chunked_prefill = chunked_prefill
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
-        self.sjf_max_wait_steps = sjf_max_wait_steps
-        self.waiting: deque[Sequence] = deque()
+        self.eos_token_id = eos_token_id
+        self.waiting = WaitingQueue(policy, sjf_max_wait_steps)
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.num_steps = 0
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         seq.arrival_step = self.num_steps
-        self.waiting.append(seq)
+        self.waiting.push(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(len(self.waiting) or self.running)
 
     # The policy, in English:
     # 1) Running sequences first, decodes before unfinished prefills: a decode costs one
@@ -99,21 +149,24 @@ class Scheduler:
     #    arrival; sjf: shortest remaining job, except that one waiting sjf_max_wait_steps
     #    goes first) while max_num_seqs and the budget allow, giving each as much of its
     #    prompt as the budget has left (a chunk), or none unless all of it fits when
-    #    chunked prefill is off. Admission stops at the first that does not fit.
+    #    chunked prefill is off. A sequence is admitted only if, after its blocks, the blocks
+    #    the running sequences need for their next step are still free (the watermark):
+    #    otherwise admitting it would only get it preempted again, its work thrown away.
+    #    Admission stops at the first that does not fit.
     # static (request-level batching) admits only when nothing runs, a whole batch at once.
     def schedule(self) -> dict[Sequence, int]:
         """The next step's batch: each scheduled sequence -> its number of new tokens."""
         self.num_steps += 1
         if self.policy == "static" and not self.running:
             self._admit_static_batch()
-        budget, scheduled = self.token_budget, {}
+        budget, scheduled = self.max_num_batched_tokens, {}
         num_preemptions = self.num_preemptions
         # 1) running: decodes first (a stable sort keeps admission order within each group)
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1):
             num_new = self._num_new_tokens(seq, budget)
             if seq.status != SequenceStatus.RUNNING or num_new == 0:
                 continue
-            while not seq.block_table.ensure(seq.num_computed_tokens + num_new, self.allocator):
+            while not seq.block_table.ensure(seq.num_computed_tokens + num_new):
                 victim = self.running[-1]
                 budget += scheduled.pop(victim, 0)
                 self._preempt(victim)
@@ -125,12 +178,11 @@ class Scheduler:
         if self.policy == "static" or self.num_preemptions > num_preemptions:
             return scheduled
         # 2) waiting, in policy order
-        for seq in self._admission_order():
+        while len(self.running) < self.max_num_seqs and (seq := self.waiting.peek(self.num_steps)):
             num_new = self._num_new_tokens(seq, budget)
-            if len(self.running) == self.max_num_seqs or num_new == 0:
+            if num_new == 0 or not self._fits_above_watermark(seq, num_new, scheduled):
                 break
-            if not seq.block_table.ensure(seq.num_computed_tokens + num_new, self.allocator):
-                break
+            seq.block_table.ensure(seq.num_computed_tokens + num_new)
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -139,35 +191,51 @@ class Scheduler:
         return scheduled
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
-        if seq.num_uncomputed_tokens > budget and not self.chunked_prefill:
+        if seq.num_uncomputed_tokens > budget and not self.enable_chunked_prefill:
             return 0
         return min(seq.num_uncomputed_tokens, budget)
 
-    def _admission_order(self) -> list[Sequence]:
-        if self.policy == "fcfs":
-            return list(self.waiting)
-
-        def sjf_key(seq: Sequence):
-            starving = self.num_steps - seq.arrival_step >= self.sjf_max_wait_steps
-            return (not starving, 0 if starving else seq.estimated_remaining(), seq.arrival_step)
-        return sorted(self.waiting, key=sjf_key)
+    def _fits_above_watermark(self, seq: Sequence, num_new: int, scheduled: dict) -> bool:
+        """Whether seq's blocks for num_new tokens, plus the blocks every running sequence
+        needs for its next step (one more token after this step's), are free."""
+        watermark = sum(s.block_table.num_missing_blocks(s.num_computed_tokens
+                                                         + scheduled.get(s, 0) + 1)
+                        for s in self.running)
+        needed = seq.block_table.num_missing_blocks(seq.num_computed_tokens + num_new)
+        return self.allocator.can_allocate(needed + watermark)
 
     def _admit_static_batch(self) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting.popleft()
+        while len(self.running) < self.max_num_seqs and (seq := self.waiting.peek(self.num_steps)):
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
-        seq.block_table.release(self.allocator)
+        seq.block_table.release()
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.running.remove(seq)
-        self.waiting.appendleft(seq)
+        self.waiting.push(seq, front=True)
         self.num_preemptions += 1
 
+    def update(self, scheduled: dict[Sequence, int], sampled: dict[Sequence, int]) -> None:
+        """After the model ran: advance each scheduled sequence's num_computed_tokens, append
+        each sampled token, and finish the sequences at end-of-text or max_tokens."""
+        for seq, num_new in scheduled.items():
+            seq.num_computed_tokens += num_new
+        for seq, token in sampled.items():
+            seq.token_ids.append(token)
+            if token == self.eos_token_id and not seq.params.ignore_eos:
+                self.finish(seq, SequenceStatus.FINISHED_STOPPED)
+            elif seq.num_output_tokens == seq.params.max_tokens:
+                self.finish(seq, SequenceStatus.FINISHED_LENGTH)
+
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """End a sequence (finished or aborted, running or waiting) and free its blocks."""
-        seq.block_table.release(self.allocator)
-        (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
+        """End a sequence (running or waiting) and free its blocks; an already finished one
+        only takes the new status (a stop string found in the token that reached max_tokens)."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.block_table.release()
         seq.status = status

@@ -1,24 +1,31 @@
 """nanoserve's guarantees, one test each. Run: python -m pytest -q test_nanoserve.py
 
-Everything runs on CPU, offline. Tests that need ../shared/data skip with the reason.
+Everything runs on CPU, offline; the engine tests pin cpu and fp32 wherever they run, and
+the Triton kernel tests also run on CUDA where there is one. Tests that need ../shared/data
+skip with the reason.
 """
 import contextlib
 import io
 import json
+import math
 import os
+import signal
 import struct
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import bench
 import model as M
 from kernels import AttentionMetadata, paged_attention, paged_attention_ref, store_kv
-from nanoserve import LLM, Engine, EngineConfig, SamplingParams, hub_checkpoint
-from paged_cache import BlockTable
-from scheduler import Sequence
+from nanoserve import (LLM, Detokenizer, Engine, EngineConfig, SamplingParams,
+                       apply_top_k_top_p)
+from paged_cache import BlockAllocator, BlockTable
+from scheduler import Scheduler, Sequence, SequenceStatus
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARED_GPT2 = os.path.join(HERE, "..", "shared", "data", "gpt2")
@@ -33,8 +40,9 @@ GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
 
 def tiny(**kwargs) -> LLM:
-    """The tiny preset (random weights) with a small KV cache unless a test sets one."""
-    return LLM(preset="tiny", **{"kv_cache_tokens": 4096} | kwargs)
+    """The tiny preset (random weights) on CPU in fp32, with a small KV cache unless set."""
+    return LLM(preset="tiny", **{"kv_cache_tokens": 4096, "device": "cpu", "dtype": "float32"}
+               | kwargs)
 
 
 def token_ids(outputs) -> list[list[int]]:
@@ -47,6 +55,16 @@ def assert_no_leaks(engine: Engine) -> None:
     assert not engine.has_unfinished() and not engine.seqs
 
 
+def run_to_end(engine: Engine, deltas: dict | None = None, steps: int | None = None) -> dict:
+    """Step until nothing is left (or `steps` times); every request's delta outputs, in order,
+    added to `deltas`."""
+    deltas = {} if deltas is None else deltas
+    for _ in range(steps) if steps is not None else iter(engine.has_unfinished, False):
+        for out in engine.step():
+            deltas.setdefault(out.request_id, []).append(out)
+    return deltas
+
+
 @pytest.fixture(scope="module")
 def alone() -> list[list[int]]:
     """Greedy outputs of each prompt served on its own: the reference for batching tests."""
@@ -55,39 +73,49 @@ def alone() -> list[list[int]]:
 
 # ----------------------------------------------------------------------------- exactness
 
-def paged_logits(engine: Engine, tokens: list[int], chunks: list[int]) -> torch.Tensor:
-    """Logits at every position, computed by the paged forward in steps of `chunks` tokens."""
-    seq = Sequence("s", "", tokens, SamplingParams(), BlockTable(engine.config.block_size))
-    rows = []
-    for n in chunks:
-        assert seq.block_table.ensure(seq.num_computed_tokens + n, engine.allocator)
-        batch = engine._prepare({seq: n})
-        hidden = engine.model(batch.input_ids, batch.positions, batch.meta,
-                              engine.kv_cache.k, engine.kv_cache.v)
-        rows.append(engine.model.compute_logits(hidden))
-        seq.num_computed_tokens += n
-    seq.block_table.release(engine.allocator)
-    return torch.cat(rows)
+def new_seq(engine: Engine, tokens: list[int], seq_id: str = "s") -> Sequence:
+    return Sequence(seq_id, "", tokens, GREEDY, BlockTable(engine.allocator))
 
 
 @pytest.mark.parametrize("chunks", [[45], [16, 16, 13], [7, 20, 18], [30] + [1] * 15],
                          ids=["prefill", "chunked-prefill", "uneven-chunks", "decode"])
 @torch.inference_mode()
 def test_paged_logits_equal_dense_forward(chunks):
+    """Engine.execute, chunk by chunk: the logits at each chunk's end equal a dense forward's."""
     engine = tiny(block_size=8).engine
     tokens = torch.randint(0, 257, (sum(chunks),), generator=torch.Generator().manual_seed(0))
     dense = engine.model.forward_dense(tokens[None])[0]
-    paged = paged_logits(engine, tokens.tolist(), chunks)
-    rel = (paged - dense).abs().max() / dense.abs().max()
+    seq, paged, ends = new_seq(engine, []), [], []
+    for n in chunks:
+        end = seq.num_computed_tokens + n
+        seq.token_ids = tokens[:end].tolist()  # ends with the chunk: it samples there
+        assert seq.block_table.ensure(end)
+        paged.append(engine.execute({seq: n}).logits[0])
+        seq.num_computed_tokens, ends = end, ends + [end - 1]
+    seq.block_table.release()
+    rel = (torch.stack(paged) - dense[ends]).abs().max() / dense.abs().max()
     assert rel < 1e-4, f"relative error {rel:.2e}"
     assert_no_leaks(engine)
+
+
+@torch.inference_mode()
+def test_paged_logits_equal_dense_forward_at_every_position():
+    """One execute over 30 sequences, the prefixes of one text: row i is position i's logits."""
+    engine = tiny(block_size=8).engine
+    tokens = torch.randint(0, 257, (30,), generator=torch.Generator().manual_seed(1))
+    dense = engine.model.forward_dense(tokens[None])[0]
+    seqs = [new_seq(engine, tokens[:i + 1].tolist(), str(i)) for i in range(30)]
+    for seq in seqs:
+        assert seq.block_table.ensure(len(seq.token_ids))
+    paged = engine.execute({seq: len(seq.token_ids) for seq in seqs}).logits
+    assert (paged - dense).abs().max() / dense.abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "sjf", "static"])
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "unchunked"])
 def test_greedy_output_is_independent_of_batching(alone, policy, chunked):
-    llm = tiny(policy=policy, chunked_prefill=chunked, token_budget=64 if chunked else 256,
-               max_num_seqs=4)
+    llm = tiny(policy=policy, enable_chunked_prefill=chunked,
+               max_num_batched_tokens=64 if chunked else 256, max_num_seqs=4)
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == alone
     assert llm.engine.stats.peak_batch_size > 1
     assert_no_leaks(llm.engine)
@@ -95,37 +123,46 @@ def test_greedy_output_is_independent_of_batching(alone, policy, chunked):
 
 @pytest.mark.parametrize("policy", ["fcfs", "sjf", "static"])
 def test_greedy_output_survives_preemption(alone, policy):
-    llm = tiny(policy=policy, kv_cache_tokens=192, block_size=16, token_budget=64)
+    llm = tiny(policy=policy, kv_cache_tokens=192, block_size=16, max_num_batched_tokens=64)
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == alone
     assert llm.engine.scheduler.num_preemptions > 0
     assert_no_leaks(llm.engine)
 
 
 def test_seeded_sample_is_independent_of_batch():
+    """A seeded request samples the same tokens alone and beside rows with other top-k, top-p,
+    temperatures, seeds and greedy rows."""
     params = SamplingParams(max_tokens=30, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
-    others = SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True)
+    others = [SamplingParams(max_tokens=30, temperature=t, top_k=k, top_p=p, seed=s,
+                             ignore_eos=True)
+              for t, k, p, s in [(1.0, 0, 1.0, None), (0.7, 5, 1.0, 3), (0, 0, 1.0, None),
+                                 (1.3, 0, 0.5, None), (1.0, 50, 0.8, 9), (2.0, 0, 1.0, 1)]]
     solo = tiny().generate(["Hello"], params)[0].outputs[0].token_ids
-    crowd = tiny(kv_cache_tokens=256).generate(
-        PROMPTS + ["Hello"], [others] * len(PROMPTS) + [params])[-1].outputs[0].token_ids
-    assert crowd == solo
+    crowd = tiny(kv_cache_tokens=256).generate(PROMPTS + ["Hello"], others + [params])
+    assert crowd[-1].outputs[0].token_ids == solo
     assert tiny().generate(["Hello"], SamplingParams(max_tokens=30, seed=8, ignore_eos=True)
                            )[0].outputs[0].token_ids != solo
 
 
 def test_greedy_output_is_the_same_with_triton_attention(alone):
-    llm = tiny(attention="triton", token_budget=24, block_size=8)
+    llm = tiny(attention="triton", max_num_batched_tokens=24, block_size=8, device=DEVICE)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     assert token_ids(llm.generate(PROMPTS[:3], params)) == [a[:8] for a in alone[:3]]
     assert_no_leaks(llm.engine)
 
 
 # ----------------------------------------------------------------------------- Triton kernel
-# On a machine without CUDA, kernels.py runs the kernel in Triton's interpreter on CPU, so
-# inputs are small. Compilation for real GPUs is checked ahead of time, in a subprocess
-# without the interpreter (it patches triton.language, and then triton.compile cannot run).
+# Without CUDA, kernels.py runs the kernel in Triton's interpreter on CPU, so inputs are small
+# and bf16 is left out (tl.dot is wrong there, triton issue #11584). Compilation for real GPUs
+# is checked ahead of time, in a subprocess without the interpreter (it patches
+# triton.language, and then triton.compile cannot run).
 
 NUM_HEADS = 2
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the interpreter
+needs_cuda = pytest.mark.skipif(
+    DEVICE != "cuda", reason="no CUDA GPU: the CPU runs Triton's interpreter, whose tl.dot is "
+    "wrong in bf16 (triton issue #11584) and which says nothing of a GPU's launch or numerics")
+MAX_MODEL_LEN = 256  # the engine's block tables are cdiv(max_model_len, block_size) wide
 
 # (context_len, q_len) per sequence; context_len counts this step's tokens, as in the engine.
 BATCHES = {
@@ -136,39 +173,47 @@ BATCHES = {
 }
 
 
-def make_batch(seq_shapes, block_size, head_dim, dtype=torch.float32, seed=0):
-    """Random q, caches and metadata as Engine._prepare builds them: shuffled blocks, 0-padding."""
+def make_batch(seq_shapes, block_size, head_dim, dtype=torch.float32, seed=0, width=None,
+               device=DEVICE):
+    """Random q, caches and metadata as Engine._prepare builds them: shuffled blocks, 0-padding.
+
+    Block tables are `width` columns wide (default: just wide enough for the longest sequence),
+    padded with block 0, as the engine pads them to cdiv(max_model_len, block_size).
+    """
     gen = torch.Generator().manual_seed(seed)
     num_blocks = [-(-ctx // block_size) for ctx, _ in seq_shapes]
+    width = width or max(num_blocks)
     total = sum(num_blocks) + 3  # a few blocks no sequence owns
-    k_cache = torch.randn(total, block_size, NUM_HEADS, head_dim, generator=gen).to(DEVICE, dtype)
-    v_cache = torch.randn(total, block_size, NUM_HEADS, head_dim, generator=gen).to(DEVICE, dtype)
+    k_cache = torch.randn(total, block_size, NUM_HEADS, head_dim, generator=gen).to(device, dtype)
+    v_cache = torch.randn(total, block_size, NUM_HEADS, head_dim, generator=gen).to(device, dtype)
     free = torch.randperm(total, generator=gen).tolist()  # non-contiguous, any order
     tables, slots, starts = [], [], [0]
     for (ctx, q_len), n in zip(seq_shapes, num_blocks):
         table, free = free[:n], free[n:]
-        tables.append(table + [0] * (max(num_blocks) - n))
+        tables.append(table + [0] * (width - n))
         slots += [table[t // block_size] * block_size + t % block_size
                   for t in range(ctx - q_len, ctx)]
         starts.append(starts[-1] + q_len)
-    tensor = lambda x, dtype: torch.tensor(x, dtype=dtype, device=DEVICE)  # noqa: E731
+    tensor = lambda x, dtype: torch.tensor(x, dtype=dtype, device=device)  # noqa: E731
     meta = AttentionMetadata(
         slot_mapping=tensor(slots, torch.int64), block_tables=tensor(tables, torch.int32),
         context_lens=tensor([ctx for ctx, _ in seq_shapes], torch.int32),
         query_start_loc=tensor(starts, torch.int32),
         max_query_len=max(q for _, q in seq_shapes))
     # This step's K/V go in through store_kv, as in the model; q is a strided view, as there.
-    qkv = torch.randn(starts[-1], 3, NUM_HEADS, head_dim, generator=gen).to(DEVICE, dtype)
+    qkv = torch.randn(starts[-1], 3, NUM_HEADS, head_dim, generator=gen).to(device, dtype)
     q, k, v = qkv.unbind(1)  # (N, H, D) each
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     return q, k_cache, v_cache, meta
 
 
+@pytest.mark.parametrize("width", ["tight", "engine"])
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("head_dim", [32, 48])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_triton_kernel_matches_reference(block_size, head_dim, batch):
-    q, k_cache, v_cache, meta = make_batch(BATCHES[batch], block_size, head_dim)
+def test_triton_kernel_matches_reference(block_size, head_dim, batch, width):
+    width = -(-MAX_MODEL_LEN // block_size) if width == "engine" else None
+    q, k_cache, v_cache, meta = make_batch(BATCHES[batch], block_size, head_dim, width=width)
     scale = head_dim ** -0.5
     out = paged_attention(q, k_cache, v_cache, meta, scale)
     expected = paged_attention_ref(q, k_cache, v_cache, meta, scale)
@@ -177,40 +222,177 @@ def test_triton_kernel_matches_reference(block_size, head_dim, batch):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+# Each is a few roundings of the type (p cast for the P @ V dot, the output) on |out| < 4.
+LOW_PRECISION = [pytest.param(torch.float16, 4e-3, id="fp16"),
+                 pytest.param(torch.bfloat16, 3e-2, id="bf16", marks=needs_cuda)]
+
+
+@pytest.mark.parametrize("dtype, tol", LOW_PRECISION)
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("head_dim", [48, 64])
+def test_triton_kernel_low_precision_matches_fp32_reference(head_dim, batch, dtype, tol):
+    """fp16 (interpreter on CPU, or CUDA) and bf16 (CUDA only) against the fp32 reference."""
+    q, k_cache, v_cache, meta = make_batch(BATCHES[batch], 16, head_dim, dtype,
+                                           width=-(-MAX_MODEL_LEN // 16))
+    scale = head_dim ** -0.5
+    out = paged_attention(q, k_cache, v_cache, meta, scale)
+    # The reference sees the same rounded inputs, in fp32.
+    expected = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+@needs_cuda
+def test_triton_launch_never_waits_for_the_gpu():
+    q, k_cache, v_cache, meta = make_batch(BATCHES["mixed"], 16, 64, torch.bfloat16)
+    paged_attention(q, k_cache, v_cache, meta, 0.125)  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any device-to-host sync now raises
+    try:
+        paged_attention(q, k_cache, v_cache, meta, 0.125)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_triton_kernel_runs_on_its_tensors_device():
+    q, k_cache, v_cache, meta = make_batch(BATCHES["mixed"], 16, 64, torch.float16,
+                                           device="cuda:1")
+    with torch.cuda.device(0):  # the current device is not the tensors' one
+        out = paged_attention(q, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, 0.125),
+                               atol=4e-3, rtol=4e-3)
+
+
 COMPILE_SCRIPT = r"""
-import kernels, triton
+import json, os, re, subprocess, sys, tempfile
+import torch, triton
+import kernels
+from torch.utils._python_dispatch import TorchDispatchMode
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+from triton.runtime.driver import driver
 
 assert not triton.knobs.runtime.interpret
 fn = kernels._paged_attention_kernel
-# The launcher's tiles; head dim 48, padded to 64 as the launcher does.
-constexprs = dict(HEAD_DIM=48, BLOCK_D=64, CACHE_BLOCK_SIZE=16,
-                  BLOCK_M=kernels.BLOCK_M, BLOCK_N=kernels.BLOCK_N)
+
+
+class CompileOnlyDriver:
+    # All that JITFunction.run asks of the driver before it compiles; there is no GPU to ask.
+    def __init__(self, target):
+        self.target = target
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return self.target.arch  # one kernel cache per target
+
+    def get_current_stream(self, device):
+        return 0
+
+
+class NoValueReads(TorchDispatchMode):
+    # .item(), .tolist() and `if tensor:` all end here: on a GPU, a wait for the device.
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        assert func is not torch.ops.aten._local_scalar_dense.default, "the launch reads a value"
+        return func(*args, **(kwargs or {}))
+
+
+def engine_args(dtype, head_dim, heads=12, block_size=16, width=64, num_blocks=512):
+    # paged_attention's arguments as the GPT-2 engine passes them: q a view of the fused qkv
+    # projection, contiguous caches, int32 metadata, block tables cdiv(1024, 16) wide.
+    qkv = torch.zeros(40, 3 * heads * head_dim, dtype=dtype)
+    q = qkv.view(40, 3, heads, head_dim)[:, 0]  # (N, H, D), rows 3 * H * D apart
+    k_cache = torch.zeros(num_blocks, block_size, heads, head_dim, dtype=dtype)
+    int32 = lambda x: torch.tensor(x, dtype=torch.int32)
+    meta = kernels.AttentionMetadata(  # 3 decodes and a 37-token prefill chunk
+        slot_mapping=torch.arange(40), block_tables=torch.zeros(4, width, dtype=torch.int32),
+        context_lens=int32([100, 7, 300, 37]), query_start_loc=int32([0, 1, 2, 3, 40]),
+        max_query_len=37)
+    return q, k_cache, torch.zeros_like(k_cache), meta, head_dim ** -0.5
+
+
+def launch_specialization(args):
+    # paged_attention(*args) as on a GPU: JITFunction.run binds the arguments and hands its
+    # specialization to jit_cache_hook, whose True skips the compile and the launch.
+    seen = []
+
+    def hook(*, compile, **_):
+        seen.append(compile["specialization_data"])
+        return True
+
+    triton.knobs.runtime.jit_cache_hook = hook
+    try:
+        with NoValueReads():
+            kernels.paged_attention(*args)
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+    assert len(seen) == 1, seen
+    return seen[0]
+
+
+def ptxas_counts(ptx, cc):
+    # Registers and spills as ptxas reports them; Triton only learns them when loading on a GPU.
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        log = subprocess.run([get_ptxas(cc).path, "-v", "--regAllocOptLevel=2",
+                              f"--gpu-name={sm_arch_from_capability(cc)}", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    regs = re.findall(r"Used (\d+) registers", log)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert len(regs) == len(spills) == 1, log  # one kernel, one report
+    return int(regs[0]), int(spills[0][0]) + int(spills[0][1])
+
+
 for cc in (80, 90):
-    for dtype in ("fp16", "bf16", "fp32"):
-        pointers = dict(q_ptr=dtype, k_cache_ptr=dtype, v_cache_ptr=dtype, out_ptr=dtype,
-                        block_tables_ptr="i32", context_lens_ptr="i32", query_start_loc_ptr="i32")
-        signature = {name: ("constexpr" if name in constexprs
-                            else "*" + pointers[name] if name in pointers
-                            else "fp32" if name == "sm_scale" else "i32")
-                     for name in fn.arg_names}
-        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32))
-        ptx, cubin = compiled.asm["ptx"], compiled.asm["cubin"]
-        assert f".target sm_{cc}" in ptx and "_paged_attention_kernel" in ptx, (cc, dtype)
-        assert len(cubin) > 0, (cc, dtype)
-        print("ok", cc, dtype)
+    driver.set_active(CompileOnlyDriver(GPUTarget("cuda", cc, 32)))
+    for dtype in ("float16", "bfloat16", "float32"):
+        for head_dim in (64, 48):
+            data = launch_specialization(engine_args(getattr(torch, dtype), head_dim))
+            compiled = fn.preload(data)  # Triton compiles exactly that specialization
+            spec, ptx = json.loads(data), compiled.asm["ptx"]
+            names = [p.name for p in fn.params]
+            ones = [names[i] for (i,), v in zip(spec["constant_keys"], spec["constant_vals"])
+                    if v == 1 and not fn.params[i].is_constexpr]
+            aligned = [names[i] for (i,), v in zip(spec["attrs_keys"], spec["attrs_vals"])
+                       if ["tt.divisibility", 16] in v]
+            regs, spills = ptxas_counts(ptx, cc)
+            waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)]
+            print(json.dumps(dict(
+                cc=cc, dtype=dtype, head_dim=head_dim, regs=regs, spills=spills,
+                smem=compiled.metadata.shared, cp_async="cp.async.cg.shared.global" in ptx,
+                copies_in_flight=max(waits, default=0), ones=ones, aligned=aligned,
+                target=f".target {sm_arch_from_capability(cc)}" in ptx,
+                cubin=len(compiled.asm["cubin"]), stages=compiled.metadata.num_stages)))
 """
 
 
-def test_triton_kernel_compiles_for_cuda():
+def test_triton_kernel_compiles_for_cuda_as_launched():
+    """The kernel paged_attention would launch on sm_80 and sm_90, compiled without a GPU.
+
+    Triton's own JITFunction.run specialises the engine's real arguments (built on CPU); the
+    compile of that specialisation must fit: ptxas's registers and spills, shared memory, and
+    K/V loaded by cp.async, with the next tile's copies in flight during this tile's math.
+    """
     env = dict(os.environ, TRITON_INTERPRET="0")  # kernels.py keeps an explicit 0
     result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True,
-                            text=True, timeout=600, cwd=os.path.dirname(os.path.abspath(__file__)))
+                            text=True, timeout=600, cwd=HERE)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == [word for cc in (80, 90) for dtype in ("fp16", "bf16", "fp32")
-                                     for word in ("ok", str(cc), dtype)]
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(r["cc"], r["dtype"], r["head_dim"]) for r in rows] == [
+        (cc, dtype, head_dim) for cc in (80, 90) for dtype in ("float16", "bfloat16", "float32")
+        for head_dim in (64, 48)]
+    for r in rows:
+        assert r["target"] and r["cubin"] > 0, r
+        # The launch binds unit strides as constants and every pointer as 16-byte aligned.
+        assert set(r["ones"]) == {"stride_qd", "stride_kd", "stride_vd", "stride_od"}, r
+        assert {"q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "block_tables_ptr",
+                "context_lens_ptr", "query_start_loc_ptr"} <= set(r["aligned"]), r
+        if r["dtype"] != "float32":  # fp32 (not the GPU default) only has to compile
+            assert r["spills"] == 0 and r["regs"] <= 128 and r["smem"] < 64 * 1024, r
+            assert r["cp_async"] and r["copies_in_flight"] > 0, r
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -220,23 +402,95 @@ def test_top_k_1_is_greedy(alone):
     assert token_ids(tiny().generate(PROMPTS, params)) == alone
 
 
-def test_top_p_keeps_the_token_that_crosses_p():
-    from nanoserve import sample_one
-    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    gen = torch.Generator().manual_seed(0)
-    seen = {sample_one(logits, SamplingParams(top_p=0.6), gen) for _ in range(300)}
-    assert seen == {0, 1}  # 0.5 < 0.6, so token 1 (which crosses 0.6) stays; 2 and 3 go
-    assert {sample_one(logits, SamplingParams(top_p=0.5), gen) for _ in range(100)} == {0}
+@pytest.mark.parametrize("temperature", [1e-6, 1e-30, 1e-45], ids=["1e-6", "1e-30", "denormal"])
+def test_tiny_temperature_is_greedy(alone, temperature):
+    params = SamplingParams(max_tokens=40, temperature=temperature, ignore_eos=True)
+    assert token_ids(tiny().generate(PROMPTS[:2], params)) == alone[:2]
+
+
+def test_top_k_and_top_p_mask_each_row_by_its_own_params():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 4))
+    masked = apply_top_k_top_p(logits, torch.tensor([4, 4, 2, 4]),
+                               torch.tensor([0.6, 0.45, 1.0, 1.0]))
+    kept = [torch.isfinite(row).nonzero().flatten().tolist() for row in masked]
+    # top_p 0.6: 0.5 < 0.6, so token 1 (which crosses 0.6) stays; top_p 0.45: token 0 alone
+    assert kept == [[0, 1], [0], [0, 1], [0, 1, 2, 3]]
+    assert torch.equal(masked[3], logits[3])  # top_k = vocab and top_p = 1: untouched
+
+
+def test_sampling_draws_from_the_distribution():
+    """The Gumbel-max draw: frequencies over 4000 seeded draws follow softmax(logits / T)."""
+    from nanoserve import SamplingTensors, sample
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 4000
+    t = SamplingTensors(temperature=torch.full((n,), 2.0), top_k=torch.full((n,), 4),
+                        top_p=torch.ones(n), greedy=torch.zeros(n, dtype=torch.bool),
+                        generators=[None] * n, all_greedy=False, any_top_k_top_p=False)
+    logits = (2.0 * probs.log()).expand(n, 4)  # temperature 2 undoes the doubling
+    tokens = sample(logits, t, torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=4) / n
+    assert (freq - probs).abs().max() < 0.025, freq
+
+
+# ----------------------------------------------------------------------------- streaming
+
+def test_deltas_add_up_to_the_whole_output():
+    llm = LLM(device="cpu", dtype="float32")
+    params = SamplingParams(max_tokens=80, temperature=0.8, seed=3)
+    whole = llm.generate(["ROMEO:"], params)[0].outputs[0]
+    llm.engine.add_request("ROMEO:", params, "r")
+    deltas = run_to_end(llm.engine)["r"]
+    assert "".join(d.outputs[0].text for d in deltas) == whole.text
+    assert sum((d.outputs[0].token_ids for d in deltas), []) == whole.token_ids
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert len(deltas) == len(whole.token_ids) > 1
+
+
+def test_streamed_text_is_always_a_prefix_of_the_final_text():
+    """Stop strings that the text starts and abandons many times ("e", "th", "the ..."): text
+    that could begin one is held back until it cannot, and what was streamed is never cut."""
+    llm = LLM(device="cpu", dtype="float32")
+    text = llm.generate(["ROMEO:"], SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
+                        )[0].outputs[0].text
+    stops = ["e\nX", "the q", text[60:66], text[100:103] + "\x00"]
+    llm.engine.add_request("ROMEO:", SamplingParams(max_tokens=150, temperature=0, stop=stops,
+                                                    ignore_eos=True), "r")
+    streamed, final = "", None
+    for delta in run_to_end(llm.engine)["r"]:
+        streamed += delta.outputs[0].text
+        final = delta.outputs[0]
+    assert (final.finish_reason, final.stop_reason) == ("stop", text[60:66])
+    assert streamed == text[:60]
+
+
+def test_detokenizer_holds_back_a_possible_stop_string_and_split_utf8():
+    enc = M.byte_tokenizer()
+    detok = Detokenizer(enc, ["the end"])
+    pieces = []
+    for byte in "us in th\u00e9 the x".encode():
+        assert detok.append(enc.encode_single_token(bytes([byte]))) is None
+        pieces.append(detok.new_text(finished=False))
+    # "th" might begin "the end"; then é's first byte waits for its second
+    assert pieces[:10] == ["u", "s", " ", "i", "n", " ", "", "", "", "th\u00e9"]
+    assert pieces[10:] == [" ", "", "", "", "", "the x"]  # "the " is held until the "x"
+    assert "".join(pieces) + detok.new_text(finished=True) == "us in th\u00e9 the x"
 
 
 def test_stop_string_ends_generation_and_is_cut():
-    llm = LLM()  # the shipped model writes ASCII, so the stop string is plain text
+    llm = LLM(device="cpu", dtype="float32")  # the shipped model writes ASCII
     full = llm.generate(["Hello"], GREEDY)[0].outputs[0]
     stop = full.text[10:13]
     out = llm.generate(["Hello"], SamplingParams(max_tokens=40, temperature=0, stop=[stop]))[0]
-    assert out.outputs[0].finish_reason == "stop"
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", stop)
     assert out.outputs[0].text == full.text[:full.text.find(stop)]
     assert_no_leaks(llm.engine)
+
+
+def test_stop_accepts_any_iterable_of_strings():
+    llm = LLM(device="cpu", dtype="float32")
+    full = llm.generate(["Hello"], GREEDY)[0].outputs[0].text
+    params = SamplingParams(max_tokens=40, temperature=0, stop=(s for s in [full[10:13]]))
+    assert llm.generate(["Hello"], params)[0].outputs[0].text == full[:full.find(full[10:13])]
 
 
 def test_max_tokens_and_end_of_text_set_finish_reason():
@@ -249,24 +503,91 @@ def test_max_tokens_and_end_of_text_set_finish_reason():
     assert (out.finish_reason, out.token_ids, out.text) == ("stop", [eot], "")
 
 
-# ----------------------------------------------------------------------------- bad input, abort
+class CountSyncs(TorchDispatchMode):
+    """Counts what would make the host wait for a GPU: reading tensor values (item, bool,
+    tolist, numpy) and ops whose output size depends on values (nonzero, boolean indexing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        bool_index = name.startswith("index") and any(
+            isinstance(a, torch.Tensor) and a.dtype == torch.bool
+            for a in (args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else []))
+        if name in ("_local_scalar_dense", "nonzero", "masked_select") or bool_index:
+            self.syncs.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_synchronises_with_the_device_at_most_once(monkeypatch):
+    engine = tiny(max_num_batched_tokens=64).engine
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(p, SamplingParams(max_tokens=20, temperature=0.9, top_k=20, top_p=0.9,
+                                             seed=i if i % 2 else None, ignore_eos=True))
+    engine.attention = lambda q, k_cache, v_cache, meta, scale: q  # a sync-free stand-in: the
+    counter = CountSyncs()                                          # CPU reference reads lists
+    for method in ("tolist", "numpy"):
+        real = getattr(torch.Tensor, method)
+        monkeypatch.setattr(torch.Tensor, method, lambda t, *a, _real=real, _name=method, **k: (
+            counter.syncs.append(_name), _real(t, *a, **k))[1])
+    for _ in range(6):  # prefill chunks, mixed steps and decodes
+        with counter:
+            engine.step()
+        assert len(counter.syncs) <= 1, counter.syncs
+        counter.syncs.clear()
+
+
+# ----------------------------------------------------------------------------- bad input
+
+BAD_PARAMS = {
+    "temperature": [float("nan"), float("inf"), -1, "1", True],
+    "top_p": [float("nan"), 0, 1.5, float("-inf")],
+    "top_k": [True, 1.5, -2],
+    "max_tokens": [True, 0, 2.0],
+    "seed": [-1, 2**64, 1.5, True],
+    "stop": [[""], [1], 5],
+    "ignore_eos": ["yes"],
+}
+
+
+@pytest.mark.parametrize("name, value", [(n, v) for n, vs in BAD_PARAMS.items() for v in vs])
+def test_bad_sampling_param_is_rejected_by_name(name, value):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**{name: value})
+
+
+BAD_CONFIGS = [("max_num_seqs", 1.5), ("block_size", 16.0), ("max_num_batched_tokens", math.nan),
+               ("kv_cache_tokens", True), ("max_model_len", 0), ("seed", -1),
+               ("enable_chunked_prefill", 1), ("policy", "lifo"), ("dtype", "int8"),
+               ("attention", "flash"), ("device", "foo"), ("device", "cuda:7"), ("preset", 3)]
+
+
+@pytest.mark.parametrize("name, value", BAD_CONFIGS)
+def test_bad_engine_setting_is_rejected_by_name(name, value):
+    with pytest.raises(ValueError, match=name if name != "device" else "device"):
+        EngineConfig(**{"preset": "tiny", name: value})
+
+
+def test_block_larger_than_the_kv_cache_is_rejected():
+    with pytest.raises(ValueError, match="block_size .* is larger than the KV cache"):
+        EngineConfig(preset="tiny", block_size=32, kv_cache_tokens=16)
+
 
 @pytest.mark.parametrize("make, message", [
     (lambda e: e.add_request("", SamplingParams()), "prompt is empty"),
     (lambda e: e.add_request("x" * 1000, SamplingParams(max_tokens=100)), "context is 1024"),
-    (lambda e: e.add_request("hi", SamplingParams(max_tokens=0)), "max_tokens"),
-    (lambda e: e.add_request("hi", SamplingParams(temperature=-1)), "temperature"),
-    (lambda e: e.add_request("hi", SamplingParams(top_p=0)), "top_p"),
-    (lambda e: e.add_request("hi", SamplingParams(top_p=1.5)), "top_p"),
-    (lambda e: e.add_request("hi", SamplingParams(top_k=-1)), "top_k"),
-    (lambda e: e.add_request("hi", SamplingParams(stop=[""])), "stop"),
     (lambda e: e.add_request("y" * 300, SamplingParams(max_tokens=300)), "KV blocks"),
     (lambda e: e.add_request([0, 300], SamplingParams()), "token ids"),
-    (lambda e: Engine(EngineConfig(preset="tiny", policy="lifo")), "unknown scheduling policy"),
-    (lambda e: Engine(EngineConfig(preset="tiny", block_size=0)), "block_size"),
-], ids=["empty", "too-long", "max_tokens", "temperature", "top_p=0", "top_p>1", "top_k",
-        "stop", "never-fits-cache", "bad-token-id", "policy", "block_size"])
-def test_bad_input_is_rejected_and_engine_keeps_serving(alone, make, message):
+    (lambda e: e.add_request([0, True], SamplingParams()), "token ids"),
+    (lambda e: e.add_request(b"hello", SamplingParams()), "got bytes"),
+    (lambda e: e.add_request({"prompt_ids": [1]}, SamplingParams()), "got dict"),
+    (lambda e: e.add_request("hi", {"max_tokens": 5}), "SamplingParams"),
+    (lambda e: e.add_request("hi", SamplingParams(), 7), "request_id"),
+], ids=["empty", "too-long", "never-fits-cache", "bad-token-id", "bool-token-id", "bytes",
+        "unknown-dict", "params-dict", "int-request-id"])
+def test_bad_request_is_rejected_and_engine_keeps_serving(alone, make, message):
     llm = tiny(kv_cache_tokens=512)
     with pytest.raises(ValueError, match=message):
         make(llm.engine)
@@ -276,7 +597,17 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(alone, make, message):
 
 def test_unchunked_prompt_over_token_budget_is_rejected():
     with pytest.raises(ValueError, match="chunked prefill is off"):
-        tiny(chunked_prefill=False, token_budget=32).engine.add_request("x" * 40, GREEDY)
+        tiny(enable_chunked_prefill=False, max_num_batched_tokens=32
+             ).engine.add_request("x" * 40, GREEDY)
+
+
+def test_prompt_forms_give_the_same_output():
+    llm = tiny()
+    ids = llm.engine.tokenizer.encode("Hello there")
+    forms = ["Hello there", ids, {"prompt": "Hello there"}, {"prompt_token_ids": ids}]
+    outputs = llm.generate(forms, GREEDY)
+    assert len({tuple(o.outputs[0].token_ids) for o in outputs}) == 1
+    assert llm.generate(ids, GREEDY)[0].prompt == "Hello there"  # a list of ids is one prompt
 
 
 def test_generate_rejects_whole_batch_if_one_prompt_is_bad():
@@ -286,22 +617,221 @@ def test_generate_rejects_whole_batch_if_one_prompt_is_bad():
     assert_no_leaks(llm.engine)
 
 
+def test_generate_withdraws_its_batch_on_any_exception(alone):
+    llm, calls = tiny(), []
+    real_step = llm.engine.step
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_step()
+    llm.engine.step = interrupted_step
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, GREEDY)
+    llm.engine.step = real_step
+    assert_no_leaks(llm.engine)
+    assert token_ids(llm.generate(PROMPTS[:2], GREEDY)) == alone[:2]
+
+
+def test_automatic_request_ids_never_collide_with_chosen_ones():
+    engine = tiny().engine
+    chosen = [engine.add_request("a", GREEDY, request_id=str(i)) for i in (0, 1, 3)]
+    automatic = [engine.add_request("b", GREEDY) for _ in range(3)]
+    assert len(set(chosen + automatic)) == 6
+
+
+def test_outputs_and_params_are_copies(alone):
+    """Changing a returned output, or the SamplingParams after add_request, changes nothing."""
+    engine = tiny().engine
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    engine.add_request(PROMPTS[1], params, "r")
+    params.max_tokens, params.temperature = 1, 2.0
+    params.stop.append("e")
+    tokens = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.outputs[0].token_ids
+            out.outputs[0].token_ids.append(999)
+            out.prompt_token_ids.clear()
+    assert tokens == alone[1]
+
+
+# ----------------------------------------------------------------------------- failure, abort
+
+def test_a_failing_request_fails_alone(alone, monkeypatch):
+    """The model raises whenever one request's token is in the batch: that request alone ends
+    with finish_reason "abort" and the error; the others' tokens do not change."""
+    llm = tiny(max_num_batched_tokens=64)
+    real_forward = llm.engine.model.forward
+
+    def forward(input_ids, *args):
+        if (input_ids == 256).any():  # <|endoftext|>: only the poisoned prompt has it
+            raise RuntimeError("poisoned batch")
+        return real_forward(input_ids, *args)
+    monkeypatch.setattr(llm.engine.model, "forward", forward)
+    engine = llm.engine
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(p, GREEDY, str(i))
+    engine.add_request("bad<|endoftext|>", GREEDY, "bad")
+    deltas = run_to_end(engine)
+    last = deltas["bad"][-1].outputs[0]
+    assert (last.finish_reason, last.stop_reason) == ("abort", "error: RuntimeError: poisoned batch")
+    assert [sum((d.outputs[0].token_ids for d in deltas[str(i)]), [])
+            for i in range(len(PROMPTS))] == alone
+    assert_no_leaks(engine)
+
+
+def test_a_request_failing_in_update_fails_alone(alone):
+    engine = tiny().engine
+    for i, p in enumerate(PROMPTS[:3]):
+        engine.add_request(p, GREEDY, str(i))
+    deltas = run_to_end(engine, steps=1)
+    engine.seqs["1"].detokenizer.append = lambda token: 1 / 0
+    run_to_end(engine, deltas)
+    assert deltas["1"][-1].outputs[0].stop_reason == "error: ZeroDivisionError: division by zero"
+    assert [sum((d.outputs[0].token_ids for d in deltas[i]), []) for i in "02"] == \
+        [alone[0], alone[2]]
+    assert_no_leaks(engine)
+
+
 @pytest.mark.parametrize("victim_state", ["running", "waiting"])
 def test_abort_frees_blocks_and_leaves_others_unchanged(alone, victim_state):
-    engine = tiny(max_num_seqs=len(PROMPTS) - 1, token_budget=64).engine
+    engine = tiny(max_num_seqs=len(PROMPTS) - 1, max_num_batched_tokens=64).engine
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
-    for _ in range(3):
-        engine.step()
+    deltas = run_to_end(engine, steps=3)
     victim = ids[0] if victim_state == "running" else ids[-1]
     assert engine.seqs[victim].status.value == victim_state
-    engine.abort(victim)
-    finished = {}
-    while engine.has_unfinished():
-        finished.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
-    assert victim not in finished
+    free_before = engine.allocator.num_free_blocks
+    engine.abort(victim, "client went away")
+    assert engine.allocator.num_free_blocks >= free_before + (victim_state == "running")
+    run_to_end(engine, deltas)
+    last = deltas[victim][-1]
+    assert last.finished and (last.outputs[0].finish_reason, last.outputs[0].stop_reason) == (
+        "abort", "client went away")
     others = [i for i, request_id in enumerate(ids) if request_id != victim]
-    assert [finished[ids[i]] for i in others] == [alone[i] for i in others]
+    assert [sum((d.outputs[0].token_ids for d in deltas[ids[i]]), []) for i in others] == \
+        [alone[i] for i in others]
     assert_no_leaks(engine)
+
+
+def test_abort_from_another_thread_while_stepping(alone):
+    engine = tiny(max_num_batched_tokens=64).engine
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    done = threading.Event()
+
+    def abort_odd_ones():
+        for request_id in ids[1::2]:
+            engine.abort(request_id)
+        done.set()
+    deltas = run_to_end(engine, steps=1)
+    thread = threading.Thread(target=abort_odd_ones)
+    thread.start()
+    run_to_end(engine, deltas)
+    thread.join()
+    assert done.is_set()
+    assert all(deltas[i][-1].outputs[0].finish_reason == "abort" for i in ids[1::2])
+    assert [sum((d.outputs[0].token_ids for d in deltas[i]), []) for i in ids[::2]] == alone[::2]
+    assert_no_leaks(engine)
+
+
+# ----------------------------------------------------------------------------- scheduler rules
+
+def make_scheduler(num_blocks=64, budget=512, max_num_seqs=8, policy="fcfs", **kwargs):
+    allocator = BlockAllocator(num_blocks, block_size=4)
+    return Scheduler(allocator, max_num_seqs, budget, True, policy, **kwargs), allocator
+
+
+def running_seq(scheduler, allocator, seq_id, prompt_len, computed, max_tokens=10) -> Sequence:
+    """A running sequence with `computed` of its prompt's tokens already cached."""
+    seq = Sequence(seq_id, "", list(range(prompt_len)), SamplingParams(max_tokens=max_tokens),
+                   BlockTable(allocator))
+    assert seq.block_table.ensure(computed)
+    seq.num_computed_tokens, seq.status = computed, SequenceStatus.RUNNING
+    scheduler.running.append(seq)
+    return seq
+
+
+def test_decodes_are_scheduled_before_prefills():
+    scheduler, allocator = make_scheduler(budget=8)
+    prefill = running_seq(scheduler, allocator, "p", 30, 8)  # admitted first
+    decode = running_seq(scheduler, allocator, "d", 5, 4)     # one uncomputed token
+    assert list(scheduler.schedule().items()) == [(decode, 1), (prefill, 7)]
+
+
+def test_newest_running_sequence_is_preempted_first():
+    scheduler, allocator = make_scheduler(num_blocks=4)
+    old, mid, new = (running_seq(scheduler, allocator, s, 5, 4) for s in "omn")  # 1 block each
+    scheduled = scheduler.schedule()  # each needs a 2nd block for token 5; none is free
+    assert new.status == SequenceStatus.WAITING and new.block_table.block_ids == []
+    assert scheduled == {old: 1, mid: 1} and scheduler.num_preemptions == 1
+
+
+def test_chunks_never_exceed_the_token_budget():
+    llm, sizes = tiny(max_num_batched_tokens=24), []
+    real = llm.engine.scheduler.schedule
+    llm.engine.scheduler.schedule = lambda: (s := real(), sizes.append(sum(s.values())))[0]
+    llm.generate(PROMPTS, GREEDY)
+    assert max(sizes) == 24 and len(sizes) > 40
+
+
+def test_sjf_runs_the_shortest_job_first_and_bounds_starvation():
+    scheduler, _ = make_scheduler(max_num_seqs=1, policy="sjf", sjf_max_wait_steps=2)
+    jobs = {name: Sequence(name, "", [1, 2], SamplingParams(max_tokens=n), BlockTable(_))
+            for name, n in [("long", 50), ("short", 5), ("medium", 10)]}
+    for seq in jobs.values():
+        scheduler.add(seq)
+    order = []
+    for _ in range(3):
+        order += [seq.seq_id for seq in scheduler.schedule()]
+        scheduler.finish(scheduler.running[0], SequenceStatus.FINISHED_LENGTH)
+    assert order == ["short", "long", "medium"]  # at step 2 "long" has waited 2 steps
+
+
+def test_static_admits_only_when_nothing_runs():
+    scheduler, allocator = make_scheduler(policy="static", max_num_seqs=2)
+    seqs = [Sequence(str(i), "", [1, 2, 3], SamplingParams(), BlockTable(allocator))
+            for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    assert list(scheduler.schedule()) == seqs[:2]
+    scheduler.finish(seqs[0], SequenceStatus.FINISHED_LENGTH)
+    assert list(scheduler.schedule()) == [seqs[1]]  # seqs[2] waits for the batch to end
+    scheduler.finish(seqs[1], SequenceStatus.FINISHED_LENGTH)
+    assert list(scheduler.schedule()) == [seqs[2]]
+
+
+def test_tight_kv_cache_does_not_thrash(alone):
+    """16 requests on a cache that fits one: the watermark keeps recomputation small."""
+    prompts = [[i + 1] * 32 for i in range(16)]
+    llm = tiny(kv_cache_tokens=128, block_size=16)
+    llm.generate(prompts, SamplingParams(max_tokens=96, temperature=0, ignore_eos=True))
+    needed = 16 * (32 + 96 - 1)  # every token but the last sampled one is computed once
+    assert llm.engine.stats.num_batched_tokens <= 1.5 * needed
+    assert_no_leaks(llm.engine)
+
+
+# ----------------------------------------------------------------------------- paged cache
+
+def test_slot_of_a_token_follows_its_block_table():
+    """The module docstring's example: block table [7, 2, 9], block size 16, token 36 -> 148."""
+    table = BlockTable(BlockAllocator(10, block_size=16))
+    table.block_ids = [7, 2, 9]
+    assert table.slots(36, 37) == [148] and table.slots(15, 17) == [127, 32]
+
+
+def test_a_block_returns_to_the_free_list_when_its_count_reaches_zero():
+    allocator = BlockAllocator(4, block_size=16)
+    table = BlockTable(allocator)
+    assert table.ensure(40) and allocator.num_free_blocks == 1  # 40 tokens: 3 blocks
+    shared = table.block_ids[0]
+    allocator.ref_counts[shared] += 1  # a second owner (what prefix caching will do)
+    table.release()
+    assert allocator.num_free_blocks == 3 and allocator.ref_counts[shared] == 1
+    allocator.free([shared])
+    assert allocator.num_free_blocks == 4
+    with pytest.raises(AssertionError, match="freed twice"):
+        allocator.free([shared])
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -423,7 +953,7 @@ def test_gpt2_name_is_found_in_the_hugging_face_cache(tmp_path, monkeypatch):
     M.save_checkpoint(M.GPT(SMALL), str(snapshot))
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    assert hub_checkpoint("gpt2") == str(snapshot)
+    assert M.hub_checkpoint("gpt2") == str(snapshot)
     assert LLM(model="gpt2").engine.model.config == SMALL
 
 
@@ -431,14 +961,13 @@ def test_download_writes_the_file_with_a_progress_line(tmp_path, capsys):
     import functools
     import http.server
     import threading
-    from nanoserve import _download
     (tmp_path / "model.safetensors").write_bytes(b"w" * 2_500_000)
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)  # loopback only
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         target = tmp_path / "hub" / "snapshot" / "model.safetensors"
-        _download(f"http://127.0.0.1:{server.server_address[1]}/model.safetensors", str(target))
+        M._download(f"http://127.0.0.1:{server.server_address[1]}/model.safetensors", str(target))
     finally:
         server.shutdown()
     assert target.read_bytes() == b"w" * 2_500_000 and not os.path.exists(f"{target}.part")
@@ -460,19 +989,100 @@ def test_shipped_model_loads_and_seeded_sample_is_reproducible():
     assert len(first.text) > 20
 
 
+# ----------------------------------------------------------------------------- command line
+
+def nanoserve_cli(*args, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "nanoserve.py", *args], cwd=HERE, capture_output=True,
+                          text=True, timeout=timeout)
+
+
 def test_cli_streams_the_text_then_a_summary():
-    run = subprocess.run([sys.executable, "nanoserve.py", "--prompt", "ROMEO:",
-                          "--prompt", "JULIET:", "--max-tokens", "30", "--seed", "0"],
-                         cwd=HERE, capture_output=True, text=True, timeout=120)
+    run = nanoserve_cli("--prompt", "ROMEO:", "--prompt", "JULIET:", "--max-tokens", "30")
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("ROMEO:") and "\n\nJULIET:" in run.stdout
     assert "generated tokens" in run.stderr and "peak batch 2" in run.stderr
 
 
-def test_cli_reports_bad_input_without_a_traceback():
-    run = subprocess.run([sys.executable, "nanoserve.py", "--prompt", "x", "--top-p", "2"],
-                         cwd=HERE, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 1 and run.stderr.strip() == "error: top_p must be in (0, 1], got 2.0"
+def test_cli_runs_are_reproducible_and_seeded():
+    first, again, other = (nanoserve_cli("--prompt", "KING:", "--max-tokens", "40", *seed).stdout
+                           for seed in ([], ["--seed", "0"], ["--seed", "1"]))
+    assert first == again != other
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--top-p", "2"], "top_p must be a number in (0, 1], got 2.0"),
+    (["--temperature", "nan"], "temperature must be a number"),
+    (["--max-tokens", "0"], "max_tokens must be an integer >= 1, got 0"),
+    (["--max-num-seqs", "1.5"], "argument --max-num-seqs: invalid int value: '1.5'"),
+    (["--device", "foo"], "unknown device 'foo'"),
+    (["--block-size", "32", "--kv-cache-tokens", "16"], "block_size (32 tokens) is larger"),
+    (["--model", "/nonexistent"], "neither a checkpoint directory"),
+    (["--threads", "0"], "--threads must be an integer >= 1"),
+    (["--prompt", "x" * 1100], "the model's context is 256"),
+    ([], "the following arguments are required: --prompt"),
+], ids=["top-p", "nan", "max-tokens", "float-int", "device", "block-size", "model", "threads",
+        "too-long", "no-prompt"])
+def test_cli_reports_bad_input_in_one_line(args, message):
+    run = nanoserve_cli(*(["--prompt", "x"] if args and "--prompt" not in args else []), *args)
+    assert run.returncode == 2
+    assert run.stderr == f"error: {run.stderr[7:].strip()}\n" and message in run.stderr, run.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cli_says_cuda_is_missing_in_one_line():
+    run = nanoserve_cli("--prompt", "x", "--device", "cuda")
+    assert (run.returncode, run.stderr) == (2, "error: device 'cuda': CUDA is not available on "
+                                               "this machine\n")
+
+
+def start_cli(*args) -> subprocess.Popen:
+    """nanoserve.py generating for long, once its first generated bytes are out."""
+    proc = subprocess.Popen([sys.executable, "nanoserve.py", "--preset", "tiny", "--prompt", "x",
+                             "--max-tokens", "1000", "--ignore-eos", *args], cwd=HERE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(8)  # the prompt and some generated text
+    return proc
+
+
+def test_ctrl_c_ends_a_run_with_the_summary():
+    proc = start_cli()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and b"Traceback" not in err
+    assert b"generated tokens" in err and b"[interrupted]" in err
+
+
+def test_closed_stdout_ends_a_run_quietly():
+    proc = start_cli()
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and err == b""
+
+
+def test_help_shows_every_default(capsys):
+    from nanoserve import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag, default in [("--temperature", "0.8"), ("--top-p", "0.95"), ("--seed", "0"),
+                          ("--max-num-batched-tokens", "512"), ("--block-size", "16"),
+                          ("--policy", "fcfs"), ("--enable-chunked-prefill", "True")]:
+        assert flag in text and f"(default: {default})" in text.rsplit(flag, 1)[1][:300], flag
+
+
+def test_cli_prints_control_characters_as_escapes():
+    run = nanoserve_cli("--preset", "tiny", "--prompt", "x", "--max-tokens", "300",
+                        "--ignore-eos", "--temperature", "1")
+    assert run.returncode == 0 and "\\x" in run.stdout  # random weights emit every byte
+    assert not any(ord(c) < 32 and c not in "\n\t" for c in run.stdout)
+
+
+def test_cli_says_once_that_triton_on_a_cpu_is_interpreted():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    run = nanoserve_cli("--preset", "tiny", "--prompt", "x", "--prompt", "y", "--max-tokens", "2",
+                        "--attention", "triton")
+    assert run.returncode == 0 and run.stderr.count("interpreter") == 1, run.stderr
 
 
 # ----------------------------------------------------------------------------- bench.py
