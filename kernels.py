@@ -1,5 +1,6 @@
-"""Paged attention: a PyTorch reference (the CPU path and the specification) and a Triton
-kernel with the same signature (the GPU path), plus the write of new K/V into their slots.
+"""The step's device ops beside the model: paged attention, a PyTorch reference (the CPU path
+and the specification) and a Triton kernel with the same signature (the GPU path); the write
+of new K/V into their slots; and the batched sampler that turns logits into tokens.
 
 One forward pass carries every scheduled token of every sequence in one flat batch:
 decode tokens (one query each) and prefill chunks (many queries). The new tokens' K/V are
@@ -13,11 +14,14 @@ NB blocks in the cache, BS block size (tokens per block), MB max blocks per sequ
 Left out on purpose: sliding windows, ALiBi, GQA, fp8 caches, split-K decode.
 
 Checked on a CPU (test_nanoserve.py): the kernel against the reference in Triton's interpreter
-(fp32, and fp16 against an fp32 reference), and its compilation for sm_80 and sm_90 with the
-very specialisation a launch from paged_attention binds, with ptxas's register, spill and
-shared-memory counts. Not checked without a GPU: its speed, and its results on one.
+(fp32, and fp16 against an fp32 reference); its compilation for sm_80 and sm_90 in fp16, bf16
+and fp32 with the specialisation (signature, 16-byte alignment, unit strides) that
+paged_attention's launch binds, found by Triton's own JITFunction.run; in fp16 and bf16, ptxas
+counts at most 128 registers and no spills, under 64 KB of shared memory, and K/V arrive by
+cp.async with the next tile's copies in flight. Not checked: speed, or results, on a GPU.
 """
 import contextlib
+import ctypes
 import os
 import sys
 from dataclasses import dataclass
@@ -41,22 +45,30 @@ class AttentionMetadata:
     max_query_len: int              # longest query run in the batch (1 for a decode-only batch)
 
 
-# ----------------------------------------------------------------------------- K/V write
-
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Write new keys/values (N, H, D) into the caches (NB, BS, H, D) at their flat slots (N,).
-
-    One indexed copy on either device: a slot is a row of the cache viewed as (NB * BS, H, D).
-    """
+    """Write new keys/values (N, H, D) into the caches (NB, BS, H, D) at their flat slots (N,):
+    one indexed copy, a slot being a row of the cache viewed as (NB * BS, H, D)."""
     num_heads, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, num_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, num_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
 # ----------------------------------------------------------------------------- reference
-
 DECODE_GROUP = 8  # decodes attended together in the reference path
+
+
+def keep_freed_memory() -> None:
+    """Let glibc reuse freed memory rather than return large blocks to the OS, which made every
+    large temporary (the reference path's K/V gathers above all) pay a page fault per 4 KiB: a
+    batch-32 decode step with one long context went from 34 ms to 11 ms. (vLLM's CPU backend
+    asks for tcmalloc for the same reason.) Not glibc (macOS, musl): nothing to do."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(-3, 32 << 20)   # M_MMAP_THRESHOLD: blocks up to 32 MiB come from the heap
+    libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD: keep up to 256 MiB of freed heap
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -102,7 +114,6 @@ def _attend(q, k_cache, v_cache, meta, seqs, scale):
 
 
 # ----------------------------------------------------------------------------- Triton
-
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
@@ -123,14 +134,8 @@ def _paged_attention_kernel(
 
     The tile's BLOCK_M queries are loaded once; keys and values stream past BLOCK_N tokens at a
     time, each token's row gathered through the block table, with an online softmax (m_i, l_i,
-    acc) in fp32. Keys stop at the last position the tile's last query can see.
-    Checked: results against paged_attention_ref in Triton's interpreter on CPU (fp32, and fp16
-    against the fp32 reference); compilation for sm_80 and sm_90 in fp16, bf16 and fp32 with the
-    specialisation (signature, 16-byte alignment, unit strides) that paged_attention's launch
-    binds, found by Triton's own JITFunction.run; in fp16 and bf16, ptxas counts at most 128
-    registers, no spills, under 64 KB of shared memory, and K/V arrive by cp.async with the next
-    tile's copies in flight during this tile's math.
-    Not checked: speed, or results, on a real GPU (those tests skip without one).
+    acc) in fp32. Keys stop at the last position the tile's last query can see. What is
+    checked without a GPU, and what is not: the module docstring.
     """
     seq, head, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -191,28 +196,24 @@ def _paged_attention_kernel(
 
 # Tiles: BLOCK_M 16 (tl.dot's minimum; a decode fills 1 row of it), BLOCK_N 64 keys per step.
 BLOCK_M, BLOCK_N = 16, 64
-# K/V addresses hang on a block-id load, so Triton's pipeliner needs 5 stages (3 leaves one
-# buffer and waits for every copy) to double-buffer K/V: step n+1's copies fly during step n.
-NUM_WARPS, NUM_STAGES = 4, 5
+# K/V addresses come from a block-id load, so Triton's pipeliner needs 5 stages to keep step
+# n+1's K/V copies in flight during step n's math (at 3 it waits for every copy): 37 KB of
+# shared memory in fp16/bf16. fp32 tiles are twice that, so fp32 keeps 3 stages (41 KB).
+NUM_WARPS, NUM_STAGES = 4, {2: 5, 4: 3}  # stages by element size in bytes
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Triton twin of paged_attention_ref: same arguments, same result.
-
-    The launch reads no tensor's value (shapes, strides and the Python int max_query_len only),
-    so it never waits for the GPU; it runs on q's device, which need not be the current one.
-    """
+    """Triton twin of paged_attention_ref: same arguments, same result. The launch reads no
+    tensor's value (so never waits for the GPU) and runs on q's device, current or not."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = meta.context_lens.shape[0]
     tables, lens, starts = meta.block_tables, meta.context_lens, meta.query_start_loc
-    assert q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in (
-        torch.float16, torch.bfloat16, torch.float32), f"dtypes {q.dtype}, {k_cache.dtype}"
+    assert q.dtype == k_cache.dtype == v_cache.dtype, f"dtypes {q.dtype}, {k_cache.dtype}"
     assert all(t.device == q.device for t in (k_cache, v_cache, tables, lens, starts)), \
         "q, caches and metadata must share one device"
-    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_heads, head_dim), \
-        f"caches {tuple(k_cache.shape)} do not fit q {tuple(q.shape)}"
-    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_heads, head_dim) \
+        and k_cache.is_contiguous() and v_cache.is_contiguous(), f"caches {k_cache.shape}"
     # Triton's interpreter multiplies bf16 bit patterns in tl.dot (triton issue #11584).
     assert not (triton.knobs.runtime.interpret and q.dtype == torch.bfloat16), "bf16 needs a GPU"
     assert q.stride(-1) == 1, "q's head dim must be contiguous"  # rows may be qkv-strided
@@ -227,24 +228,72 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), tables.stride(0),
             HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             CACHE_BLOCK_SIZE=k_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES[q.element_size()],
         )
     return out
 
 
 ATTENTION_BACKENDS = {"torch": paged_attention_ref, "triton": paged_attention}
-_warned_interpreter = False
+_noted = set()  # notes printed once per process
 
 
 def select_attention(name: str, device: str):
-    """The attention function for a backend name on a device; "auto": Triton on CUDA, else torch."""
-    global _warned_interpreter
-    if name == "auto":
-        name = "triton" if str(device).startswith("cuda") else "torch"
+    """The attention function for a backend on a device; "auto": Triton on CUDA, else torch."""
+    on_cuda = str(device).startswith("cuda")
+    name = ("triton" if on_cuda else "torch") if name == "auto" else name
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention {name!r}; choose auto, torch or triton")
-    if name == "triton" and not str(device).startswith("cuda") and not _warned_interpreter:
-        _warned_interpreter = True
+    if name == "triton" and not on_cuda and "interpreter" not in _noted:
+        _noted.add("interpreter")
         print("note: Triton attention on a CPU runs in Triton's interpreter: exact but slow",
               file=sys.stderr)
     return ATTENTION_BACKENDS[name]
+
+
+# ----------------------------------------------------------------------------- sampling
+@dataclass
+class SamplingTensors:
+    """The sampling parameters of a step's rows that sample, on the device: one entry a row."""
+    temperature: torch.Tensor       # (n,) fp32; 1 on greedy rows
+    top_k: torch.Tensor             # (n,) int64; the vocabulary size where off
+    top_p: torch.Tensor             # (n,) fp32; 1 where off
+    greedy: torch.Tensor            # (n,) bool
+    generators: list                # per row: its own torch.Generator, or None (the engine's)
+    all_greedy: bool
+    any_top_k_top_p: bool
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of logits (n, vocab) -> (n,), the whole batch at once: greedy rows
+    the argmax; the others temperature, top-k, top-p, then the Gumbel-max trick, argmax(probs /
+    E) with E ~ Exponential(1), a draw from probs. A seeded row's E comes from its own generator
+    and no row depends on another's parameters: its tokens do not depend on its batch."""
+    greedy = logits.argmax(dim=-1)
+    if t.all_greedy:
+        return greedy
+    logits = logits / t.temperature[:, None]
+    if t.any_top_k_top_p:
+        logits = apply_top_k_top_p(logits, t.top_k, t.top_p)
+    probs = logits.softmax(dim=-1)
+    uniform = torch.rand(probs.shape, generator=generator, device=probs.device) \
+        if None in t.generators else torch.empty_like(probs)
+    for row, gen in enumerate(t.generators):
+        if gen is not None:
+            uniform[row].uniform_(generator=gen)
+    # E = -log U ~ Exponential(1), in (0, inf]: never 0, so probs / E is never NaN
+    drawn = (probs / uniform.log_().neg_()).argmax(dim=-1)
+    return torch.where(t.greedy, greedy, drawn)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+                      ) -> torch.Tensor:
+    """Mask logits (n, vocab) outside each row's top-k, then outside its top-p nucleus (the
+    fewest most likely tokens whose probability reaches top_p: the token that crosses it
+    stays). top_k = vocab and top_p = 1 leave a row exactly as it was."""
+    ascending, order = logits.sort(dim=-1)
+    kth = ascending.gather(1, (logits.shape[-1] - top_k).clamp(min=0)[:, None])  # k-th largest
+    ascending = ascending.masked_fill(ascending < kth, float("-inf"))
+    below = ascending.softmax(dim=-1).cumsum(dim=-1)  # probability of this token and all less
+    drop = below <= 1 - top_p[:, None]
+    drop[:, -1] = False  # the most likely token always stays, whatever rounding did to `below`
+    return torch.empty_like(logits).scatter_(1, order, ascending.masked_fill(drop, float("-inf")))

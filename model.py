@@ -1,24 +1,17 @@
 """GPT-2, shaped for serving: one flat batch of tokens in, paged KV cache on the side.
 
-Every op but attention runs on all scheduled tokens of all sequences at once, as one
-(N, C) tensor (Orca's "selective batching"); attention reads and writes the paged cache
-through kernels.py, told where everything is by an explicit AttentionMetadata.
-`forward_dense` is the plain cache-free GPT-2 on (B, T) batches: the training path and
-the reference the paged path is tested against.
-
-Parameter names are Hugging Face's, so real GPT-2 checkpoints load without renaming
-(Conv1D weights are transposed into nn.Linear on load). Also here: the byte-level and
-GPT-2 tokenizers (tiktoken), safetensors read/write, and a short trainer
-(`python model.py --train FILE --out DIR`).
-
+Every op but attention runs on all scheduled tokens at once, as one (N, C) tensor (Orca's "selective
+batching"); attention reads and writes the paged cache through kernels.py, told where everything is
+by an AttentionMetadata. `forward_dense` is plain cache-free GPT-2 on (B, T): the training path and
+the paged path's reference. Also here: tokenizers, Hugging Face checkpoints (Conv1D weights are
+transposed on load) and the hub download, a trainer (`python model.py --train FILE`). No dropout.
 Shape legend: N tokens in the flat batch, B batch, T time, C n_embd, H heads, D head dim.
-Left out: dropout, weight init schemes beyond GPT-2's, anything but GPT-2.
 """
 import argparse
+import codecs
 import json
 import math
 import os
-import struct
 import sys
 import time
 import urllib.request
@@ -50,10 +43,8 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
 
-PRESETS = {
-    "tiny": GPTConfig(),  # 3.5M parameters: tests, benchmarks, quick runs
-    "gpt2": GPTConfig(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12),
-}
+PRESETS = {"tiny": GPTConfig(),  # 3.5M parameters: tests, benchmarks, quick runs
+           "gpt2": GPTConfig(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12)}
 
 
 class CausalSelfAttention(nn.Module):
@@ -64,17 +55,15 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
     def forward(self, x, meta=None, k_cache=None, v_cache=None, attention=None):
-        q, k, v = self.c_attn(x).split(x.shape[-1], dim=-1)
+        qkv = self.c_attn(x).split(x.shape[-1], dim=-1)
+        q, k, v = (t.unflatten(-1, (self.n_head, self.head_dim)) for t in qkv)  # (..., H, D)
         if meta is None:  # dense: x is (B, T, C)
-            B, T, C = x.shape
-            q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
-            return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
-        N, C = x.shape  # paged: x is the flat batch (N, C)
-        q, k, v = (t.view(N, self.n_head, self.head_dim) for t in (q, k, v))  # (N, H, D)
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.c_proj(y.transpose(1, 2).flatten(2))
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)  # paged: x is the flat batch (N, C)
         y = attention(q, k_cache, v_cache, meta, 1.0 / math.sqrt(self.head_dim))
-        return self.c_proj(y.reshape(N, C))
+        return self.c_proj(y.flatten(1))
 
 
 class MLP(nn.Module):
@@ -88,8 +77,6 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block."""
-
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
@@ -98,7 +85,7 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, *attn_args):
-        x = x + self.attn(self.ln_1(x), *attn_args)
+        x = x + self.attn(self.ln_1(x), *attn_args)  # pre-LayerNorm, as in GPT-2
         return x + self.mlp(self.ln_2(x))
 
 
@@ -110,29 +97,19 @@ class GPT(nn.Module):
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.n_positions, config.n_embd),
             h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
-            ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
-        ))
+            ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
-        self.apply(self._init_weights)
-
-    def _init_weights(self, module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        for module in self.modules():  # GPT-2's init
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                k_caches: torch.Tensor, v_caches: torch.Tensor,
-                attention=paged_attention_ref) -> torch.Tensor:
+                k_caches: torch.Tensor, v_caches: torch.Tensor, attention=paged_attention_ref):
         """Paged forward of the flat batch: input_ids, positions (N,) -> hidden states (N, C).
-
-        k_caches, v_caches are (n_layer, NB, BS, H, D); this step's K/V are written into them.
-        `attention` is one of kernels.py's backends (same signature), chosen by the engine.
-        """
+        Caches K/V in k_caches, v_caches (n_layer, NB, BS, H, D); `attention` is from kernels.py."""
         tr = self.transformer
         x = tr.wte(input_ids) + tr.wpe(positions)  # (N, C)
         for i, block in enumerate(tr.h):
@@ -153,35 +130,26 @@ class GPT(nn.Module):
 
 
 # ----------------------------------------------------------------------------- tokenizers
-
 EOT = "<|endoftext|>"
-GPT2_PATTERN = (r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++"""
-                r"""|\s++$|\s+(?!\S)|\s""")
+GPT2_PATTERN = r"'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"
 
 
 def gpt2_byte_chars() -> list[tuple[int, str]]:
-    """GPT-2's 256 one-byte tokens in id order, as (byte, the character vocab.json writes).
-
-    Printable bytes come first as themselves; the rest are mapped to chr(256 + n).
-    """
+    """GPT-2's 256 one-byte tokens in id order, as (byte, the character vocab.json writes)."""
     printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
     others = [b for b in range(256) if b not in printable]
     return [(b, chr(b)) for b in printable] + [(b, chr(256 + n)) for n, b in enumerate(others)]
 
 
-def _encoding(name: str, ranks: dict[bytes, int], eot_id: int) -> tiktoken.Encoding:
-    return tiktoken.Encoding(name=name, pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
-                             special_tokens={EOT: eot_id})
-
-
 def byte_tokenizer() -> tiktoken.Encoding:
     """256 byte tokens (GPT-2's first 256 ids) plus <|endoftext|> = 256: GPT-2 without merges."""
-    return _encoding("bytes", {bytes([b]): i for i, (b, _) in enumerate(gpt2_byte_chars())}, 256)
+    ranks = {bytes([b]): i for i, (b, _) in enumerate(gpt2_byte_chars())}
+    return tiktoken.Encoding(name="bytes", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                             special_tokens={EOT: 256})
 
 
 def load_tokenizer(path: str) -> tiktoken.Encoding:
-    """GPT-2 BPE from vocab.json + merges.txt (Hugging Face's names) or encoder.json +
-    vocab.bpe (OpenAI's); the merges must agree with the vocabulary's ranks."""
+    """GPT-2 BPE: Hugging Face's vocab.json + merges.txt, or OpenAI's encoder.json + vocab.bpe."""
     for vocab_name, merges_name in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")):
         vocab_file, merges_file = os.path.join(path, vocab_name), os.path.join(path, merges_name)
         if os.path.exists(vocab_file) and os.path.exists(merges_file):
@@ -194,8 +162,7 @@ def load_tokenizer(path: str) -> tiktoken.Encoding:
     ranks = {bytes([b]): i for i, (b, _) in enumerate(gpt2_byte_chars())}
     with open(merges_file, encoding="utf-8") as f:
         merges = [line.split() for line in f.read().split("\n")[1:] if line]  # line 0: #version
-    for rank, (first, second) in enumerate(merges, start=256):
-        ranks[to_bytes(first) + to_bytes(second)] = rank
+    ranks |= {to_bytes(a) + to_bytes(b): rank for rank, (a, b) in enumerate(merges, start=256)}
     with open(vocab_file, encoding="utf-8") as f:
         vocab = json.load(f)
     if EOT not in vocab:
@@ -203,25 +170,66 @@ def load_tokenizer(path: str) -> tiktoken.Encoding:
     eot_id = vocab.pop(EOT)
     if {to_bytes(t): i for t, i in vocab.items()} != ranks:
         raise ValueError(f"{vocab_file} and {merges_file} disagree on the token ranks")
-    return _encoding(os.path.basename(os.path.normpath(path)), ranks, eot_id)
+    return tiktoken.Encoding(name=os.path.basename(os.path.normpath(path)), pat_str=GPT2_PATTERN,
+                             mergeable_ranks=ranks, special_tokens={EOT: eot_id})
+
+
+class Detokenizer:
+    """A request's text, decoded a token at a time: a step costs what its new tokens cost. An
+    unfinished UTF-8 character waits in the decoder; stop strings are looked for in the new
+    text and the longest one's overlap; text that could start one is held back until it
+    cannot, so what was streamed is never taken back."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.max_stop_len = max(map(len, stop), default=0)
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text, self.num_sent_chars = "", 0
+
+    def append(self, token: int) -> str | None:
+        """Add a token's text (none for end-of-text, or an id past the tokenizer); return the
+        stop string it completed, the text cut before it."""
+        tok, search_from = self.tokenizer, max(0, len(self.text) - self.max_stop_len + 1)
+        self.text += self.decoder.decode(tok.decode_single_token_bytes(token)
+                                         if token < tok.eot_token else b"")
+        found = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        if not found:
+            return None
+        i, stop = min(found)
+        self.text = self.text[:i]
+        return stop
+
+    def flush(self) -> None:
+        """The text ended: the bytes of an unfinished character become U+FFFD."""
+        self.text += self.decoder.decode(b"", final=True)
+
+    def new_text(self, finished: bool) -> str:
+        """Text not returned yet, less (unless finished) what could still become a stop string."""
+        end = len(self.text)
+        for n in range(0 if finished else min(self.max_stop_len - 1, end), 0, -1):
+            if any(s.startswith(self.text[-n:]) for s in self.stop):
+                end -= n
+                break
+        new, self.num_sent_chars = self.text[self.num_sent_chars:end], max(self.num_sent_chars, end)
+        return new
 
 
 # ----------------------------------------------------------------------------- checkpoints
-
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "F64": torch.float64, "I64": torch.int64, "U8": torch.uint8}
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
                   "mlp.c_proj.weight")  # HF's Conv1D stores (in, out); nn.Linear wants (out, in)
+HUB_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints",
+                             "shakespeare")  # trained by train() below, shipped with the repo
 
 
 def read_safetensors(path: str) -> dict[str, torch.Tensor]:
     """A .safetensors file: 8-byte little-endian header length, a JSON header, raw tensors."""
     with open(path, "rb") as f:
         data = bytearray(f.read())
-    if len(data) < 8:
-        raise ValueError(f"{path}: corrupt safetensors header (file is {len(data)} bytes)")
-    (n,) = struct.unpack("<Q", data[:8])
-    if 8 + n > len(data):
+    n = int.from_bytes(data[:8], "little") if len(data) >= 8 else len(data)
+    if len(data) < 8 or 8 + n > len(data):
         raise ValueError(f"{path}: corrupt safetensors header (length {n}, file {len(data)} bytes)")
     try:
         header = json.loads(data[8:8 + n])
@@ -244,22 +252,15 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str) -> None:
     names = {v: k for k, v in SAFETENSORS_DTYPES.items()}
     header, offset = {}, 0
     for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
         header[name] = {"dtype": names[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
+                        "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob)
+        f.write(len(blob).to_bytes(8, "little") + blob)
         for t in tensors.values():
             f.write(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
-
-
-def config_from_hf(hf: dict) -> GPTConfig:
-    return GPTConfig(vocab_size=hf["vocab_size"], n_positions=hf["n_positions"],
-                     n_embd=hf["n_embd"], n_layer=hf["n_layer"], n_head=hf["n_head"],
-                     layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5))
 
 
 def load_checkpoint(path: str) -> GPT:
@@ -268,48 +269,42 @@ def load_checkpoint(path: str) -> GPT:
     if not os.path.exists(config_file):
         raise ValueError(f"{path} is not a GPT-2 checkpoint directory: no config.json")
     with open(config_file) as f:
-        model = GPT(config_from_hf(json.load(f)))
-    if os.path.exists(os.path.join(path, "model.safetensors")):
-        hf_state = read_safetensors(os.path.join(path, "model.safetensors"))
-    elif os.path.exists(os.path.join(path, "pytorch_model.bin")):
-        hf_state = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu",
-                              weights_only=True)
+        hf = json.load(f)
+    sizes = {k: hf[k] for k in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")}
+    model = GPT(GPTConfig(**sizes, layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5)))
+    safetensors, bin = (os.path.join(path, f) for f in ("model.safetensors", "pytorch_model.bin"))
+    if os.path.exists(safetensors):
+        tensors = read_safetensors(safetensors)
+    elif os.path.exists(bin):
+        tensors = torch.load(bin, map_location="cpu", weights_only=True)
     else:
         raise ValueError(f"{path} has no model.safetensors or pytorch_model.bin")
-    model.load_state_dict(_from_hf_state(hf_state, model.state_dict(), path))
+    model.transformer.load_state_dict(_from_hf_state(tensors, model.transformer.state_dict(), path))
     return model
 
 
 def _from_hf_state(hf_state: dict, expected: dict, path: str) -> dict:
-    """Rename HF keys to ours (add 'transformer.'), transpose Conv1D weights, check shapes."""
+    """HF's tensors, named as in model.transformer, Conv1D weights transposed; shapes checked."""
     state = {}
     for key, t in hf_state.items():
         key = key.removeprefix("transformer.")
         if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
             continue  # causal-mask buffers; the LM head is tied to wte
-        state["transformer." + key] = t.t() if key.endswith(CONV1D_WEIGHTS) else t
-    state["lm_head.weight"] = state.get("transformer.wte.weight")
+        state[key] = t.t() if key.endswith(CONV1D_WEIGHTS) else t
     for key, want in expected.items():
-        got, name = state.get(key), key.removeprefix("transformer.")
-        if got is None:
-            raise ValueError(f"{path}: checkpoint is missing tensor {name}")
-        if got.shape != want.shape:
-            raise ValueError(f"{path}: tensor {name} has shape {tuple(got.shape)}; "
+        if key not in state:
+            raise ValueError(f"{path}: checkpoint is missing tensor {key}")
+        if state[key].shape != want.shape:
+            raise ValueError(f"{path}: tensor {key} has shape {tuple(state[key].shape)}; "
                              f"config.json implies {tuple(want.shape)}")
     if unexpected := sorted(set(state) - set(expected)):
         raise ValueError(f"{path}: unexpected tensors {unexpected[:5]}")
     return state
 
 
-HUB_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints",
-                             "shakespeare")  # trained by train() below, shipped with the repo
-
-
 def load_model(model: str | None = None, preset: str | None = None, seed: int = 0
                ) -> tuple[GPT, tiktoken.Encoding]:
-    """(model, tokenizer): random seeded weights of a preset, a checkpoint directory, a GPT-2
-    name from the Hugging Face cache (downloaded once if missing), or the shipped model."""
+    """A preset (seeded random weights), a checkpoint dir, a GPT-2 name or the shipped model."""
     if preset is not None:
         torch.manual_seed(seed)
         return GPT(PRESETS[preset]), byte_tokenizer()
@@ -322,7 +317,6 @@ def load_model(model: str | None = None, preset: str | None = None, seed: int = 
     return load_checkpoint(path), load_tokenizer(path)
 
 
-
 def hub_checkpoint(name: str) -> str:
     """A GPT-2 checkpoint from the local Hugging Face cache, else downloaded into it."""
     hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
@@ -333,79 +327,69 @@ def hub_checkpoint(name: str) -> str:
         for snap in sorted(os.listdir(snapshots)) if os.path.isdir(snapshots) else []:
             if all(os.path.exists(os.path.join(snapshots, snap, f)) for f in files):
                 return os.path.join(snapshots, snap)
-    advice = (f"{name} is not in the Hugging Face cache ({hub}) and cannot be downloaded"
-              f" ({{}}); pass --model DIR with a GPT-2 checkpoint directory, or no --model"
-              f" for the built-in Shakespeare model")
+    advice = (f"{name} is not in the Hugging Face cache ({hub}) and cannot be downloaded ({{}});"
+              " pass --model DIR with a GPT-2 checkpoint directory, or no --model for the "
+              "built-in Shakespeare model")
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", ""):
         raise ValueError(advice.format("HF_HUB_OFFLINE is set"))
     target = os.path.join(hub, f"models--openai-community--{name}", "snapshots", "main")
     for f in files:
-        url = f"https://huggingface.co/openai-community/{name}/resolve/main/{f}"
         try:
-            _download(url, os.path.join(target, f))
+            _download(f"https://huggingface.co/openai-community/{name}/resolve/main/{f}",
+                      os.path.join(target, f))
         except OSError as e:
             raise ValueError(advice.format(e)) from None
     return target
 
 
 def _download(url: str, path: str) -> None:
+    """url -> path, with a progress line; a partial file never takes the final name."""
     with urllib.request.urlopen(url, timeout=10) as r:
         os.makedirs(os.path.dirname(path), exist_ok=True)  # only once the hub has answered
+        total, done = int(r.headers.get("Content-Length") or 0), 0
         with open(path + ".part", "wb") as f:
-            _copy_with_progress(r, f, os.path.basename(path))
-    os.replace(path + ".part", path)
-
-
-def _copy_with_progress(r, f, name: str) -> None:
-    total, done = int(r.headers.get("Content-Length") or 0), 0
-    while chunk := r.read(1 << 20):
-        done += f.write(chunk)
-        print(f"\rdownloading {name}: {done / 1e6:.0f}/{total / 1e6:.0f} MB", end="",
-              file=sys.stderr)
+            while chunk := r.read(1 << 20):
+                done += f.write(chunk)
+                print(f"\rdownloading {os.path.basename(path)}: {done / 1e6:.0f}/"
+                      f"{total / 1e6:.0f} MB", end="", file=sys.stderr)
     print(file=sys.stderr)
+    os.replace(path + ".part", path)
 
 
 def save_checkpoint(model: GPT, path: str, dtype=torch.float16) -> None:
     """Write `model` as a Hugging Face GPT-2 directory, with the byte-level tokenizer files."""
     os.makedirs(path, exist_ok=True)
-    state = {}
-    for key, t in model.state_dict().items():
-        if key == "lm_head.weight":
-            continue
-        key = key.removeprefix("transformer.")
-        state[key] = (t.t() if key.endswith(CONV1D_WEIGHTS) else t).to(dtype).contiguous()
+    state = {key: (t.t() if key.endswith(CONV1D_WEIGHTS) else t).to(dtype).contiguous()
+             for key, t in model.transformer.state_dict().items()}  # lm_head is wte: not saved
     write_safetensors(state, os.path.join(path, "model.safetensors"))
     c = model.config
     hf = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_ctx=c.n_positions,
               bos_token_id=c.vocab_size - 1, eos_token_id=c.vocab_size - 1, **asdict(c))
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
-    with open(os.path.join(path, "vocab.json"), "w", encoding="utf-8") as f:
-        json.dump({ch: i for i, (_, ch) in enumerate(gpt2_byte_chars())} | {EOT: 256}, f)
-    with open(os.path.join(path, "merges.txt"), "w", encoding="utf-8") as f:
-        f.write("#version: 0.2\n")
+    vocab = {ch: i for i, (_, ch) in enumerate(gpt2_byte_chars())} | {EOT: 256}
+    for name, text in [("config.json", json.dumps(hf, indent=2)), ("vocab.json", json.dumps(vocab)),
+                       ("merges.txt", "#version: 0.2\n")]:  # bytes only: no merges
+        with open(os.path.join(path, name), "w", encoding="utf-8") as f:
+            f.write(text)
 
 
 # ----------------------------------------------------------------------------- training
 
 def train(args) -> None:
-    """Train a byte-level GPT on a text file; the last 10% is held out for validation."""
+    """Train a byte-level GPT-2 on a text file (--seq-len is also the model's context length)."""
     torch.manual_seed(args.seed)
     with open(args.train, encoding="utf-8") as f:
         text = f.read()
     split = int(len(text) * 0.9)
-    enc = byte_tokenizer()
-    train_data = torch.tensor(enc.encode_ordinary(text[:split]), dtype=torch.long)
-    val_data = torch.tensor(enc.encode_ordinary(text[split:]), dtype=torch.long)
-    config = GPTConfig(n_positions=args.seq_len, n_embd=args.n_embd, n_layer=args.n_layer,
-                       n_head=args.n_head)
-    model = GPT(config)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": no_decay, "weight_decay": 0.0}],
+    train_data, val_data = (torch.tensor(byte_tokenizer().encode_ordinary(part), dtype=torch.long)
+                            for part in (text[:split], text[split:]))
+    model = GPT(GPTConfig(n_positions=args.seq_len, n_embd=args.n_embd, n_layer=args.n_layer,
+                          n_head=args.n_head))
+    params = list(model.parameters())  # weight decay on matrices only
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.99))
-    print(f"{model.num_params() / 1e6:.2f}M parameters, {len(train_data):,} train bytes, "
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"{num_params / 1e6:.2f}M parameters, {len(train_data):,} train bytes, "
           f"{len(val_data):,} validation bytes")
     t0 = time.time()
     for step in range(args.steps + 1):
@@ -417,8 +401,8 @@ def train(args) -> None:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         starts = torch.randint(len(train_data) - args.seq_len - 1, (args.batch_size,))
-        x = torch.stack([train_data[i:i + args.seq_len] for i in starts])
-        y = torch.stack([train_data[i + 1:i + 1 + args.seq_len] for i in starts])
+        windows = torch.stack([train_data[i:i + args.seq_len + 1] for i in starts])
+        x, y = windows[:, :-1], windows[:, 1:]
         loss = F.cross_entropy(model.forward_dense(x).flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -426,7 +410,7 @@ def train(args) -> None:
         opt.step()
     save_checkpoint(model, args.out)
     shipped = load_checkpoint(args.out)  # fp16 weights, as served
-    print(f"saved {args.out}: {model.num_params():,} parameters, context {args.seq_len}, "
+    print(f"saved {args.out}: {num_params:,} parameters, context {args.seq_len}, "
           f"{(time.time() - t0) / 60:.1f} min, "
           f"val {evaluate(shipped, val_data, args.seq_len):.4f} nats/byte (fp16 weights)")
 
@@ -442,32 +426,21 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
 @torch.no_grad()
 def evaluate(model: GPT, data: torch.Tensor, seq_len: int) -> float:
     """Mean next-byte cross-entropy (nats) over non-overlapping windows of `data`."""
-    model.eval()
     n = (len(data) - 1) // seq_len
-    x = data[:n * seq_len].view(n, seq_len)
-    y = data[1:n * seq_len + 1].view(n, seq_len)
-    total = sum(F.cross_entropy(model.forward_dense(xb).flatten(0, 1), yb.flatten(),
-                                reduction="sum").item()
-                for xb, yb in zip(x.split(64), y.split(64)))
-    model.train()
-    return total / y.numel()
+    x, y = (data[shift:n * seq_len + shift].view(n, seq_len) for shift in (0, 1))
+    losses = [F.cross_entropy(model.forward_dense(xb).flatten(0, 1), yb.flatten(), reduction="sum")
+              for xb, yb in zip(x.split(64), y.split(64))]
+    return sum(loss.item() for loss in losses) / y.numel()
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description="Train a byte-level GPT-2 on a text file.",
+    p = argparse.ArgumentParser(description=train.__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--train", required=True, help="UTF-8 text file; its last 10%% is held out")
     p.add_argument("--out", default=os.path.join("checkpoints", "trained"),
-                   help="directory to write the checkpoint to (the shipped model is "
-                   "checkpoints/shakespeare; serve a new one with --model DIR)")
-    p.add_argument("--steps", type=int, default=1200)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--seq-len", type=int, default=256, help="also the model's context length")
-    p.add_argument("--n-layer", type=int, default=6)
-    p.add_argument("--n-head", type=int, default=6)
-    p.add_argument("--n-embd", type=int, default=192)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--eval-every", type=int, default=200)
-    p.add_argument("--seed", type=int, default=1337)
+                   help="checkpoint directory to write; serve it with --model DIR")
+    for flag, default in [("--steps", 1200), ("--batch-size", 32), ("--seq-len", 256),
+                          ("--n-layer", 6), ("--n-head", 6), ("--n-embd", 192), ("--lr", 2e-3),
+                          ("--warmup", 100), ("--eval-every", 200), ("--seed", 1337)]:
+        p.add_argument(flag, type=type(default), default=default, help="(default: %(default)s)")
     train(p.parse_args())

@@ -94,10 +94,21 @@ class BlockTable:
         return [self.block_ids[t // bs] * bs + t % bs for t in range(start, end)]
 
 
-def allocate_kv_cache(n_layer: int, num_blocks: int, block_size: int, n_head: int, head_dim: int,
-                      device: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cache tensors K and V, each (n_layer, num_blocks, block_size, n_head, head_dim)."""
+def allocate_kv_cache(n_layer: int, n_head: int, head_dim: int, num_tokens: int, block_size: int,
+                      device: str, dtype: torch.dtype
+                      ) -> tuple[torch.Tensor, torch.Tensor, BlockAllocator]:
+    """K and V, each (n_layer, num_blocks, block_size, n_head, head_dim), for num_tokens tokens,
+    and the BlockAllocator of their blocks; a ValueError if that is not one block or does not
+    fit in memory."""
+    num_blocks = num_tokens // block_size
+    if num_blocks == 0:
+        raise ValueError(f"block_size ({block_size} tokens) is larger than the KV cache "
+                         f"({num_tokens} tokens)")
     shape = (n_layer, num_blocks, block_size, n_head, head_dim)
-    # zeros, not empty: padded reads past a sequence's end must be finite to be masked away
-    return (torch.zeros(shape, device=device, dtype=dtype),
-            torch.zeros(shape, device=device, dtype=dtype))
+    try:  # zeros, not empty: padded reads past a sequence's end must be finite to be masked
+        k, v = (torch.zeros(shape, device=device, dtype=dtype) for _ in "kv")
+    except RuntimeError as e:  # out of memory
+        gib = 2 * num_blocks * block_size * n_layer * n_head * head_dim * dtype.itemsize / 2**30
+        raise ValueError(f"cannot allocate a KV cache of {num_tokens} tokens ({gib:.1f} GiB): "
+                         f"{str(e).splitlines()[0]}") from None
+    return k, v, BlockAllocator(num_blocks, block_size)

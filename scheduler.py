@@ -38,7 +38,7 @@ class Sequence:
     params: "SamplingParams"  # noqa: F821 (nanoserve.SamplingParams)
     block_table: BlockTable
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
-    detokenizer: "Detokenizer" = None         # noqa: F821 (nanoserve.Detokenizer)
+    detokenizer: "Detokenizer" = None         # noqa: F821 (model.Detokenizer)
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING

@@ -21,9 +21,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import bench
 import model as M
-from kernels import AttentionMetadata, paged_attention, paged_attention_ref, store_kv
-from nanoserve import (LLM, Detokenizer, Engine, EngineConfig, SamplingParams,
-                       apply_top_k_top_p)
+from kernels import (AttentionMetadata, SamplingTensors, apply_top_k_top_p, paged_attention,
+                     paged_attention_ref, sample, store_kv)
+from nanoserve import LLM, Engine, EngineConfig, SamplingParams
 from paged_cache import BlockAllocator, BlockTable
 from scheduler import Scheduler, Sequence, SequenceStatus
 
@@ -222,7 +222,7 @@ def test_triton_kernel_matches_reference(block_size, head_dim, batch, width):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-# Each is a few roundings of the type (p cast for the P @ V dot, the output) on |out| < 4.
+# Tolerances: a few roundings of the type (p cast for the P @ V dot, the output), |out| < 4.
 LOW_PRECISION = [pytest.param(torch.float16, 4e-3, id="fp16"),
                  pytest.param(torch.bfloat16, 3e-2, id="bf16", marks=needs_cuda)]
 
@@ -269,9 +269,15 @@ import json, os, re, subprocess, sys, tempfile
 import torch, triton
 import kernels
 from torch.utils._python_dispatch import TorchDispatchMode
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
-from triton.runtime.driver import driver
+try:  # Triton internals (triton is unpinned): a Triton without them skips, saying so
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+    from triton.runtime.driver import driver
+    assert hasattr(triton.knobs.runtime, "jit_cache_hook")
+    assert hasattr(kernels._paged_attention_kernel, "preload")
+except (ImportError, AssertionError) as e:
+    print(f"SKIP: Triton {triton.__version__} lacks an internal this test uses: {e!r}")
+    sys.exit(0)
 
 assert not triton.knobs.runtime.interpret
 fn = kernels._paged_attention_kernel
@@ -337,9 +343,9 @@ def ptxas_counts(ptx, cc):
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
-        log = subprocess.run([get_ptxas(cc).path, "-v", "--regAllocOptLevel=2",
-                              f"--gpu-name={sm_arch_from_capability(cc)}", f.name, "-o", os.devnull],
-                             capture_output=True, text=True, check=True).stderr
+        command = [get_ptxas(cc).path, "-v", "--regAllocOptLevel=2",  # flags as Triton's
+                   f"--gpu-name={sm_arch_from_capability(cc)}", f.name, "-o", os.devnull]
+        log = subprocess.run(command, capture_output=True, text=True, check=True).stderr
     regs = re.findall(r"Used (\d+) registers", log)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert len(regs) == len(spills) == 1, log  # one kernel, one report
@@ -380,6 +386,8 @@ def test_triton_kernel_compiles_for_cuda_as_launched():
     result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True,
                             text=True, timeout=600, cwd=HERE)
     assert result.returncode == 0, result.stderr[-3000:]
+    if result.stdout.startswith("SKIP: "):
+        pytest.skip(result.stdout[6:].strip())
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     assert [(r["cc"], r["dtype"], r["head_dim"]) for r in rows] == [
         (cc, dtype, head_dim) for cc in (80, 90) for dtype in ("float16", "bfloat16", "float32")
@@ -390,8 +398,9 @@ def test_triton_kernel_compiles_for_cuda_as_launched():
         assert set(r["ones"]) == {"stride_qd", "stride_kd", "stride_vd", "stride_od"}, r
         assert {"q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "block_tables_ptr",
                 "context_lens_ptr", "query_start_loc_ptr"} <= set(r["aligned"]), r
+        assert r["smem"] < 64 * 1024, r
         if r["dtype"] != "float32":  # fp32 (not the GPU default) only has to compile
-            assert r["spills"] == 0 and r["regs"] <= 128 and r["smem"] < 64 * 1024, r
+            assert r["spills"] == 0 and r["regs"] <= 128, r
             assert r["cp_async"] and r["copies_in_flight"] > 0, r
 
 
@@ -408,6 +417,11 @@ def test_tiny_temperature_is_greedy(alone, temperature):
     assert token_ids(tiny().generate(PROMPTS[:2], params)) == alone[:2]
 
 
+def test_top_p_too_small_to_round_keeps_the_most_likely_token(alone):
+    params = SamplingParams(max_tokens=40, top_p=1e-45, seed=0, ignore_eos=True)
+    assert token_ids(tiny().generate(PROMPTS[:2], params)) == alone[:2]
+
+
 def test_top_k_and_top_p_mask_each_row_by_its_own_params():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 4))
     masked = apply_top_k_top_p(logits, torch.tensor([4, 4, 2, 4]),
@@ -420,7 +434,6 @@ def test_top_k_and_top_p_mask_each_row_by_its_own_params():
 
 def test_sampling_draws_from_the_distribution():
     """The Gumbel-max draw: frequencies over 4000 seeded draws follow softmax(logits / T)."""
-    from nanoserve import SamplingTensors, sample
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     n = 4000
     t = SamplingTensors(temperature=torch.full((n,), 2.0), top_k=torch.full((n,), 4),
@@ -465,7 +478,7 @@ def test_streamed_text_is_always_a_prefix_of_the_final_text():
 
 def test_detokenizer_holds_back_a_possible_stop_string_and_split_utf8():
     enc = M.byte_tokenizer()
-    detok = Detokenizer(enc, ["the end"])
+    detok = M.Detokenizer(enc, ["the end"])
     pieces = []
     for byte in "us in th\u00e9 the x".encode():
         assert detok.append(enc.encode_single_token(bytes([byte]))) is None
@@ -570,9 +583,16 @@ def test_bad_engine_setting_is_rejected_by_name(name, value):
         EngineConfig(**{"preset": "tiny", name: value})
 
 
-def test_block_larger_than_the_kv_cache_is_rejected():
-    with pytest.raises(ValueError, match="block_size .* is larger than the KV cache"):
-        EngineConfig(preset="tiny", block_size=32, kv_cache_tokens=16)
+@pytest.mark.parametrize("kv_cache_tokens", [16, None], ids=["given", "default"])
+def test_block_larger_than_the_kv_cache_is_rejected(kv_cache_tokens):
+    with pytest.raises(ValueError, match=r"block_size \(\d+ tokens\) is larger than the KV cache"):
+        Engine(EngineConfig(preset="tiny", block_size=10**6 if kv_cache_tokens is None else 32,
+                            kv_cache_tokens=kv_cache_tokens))
+
+
+def test_kv_cache_too_big_for_memory_is_a_clear_error():
+    with pytest.raises(ValueError, match="cannot allocate a KV cache of 1000000000000 tokens"):
+        Engine(EngineConfig(preset="tiny", kv_cache_tokens=10**12))
 
 
 @pytest.mark.parametrize("make, message", [
@@ -607,7 +627,13 @@ def test_prompt_forms_give_the_same_output():
     forms = ["Hello there", ids, {"prompt": "Hello there"}, {"prompt_token_ids": ids}]
     outputs = llm.generate(forms, GREEDY)
     assert len({tuple(o.outputs[0].token_ids) for o in outputs}) == 1
-    assert llm.generate(ids, GREEDY)[0].prompt == "Hello there"  # a list of ids is one prompt
+    assert llm.generate(ids, GREEDY)[0].prompt is None  # one prompt, of token ids, as in vLLM
+
+
+@pytest.mark.parametrize("prompts", [None, 5, b"hello"])
+def test_generate_rejects_what_is_not_a_prompt_or_a_list_of_them(prompts):
+    with pytest.raises(ValueError, match="prompt"):
+        tiny().generate(prompts, GREEDY)
 
 
 def test_generate_rejects_whole_batch_if_one_prompt_is_bad():
@@ -1086,54 +1112,106 @@ def test_cli_says_once_that_triton_on_a_cpu_is_interpreted():
 
 
 # ----------------------------------------------------------------------------- bench.py
-# bench.py at a tiny scale: its JSON is complete and consistent. Never its speed.
+# bench.py at a tiny scale: every figure is there and agrees with the others. Never its speed.
+# A 64-token KV cache (4 blocks; a request needs up to 2, and 4 run at once) lets a mode that
+# admits past what fits (static, here) preempt and recompute: no greedy token may change.
 
 TINY = ("--num-requests 8 --prompt-len 16 --limits 8 16 --online-requests 6 --online-limit 12 "
-        "--mean-output-len 6 --rates 40 inf --max-num-seqs 4 --token-budget 24").split()
+        "--mean-output-len 6 --rates 40 inf --max-num-seqs 4 --max-num-batched-tokens 24 "
+        "--kv-cache-tokens 64 --host-output-lens 4 40").split()
 
 
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory) -> tuple[dict, str]:
-    out = tmp_path_factory.mktemp("bench") / "bench.json"
-    with contextlib.redirect_stdout(io.StringIO()) as printed:
-        bench.main(TINY + ["--out", str(out)])
+    out, threads = tmp_path_factory.mktemp("bench") / "bench.json", torch.get_num_threads()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            bench.main(TINY + ["--out", str(out)])  # sets torch's threads: put them back after
+    finally:
+        torch.set_num_threads(threads)
     return json.loads(out.read_text()), printed.getvalue()
 
 
-def test_bench_json_is_complete_and_consistent(bench_run):
+def check_recompute(computed: int, needed: int, preemptions: int, most_per_preemption: int):
+    """Tokens computed = tokens needed + what each preemption threw away: at least one token
+    (a running sequence has computed some) and at most the most a sequence can hold."""
+    assert needed + preemptions <= computed <= needed + preemptions * most_per_preemption
+    assert (preemptions == 0) == (computed == needed)
+
+
+def test_bench_offline_and_online_figures_agree(bench_run):
     result, printed = bench_run
-    cfg = result["config"]
-    assert set(result["versions"]) >= {"torch", "device", "threads"}
+    cfg, P = result["config"], 16
+    assert cfg["max_num_batched_tokens"] == 24 and cfg["host_output_lens"] == [4, 40]
     assert list(result["offline"]) == ["8", "16"] and cfg["modes"] == list(bench.MODES)
     for limit, runs in result["offline"].items():
         lengths = runs["lengths"]
         assert len(lengths) == 8 and all(1 <= n <= int(limit) for n in lengths)
         assert list(runs["modes"]) == cfg["modes"]
+        needed = sum(P + n - 1 for n in lengths)  # each prompt, and each output fed back
         for mode, r in runs["modes"].items():
             assert r["output_tokens"] == sum(lengths), (limit, mode)
-            assert r["tok_s"] == pytest.approx(r["output_tokens"] / r["wall_s"])
-            assert r["same_tokens"] == 1.0, (limit, mode)  # greedy: batching changes nothing
+            assert r["same_tokens"] == 1.0, (limit, mode)  # greedy: no mode changes a token
             assert 0 < r["kv_real_share"] <= 1 and 0 < r["seqs_per_step"] <= 4
-            assert r["kv_slots_mean"] <= r["kv_slots_peak"] and r["preemptions"] >= 0
-            if mode not in ("naive", "no-chunk"):
+            assert r["steps"] >= max(lengths)  # one token per request per step at most
+            if mode == "naive":  # its step log is its own arithmetic: nothing to check there
+                continue
+            assert r["kv_slots_peak"] <= 64  # the cache's size
+            check_recompute(r["tokens_computed"], needed, r["preemptions"], P + int(limit) - 2)
+            if mode != "no-chunk":
                 assert r["tokens_per_step"] <= 24
-        assert runs["modes"]["naive"]["vs_naive"] == runs["modes"]["static"]["vs_static"] == 1
     assert list(result["online"]) == ["40.0", "inf"]
     for runs in result["online"].values():
         assert list(runs) == [m for m in cfg["modes"] if m != "naive"]
         for r in runs.values():
             assert r["requests"] == 6 and r["output_tokens"] == sum(result["online_lengths"])
-            for metric in ("ttft", "tpot", "itl", "e2e"):
-                assert 0 <= r[metric]["p50"] <= r[metric]["p99"]
-            assert r["ttft"]["mean"] <= r["e2e"]["mean"]
-    assert [d["batch"] for d in result["hardware"]["decode"]] == [1, 2, 4]
-    assert all(d["paged_step_ms"] > 0 < d["dense_step_ms"] for d in result["hardware"]["decode"])
-    assert all(isinstance(t["met"], bool) for t in result["targets"])
-    for title in ("Offline throughput", "Online", "Decode step", "Targets"):
+            assert 0 < r["ttft"]["mean"] <= r["e2e"]["mean"]  # the first token, then the last
+            assert r["tpot"]["mean"] > 0 and r["itl"]["p50"] >= 0
+    for title in ("Offline throughput", "Steps", "Online", "Decode step", "Sampling", "Targets"):
         assert title in printed
 
 
-def test_naive_baseline_pads_and_matches_the_engine():
+def test_bench_hardware_view_and_targets(bench_run):
+    result, _ = bench_run
+    hw, P = result["hardware"], 16
+    host = hw["host_cost"]["rows"]
+    for d in hw["decode"] + host:  # the forward is part of the step; the rest, the host's
+        assert d["paged_step_ms"] > d["forward_ms"] > 0 and d["host_ms"] > 0
+        assert d["dense_step_ms"] > 0
+    assert [d["batch"] for d in hw["decode"]] == [1, 2, 4]  # the sequences the engine held
+    assert all(d["output_len"] == 1 + 47 / 2 for d in hw["decode"])  # 16 steps x 3 rounds
+    # Host cost rows: batch 4, the same context (40 + 16) for output lengths 4 and 40: the
+    # engine stepped until every sequence had max(1, n - 10) output tokens, then 20 steps timed
+    assert [(d["batch"], d["prompt_len"], d["output_len"]) for d in host] == [
+        (4, 52, 1 + 19 / 2), (4, 16, 30 + 19 / 2)]
+    s = hw["sampling"]
+    assert (s["rows"], s["vocab"]) == (64, 257) and s["sample_ms"] > 0 < s["sample_only_ms"]
+    kv = hw["tight_kv"]  # 16 requests of 16 + 16 tokens; 31 cached at most: 2 blocks
+    assert (kv["requests"], kv["kv_cache_tokens"], kv["output_tokens"]) == (16, 32, 16 * 16)
+    assert kv["tokens_needed"] == 16 * (P + 16 - 1)
+    check_recompute(kv["tokens_computed"], kv["tokens_needed"], kv["preemptions"], 2 * P - 2)
+    # Every target cites the figure it names, and "met" agrees with its goal.
+    off = result["offline"]
+    tok_s = lambda limit, mode: off[limit]["modes"][mode]["tok_s"]  # noqa: E731
+    cited = {f"static / naive, limit {limit}": tok_s(limit, "static") / tok_s(limit, "naive")
+             for limit in off}
+    cited |= {"paged / dense decode step":
+              hw["decode"][-1]["paged_step_ms"] / hw["decode"][-1]["dense_step_ms"],
+              "decode step, batch 4, output 40 / 10, same context":
+              host[1]["paged_step_ms"] / host[0]["paged_step_ms"],
+              "  its host part (step less model forward)": host[1]["host_ms"] / host[0]["host_ms"],
+              "sampling 64 rows (top-p, seeded), ms": s["sample_ms"],
+              "tight KV: tokens computed / needed": kv["tokens_computed"] / kv["tokens_needed"]}
+    targets = {t["target"]: t for t in result["targets"]}
+    assert set(targets) == set(cited)  # no fcfs / static target: limits 128 and 512 not run
+    ops = {">=": float.__ge__, ">": float.__gt__, "<=": float.__le__, "<": float.__lt__}
+    for name, t in targets.items():
+        assert t["measured"] == pytest.approx(cited[name]), name
+        op, goal = t["goal"].split()
+        assert t["met"] == ops[op](float(t["measured"]), float(goal)), name
+
+
+def test_bench_naive_baseline_pads_and_matches_the_engine():
     llm = LLM(preset="tiny")
     prompts = [[5, 6, 7], list(range(40, 60)), [9] * 11]  # left-padded to 20 in one batch
     lengths = [7, 3, 12]
@@ -1142,3 +1220,13 @@ def test_naive_baseline_pads_and_matches_the_engine():
     log = []
     assert bench.naive_batch(llm.engine.model, prompts, lengths, log) == want
     assert len(log) == max(lengths)  # every row runs until the longest finishes
+
+
+def test_bench_flags_come_from_its_config():
+    cfg = bench.parse_args(["--max-num-batched-tokens", "7", "--modes", "fcfs", "sjf",
+                            "--rates", "1", "inf"])
+    assert cfg.max_num_batched_tokens == 7
+    assert (cfg.modes, cfg.rates) == (("fcfs", "sjf"), (1.0, math.inf))
+    for bad in (["--token-budget", "7"], ["--modes", "fifo"], ["--preset", "huge"]):
+        with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+            bench.parse_args(bad)
