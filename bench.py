@@ -4,10 +4,10 @@ The same requests (one prompt length, exponential output lengths capped at a gen
 EOS ignored) on the same weights go through the MODES: naive padded static batches on a dense
 KV cache (Hugging Face pipelines), static request-level batching on the paged engine, and
 continuous fcfs, sjf, and fcfs without chunked prefill. Out come offline throughput, online
-latency under Poisson arrivals, what each step held, and the hardware view (decode step: paged
-vs dense, its host part by output length, FLOP/s; batched sampling; a KV cache that holds one
-request): tables to stdout, every figure to JSON. Left out: real text, network serving (the
-online loop calls the engine), the original's memory limit (every mode gets one batch size).
+latency under Poisson arrivals, what each step held, the hardware view (decode step: paged vs
+dense, host part by output length, FLOP/s; sampling; a KV cache that holds one request): tables
+to stdout, all to JSON. Left out: real text, network serving (the online loop calls the
+engine), the original's memory limit (every mode gets one batch size).
 
     python bench.py --out bench.json                  # about 5 minutes on 2 CPU cores
     python bench.py --num-requests 1000 --prompt-len 512 --limits 32 128 512 1536 \\
@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from model import PRESETS
-from nanoserve import Engine, EngineConfig, SamplingParams, add_config_args, option, sample
+from kernels import sample
+from nanoserve import Engine, EngineConfig, SamplingParams, add_config_args, option
 from paged_cache import cdiv
 
 MODES = {  # mode -> (table label, EngineConfig overrides); naive does not use the engine
@@ -152,9 +153,8 @@ def make_engine(cfg: BenchConfig, mode: str = "fcfs", limit: int = 0, **override
 
 
 def run_offline(cfg: BenchConfig, mode: str, prompts, lengths, limit: int, model=None):
-    """Every request queued at once and served to the end: useful output tokens per second,
-    and what the steps held (log: sequences, tokens, cached tokens of the running sequences,
-    KV slots in their blocks). Returns (figures, each request's output tokens)."""
+    """Every request queued at once, served to the end: (useful output tokens/s and what the
+    steps held: sequences, tokens, cached tokens, KV slots; each request's output tokens)."""
     log, B = [], cfg.max_num_seqs
     if mode == "naive":
         start, preemptions = time.perf_counter(), 0
@@ -286,8 +286,7 @@ def decode_step(cfg: BenchConfig, model, batch: int, prompt_len: int = 0, first:
 @torch.inference_mode()
 def sampling_time(cfg: BenchConfig, rows: int = 64, reps: int = 50, rounds: int = 5) -> dict:
     """Sampling `rows` requests (temperature 0.8, top-p 0.95, a seed each) from (rows, vocab)
-    logits of the model, as the engine does: engine.sampling_tensors (their parameters to
-    device tensors) then nanoserve.sample; and sample alone, the tensors built beforehand."""
+    logits as the engine does, engine.sampling_tensors then sample; and sample alone."""
     engine = make_engine(cfg, max_num_seqs=rows, max_num_batched_tokens=rows,
                          kv_cache_tokens=rows * cfg.block_size)
     for i, prompt in enumerate(make_workload(cfg, rows, 1)[0]):
@@ -301,13 +300,14 @@ def sampling_time(cfg: BenchConfig, rows: int = 64, reps: int = 50, rounds: int 
 
 
 def tight_kv(cfg: BenchConfig, num_requests: int = 16) -> dict:
-    """num_requests requests of prompt_len tokens, as many generated, on a KV cache that holds
-    exactly one, fcfs: tokens computed (recomputation after preemption included) / needed."""
+    """num_requests requests of prompt_len tokens (prefilled in 4 chunks), as many generated, on
+    a KV cache that holds exactly one, fcfs: tokens computed (recomputed ones too) / needed."""
     P, kv = cfg.prompt_len, cdiv(2 * cfg.prompt_len - 1, cfg.block_size) * cfg.block_size
-    r = run_offline(replace(cfg, kv_cache_tokens=kv), "fcfs",
+    r = run_offline(replace(cfg, kv_cache_tokens=kv, max_num_batched_tokens=cdiv(P, 4)), "fcfs",
                     make_workload(cfg, num_requests, 1)[0], [P] * num_requests, P)[0]
     needed = num_requests * (2 * P - 1)
     return dict(requests=num_requests, prompt_len=P, max_tokens=P, kv_cache_tokens=kv,
+                max_num_batched_tokens=cdiv(P, 4),
                 tokens_needed=needed, ratio=r["tokens_computed"] / needed, **{k: r[k] for k in (
                     "tokens_computed", "preemptions", "output_tokens", "steps", "wall_s")})
 
@@ -343,8 +343,7 @@ def table(title: str, header: list, rows: list[list]) -> str:
 def report(result: dict) -> str:
     """Every table, in markdown."""
     cfg, off, hw = result["config"], result["offline"], result["hardware"]
-    smp, kv = hw["sampling"], hw["tight_kv"]
-    x = lambda r: "-" if r is None else f"{r:.2f}x"  # noqa: E731
+    smp, kv, x = hw["sampling"], hw["tight_kv"], lambda r: "-" if r is None else f"{r:.2f}x"
     ms = lambda s: " / ".join("-" if v is None else f"{v * 1e3:.0f}"  # noqa: E731
                               for v in s.values())
     return "\n\n".join([
@@ -380,7 +379,8 @@ def report(result: dict) -> str:
              "sampling_tensors + sample(); sample() alone",
              f"{smp['sample_ms']:.3f}; {smp['sample_only_ms']:.3f} ms"],
             [f"{kv['requests']} x {kv['prompt_len']} + {kv['max_tokens']} tokens, fcfs, "
-             f"{kv['kv_cache_tokens']}-token KV: tokens computed / needed, preemptions",
+             f"{kv['kv_cache_tokens']}-token KV, budget {kv['max_num_batched_tokens']}: tokens "
+             "computed / needed, preemptions",
              f"{kv['tokens_computed']} / {kv['tokens_needed']} = {kv['ratio']:.2f}x, "
              f"{kv['preemptions']}"]]),
         table("Targets", ["target", "goal", "measured", "met"],

@@ -24,7 +24,7 @@ import torch
 from kernels import (AttentionMetadata, SamplingTensors, keep_freed_memory, sample,
                      select_attention)
 from model import PRESETS, Detokenizer, load_model
-from paged_cache import BlockAllocator, BlockTable, allocate_kv_cache, cdiv
+from paged_cache import BlockTable, allocate_kv_cache, cdiv
 from scheduler import POLICIES, Scheduler, Sequence, SequenceStatus
 
 KV_CACHE_BYTES = 1 << 30  # the default KV cache's memory budget: 1 GiB
@@ -494,9 +494,9 @@ def run_prompts(engine: Engine, args: argparse.Namespace) -> None:
     """Serve every --prompt as one batch; stream each one in turn; a summary, Ctrl-C or not."""
     ids, fields = [], ("temperature", "top_k", "top_p", "stop", "ignore_eos")
     for prompt in args.prompt:
-        num_prompt = len(engine.tokenizer.encode(prompt, allowed_special="all"))
+        left = engine.max_model_len - len(engine.tokenizer.encode(prompt, allowed_special="all"))
         # 200, or what the context leaves (at least 1: too long a prompt then says why)
-        max_tokens = getattr(args, "max_tokens", max(1, min(200, engine.max_model_len - num_prompt)))
+        max_tokens = getattr(args, "max_tokens", max(1, min(200, left)))
         params = SamplingParams(max_tokens, **{name: getattr(args, name) for name in fields})
         ids.append(engine.add_request(prompt, params))
     later = {i: [] for i in ids}  # deltas of the requests after the one being printed

@@ -149,9 +149,9 @@ class Scheduler:
     #    arrival; sjf: shortest remaining job, except that one waiting sjf_max_wait_steps
     #    goes first) while max_num_seqs and the budget allow, giving each as much of its
     #    prompt as the budget has left (a chunk), or none unless all of it fits when
-    #    chunked prefill is off. A sequence is admitted only if, after its blocks, the blocks
-    #    the running sequences need for their next step are still free (the watermark):
-    #    otherwise admitting it would only get it preempted again, its work thrown away.
+    #    chunked prefill is off. A sequence is admitted only if the blocks that it and the
+    #    running sequences need to finish their prompts and take one more token are free
+    #    (a watermark): otherwise admitting it would only get it preempted, its work lost.
     #    Admission stops at the first that does not fit.
     # static (request-level batching) admits only when nothing runs, a whole batch at once.
     def schedule(self) -> dict[Sequence, int]:
@@ -180,7 +180,7 @@ class Scheduler:
         # 2) waiting, in policy order
         while len(self.running) < self.max_num_seqs and (seq := self.waiting.peek(self.num_steps)):
             num_new = self._num_new_tokens(seq, budget)
-            if num_new == 0 or not self._fits_above_watermark(seq, num_new, scheduled):
+            if num_new == 0 or not self._fits_above_watermark(seq):
                 break
             seq.block_table.ensure(seq.num_computed_tokens + num_new)
             self.waiting.remove(seq)
@@ -195,14 +195,12 @@ class Scheduler:
             return 0
         return min(seq.num_uncomputed_tokens, budget)
 
-    def _fits_above_watermark(self, seq: Sequence, num_new: int, scheduled: dict) -> bool:
-        """Whether seq's blocks for num_new tokens, plus the blocks every running sequence
-        needs for its next step (one more token after this step's), are free."""
-        watermark = sum(s.block_table.num_missing_blocks(s.num_computed_tokens
-                                                         + scheduled.get(s, 0) + 1)
-                        for s in self.running)
-        needed = seq.block_table.num_missing_blocks(seq.num_computed_tokens + num_new)
-        return self.allocator.can_allocate(needed + watermark)
+    def _fits_above_watermark(self, seq: Sequence) -> bool:
+        """Whether the blocks that seq and every running sequence need to compute all the
+        tokens they have and then one more (the rest of a prompt, then the next decode) are
+        free: a sequence admitted on its first chunk alone would be preempted by the others'."""
+        return self.allocator.can_allocate(sum(s.block_table.num_missing_blocks(
+            len(s.token_ids) + 1) for s in (seq, *self.running)))
 
     def _admit_static_batch(self) -> None:
         while len(self.running) < self.max_num_seqs and (seq := self.waiting.peek(self.num_steps)):
