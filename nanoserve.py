@@ -96,7 +96,8 @@ class SamplingParams:
 @dataclass
 class EngineConfig:
     """How the engine is built, with vLLM's argument names where vLLM has one."""
-    model: str | None = option(None, "checkpoint dir or gpt2[-medium|-large|-xl]", type=str)
+    model: str | None = option(None, "checkpoint dir or gpt2[-medium|-large|-xl]; none: the "
+                               "shipped Shakespeare model", type=str)
     preset: str | None = option(None, "random seeded weights of a shape", choices=list(PRESETS))
     device: str = option("cuda" if torch.cuda.is_available() else "cpu", "cpu, cuda or cuda:N")
     dtype: str = option("auto", "auto: float32 on CPU, bfloat16 on CUDA", choices=["auto", *DTYPES])
