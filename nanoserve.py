@@ -3,8 +3,8 @@
 `Engine.step()` is the serving algorithm, one iteration at a time: schedule (which tokens of
 which sequences run now), execute (build the inputs, run the model once over all of them,
 sample a token for each sequence whose prompt is fully computed), update (advance, append,
-detokenize, finish and free). LLM.generate and the command line are a loop over step().
-The offline API has vLLM's shape and argument names, so moving to vLLM is an import away:
+detokenize, finish and free). The rest loops over step(). The offline API has vLLM's shape and
+argument names, so moving to vLLM is an import away:
 
     from nanoserve import LLM, SamplingParams
     outputs = LLM().generate(["ROMEO:"], SamplingParams(max_tokens=64, temperature=0))
@@ -40,32 +40,33 @@ def check_int(name: str, value, low: int) -> None:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
-def option(default, help: str, low: float = 1, high: float = math.inf, open_low: bool = False,
-           **argparse_kwargs):
+def option(default, help: str, low=1, high=math.inf, open_low=False, **argparse_kwargs):
     """A config field that is also a flag: default, help, type, choices and range, only here."""
-    return field(default=default, metadata=dict(help=help, low=low, high=high,
-                                                open_low=open_low, **argparse_kwargs))
+    return field(default=default, metadata=dict(help=help, low=low, high=high, open_low=open_low,
+                                                **argparse_kwargs))
 
 
 def check_fields(config) -> None:
-    """ValueError naming the first option() field out of its type, choices or range (a bool
+    """ValueError naming the first option() field out of its choices, type or range (a bool
     is not a number; NaN and inf are never in range)."""
     for f in dataclasses.fields(config):
         value, meta = getattr(config, f.name), f.metadata
         kind = meta.get("type") or type(f.default)
         if value is None and f.default is None:
             continue
-        if "choices" in meta and value not in meta["choices"]:
-            raise ValueError(f"unknown {f.name} {value!r}; choose one of "
-                             f"{', '.join(map(str, meta['choices']))}")
-        if kind is int:
+        if "choices" in meta:
+            if value not in meta["choices"]:
+                raise ValueError(f"unknown {f.name} {value!r}; choose one of "
+                                 f"{', '.join(map(str, meta['choices']))}")
+        elif kind is int:
             check_int(f.name, value, meta["low"])
-        elif kind is float and not (type(value) in (int, float) and math.isfinite(value) and (
-                value > meta["low"] if meta["open_low"] else value >= meta["low"])
-                and value <= meta["high"]):
-            raise ValueError(f"{f.name} must be a number in {'(' if meta['open_low'] else '['}"
-                             f"{meta['low']}, {meta['high']}], got {value!r}")
-        elif kind is not float and type(value) is not kind and "choices" not in meta:
+        elif kind is float:
+            low, high, open_low = meta["low"], meta["high"], meta["open_low"]
+            number = type(value) in (int, float) and math.isfinite(value)
+            if not (number and (value > low if open_low else value >= low) and value <= high):
+                raise ValueError(f"{f.name} must be a number in {'(' if open_low else '['}{low}, "
+                                 f"{high}], got {value!r}")
+        elif type(value) is not kind:
             raise ValueError(f"{f.name} must be a {kind.__name__}, got {value!r}")
 
 
@@ -239,8 +240,9 @@ class Engine:
             torch.Generator(self.config.device).manual_seed(params.seed)
         seq = Sequence(request_id, text, token_ids, params, BlockTable(self.allocator),
                        generator, Detokenizer(self.tokenizer, params.stop))
-        self.seqs[request_id] = seq
-        self.scheduler.add(seq)
+        with self._lock:  # abort() may run on another thread
+            self.seqs[request_id] = seq
+            self.scheduler.add(seq)
         self.stats.num_prompt_tokens += len(token_ids)
         return request_id
 
@@ -450,11 +452,6 @@ class LLM:
 
 # ----------------------------------------------------------------------------- command line
 
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump: "error: ...", exit status 2
-        self.exit(2, f"error: {message}\n")
-
-
 def add_config_args(parser, cls, skip=()) -> None:
     """One flag per option() field of the dataclass `cls`, all of it from the field."""
     for f in dataclasses.fields(cls):
@@ -471,8 +468,9 @@ def add_config_args(parser, cls, skip=()) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = ArgumentParser(description="nanoserve: continuous batching over a paged KV cache",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description="nanoserve: continuous batching over a paged KV "
+                                "cache", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.error = lambda message: p.exit(2, f"error: {message}\n")  # one line, no usage dump
     p.add_argument("--prompt", action="append", required=True,
                    help="a prompt; repeat it to serve several together as one batch")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
@@ -502,12 +500,14 @@ def run_prompts(engine: Engine, args: argparse.Namespace) -> None:
         ids.append(engine.add_request(prompt, params))
     later = {i: [] for i in ids}  # deltas of the requests after the one being printed
     current, start = 0, time.perf_counter()
-    summary = lambda s=engine.stats: print(  # noqa: E731
-        f"\n\n[{s.num_prompt_tokens} prompt + {s.num_generated_tokens} generated tokens in "
-        f"{time.perf_counter() - start:.2f} s, "
-        f"{s.num_generated_tokens / (time.perf_counter() - start):.1f} tok/s, {s.num_steps} "
-        f"steps, peak batch {s.peak_batch_size}, {engine.scheduler.num_preemptions} "
-        "preemptions]", file=sys.stderr)
+
+    def summary(s=engine.stats):
+        elapsed = time.perf_counter() - start
+        print(f"\n\n[{s.num_prompt_tokens} prompt + {s.num_generated_tokens} generated tokens in "
+              f"{elapsed:.2f} s, {s.num_generated_tokens / elapsed:.1f} tok/s, {s.num_steps} "
+              f"steps, peak batch {s.peak_batch_size}, {engine.scheduler.num_preemptions} "
+              "preemptions]", file=sys.stderr)
+
     print(args.prompt[0].translate(VISIBLE), end="", flush=True)
     try:
         while engine.has_unfinished():
