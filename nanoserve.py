@@ -10,10 +10,13 @@ argument names, so moving to vLLM is an import away:
     outputs = LLM().generate(["ROMEO:"], SamplingParams(max_tokens=64, temperature=0))
 """
 import argparse
+import codecs
 import dataclasses
 import itertools
+import json
 import math
 import os
+import queue
 import sys
 import threading
 import time
@@ -435,19 +438,24 @@ class LLM:
                 ids.append(self.engine.add_request(prompt, p))
             while any(i not in whole or not whole[i].finished for i in ids):
                 for delta in self.engine.step():
-                    if delta.request_id not in whole:
-                        whole[delta.request_id] = delta
-                        continue
-                    out, new = whole[delta.request_id].outputs[0], delta.outputs[0]
-                    out.text, out.token_ids = out.text + new.text, out.token_ids + new.token_ids
-                    out.finish_reason, out.stop_reason = new.finish_reason, new.stop_reason
-                    whole[delta.request_id].finished = delta.finished
+                    accumulate(whole, delta)
         except BaseException:  # all or nothing: a failed or interrupted batch leaves nothing
             for request_id in ids:
                 self.engine.abort(request_id, "withdrawn: generate() did not finish")
             self.engine.step()
             raise
         return [whole[i] for i in ids]
+
+
+def accumulate(whole: dict[str, RequestOutput], delta: RequestOutput) -> None:
+    """Add a delta output to its request's whole output so far, kept in `whole` by request id."""
+    if delta.request_id not in whole:
+        whole[delta.request_id] = delta
+        return
+    out, new = whole[delta.request_id].outputs[0], delta.outputs[0]
+    out.text, out.token_ids = out.text + new.text, out.token_ids + new.token_ids
+    out.finish_reason, out.stop_reason = new.finish_reason, new.stop_reason
+    whole[delta.request_id].finished = delta.finished
 
 
 # ----------------------------------------------------------------------------- command line
@@ -471,8 +479,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="nanoserve: continuous batching over a paged KV "
                                 "cache", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.error = lambda message: p.exit(2, f"error: {message}\n")  # one line, no usage dump
-    p.add_argument("--prompt", action="append", required=True,
-                   help="a prompt; repeat it to serve several together as one batch")
+    p.add_argument("--prompt", action="append", help="a prompt; repeat it to serve several "
+                   "together as one batch; none: prompts from stdin (at a terminal, a REPL)")
+    p.add_argument("--jsonl", action="store_true", help="stdin and stdout: a JSON object a "
+                   "line; prompt and SamplingParams fields in; text, token ids, finish out")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                    help="torch CPU threads: half the cores, so a busy core does not stall steps")
     g = p.add_argument_group("sampling (SamplingParams, with the command line's own defaults)")
@@ -489,15 +499,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 VISIBLE = {c: f"\\x{c:02x}" for c in [*range(32), *range(127, 160)] if c not in (9, 10)}
 
 
+def cli_params(engine: Engine, args: argparse.Namespace, prompt, **fields) -> SamplingParams:
+    """The command line's sampling for a prompt, `fields` first; max_tokens: --max-tokens, or
+    200, or what the context leaves (at least 1: a prompt too long then says why)."""
+    ids = engine.tokenizer.encode(prompt, allowed_special="all") if isinstance(prompt, str) \
+        else prompt
+    left = engine.max_model_len - len(ids)
+    params = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p", "stop",
+                                                     "ignore_eos")}
+    return SamplingParams(**params | dict(max_tokens=getattr(
+        args, "max_tokens", max(1, min(200, left)))) | fields)
+
+
 def run_prompts(engine: Engine, args: argparse.Namespace) -> None:
     """Serve every --prompt as one batch; stream each one in turn; a summary, Ctrl-C or not."""
-    ids, fields = [], ("temperature", "top_k", "top_p", "stop", "ignore_eos")
-    for prompt in args.prompt:
-        left = engine.max_model_len - len(engine.tokenizer.encode(prompt, allowed_special="all"))
-        # 200, or what the context leaves (at least 1: too long a prompt then says why)
-        max_tokens = getattr(args, "max_tokens", max(1, min(200, left)))
-        params = SamplingParams(max_tokens, **{name: getattr(args, name) for name in fields})
-        ids.append(engine.add_request(prompt, params))
+    ids = [engine.add_request(prompt, cli_params(engine, args, prompt)) for prompt in args.prompt]
     later = {i: [] for i in ids}  # deltas of the requests after the one being printed
     current, start = 0, time.perf_counter()
 
@@ -527,6 +543,111 @@ def run_prompts(engine: Engine, args: argparse.Namespace) -> None:
     summary()
 
 
+def run_stdin(engine: Engine, args: argparse.Namespace) -> None:
+    """Piped stdin: each line is submitted as it is read, all served as one continuous batch;
+    each completion is printed whole, in input order, an error in its place (--jsonl: a JSON
+    object a line in and out, an error as {"error": ...}; else errors go to stderr)."""
+    lines, whole, where, results, printed, eof = queue.Queue(), {}, {}, [], 0, False
+    threading.Thread(target=lambda: [*map(lines.put, sys.stdin), lines.put(None)],
+                     daemon=True).start()
+    while not eof or engine.has_unfinished():
+        while not eof:  # take the lines that have arrived; wait for one only when idle
+            try:
+                line = lines.get(block=not engine.has_unfinished())
+            except queue.Empty:
+                break
+            if not (eof := line is None):
+                results.append(submit_line(engine, args, line, where, len(results)))
+        for delta in engine.step():
+            accumulate(whole, delta)
+            if delta.finished:
+                results[where.pop(delta.request_id)] = whole.pop(delta.request_id)
+        for result in results[printed:]:
+            if result is None:
+                break
+            printed += 1
+            print_result(result, args.jsonl)
+
+
+def submit_line(engine: Engine, args: argparse.Namespace, line: str, where: dict, i: int):
+    """Queue line i's request (where[request_id] = i): None, or the error, as a string."""
+    try:
+        fields = json.loads(line) if args.jsonl else {"prompt": line.rstrip("\r\n")}
+        if not isinstance(fields, dict) or "prompt" not in fields:
+            raise ValueError('a line must be a JSON object with a "prompt"')
+        prompt = fields.pop("prompt")
+        where[engine.add_request(prompt, cli_params(engine, args, prompt, **fields))] = i
+    except (ValueError, TypeError) as e:  # TypeError: a field SamplingParams does not have
+        return f"line {i + 1}: {e}"
+
+
+def print_result(result: RequestOutput | str, jsonl: bool) -> None:
+    out = None if isinstance(result, str) else result.outputs[0]
+    if jsonl:
+        print(json.dumps({"error": result} if out is None else dict(
+            prompt=result.prompt, text=out.text, token_ids=out.token_ids,
+            finish_reason=out.finish_reason, stop_reason=out.stop_reason)), flush=True)
+    elif out is None:
+        print(f"error: {result}", file=sys.stderr)
+    else:
+        print(((result.prompt or "") + out.text).translate(VISIBLE), end="\n\n", flush=True)
+
+
+REPL_HELP = ("/set NAME VALUE sets a sampling field (max_tokens, temperature, top_k, top_p, "
+             "seed, stop, ignore_eos; /set NAME alone resets it), /help, /quit.\nCtrl-C stops "
+             "a completion; at the prompt, Ctrl-C or Ctrl-D ends.")
+
+
+def run_terminal(engine: Engine, args: argparse.Namespace) -> None:
+    """At a terminal: each line is a prompt whose completion streams as it is generated."""
+    settings = {}
+    print(REPL_HELP)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            return print()
+        if line.startswith("/"):
+            if line.strip() == "/quit":
+                return
+            print(repl_command(line, settings, engine, args))
+            continue
+        try:
+            request_id = engine.add_request(line, cli_params(engine, args, line, **settings))
+        except ValueError as e:
+            print(f"error: {e}")
+            continue
+        try:
+            while engine.has_unfinished():
+                for out in engine.step():
+                    print(out.outputs[0].text.translate(VISIBLE), end="", flush=True)
+        except KeyboardInterrupt:  # stop this completion, free its blocks, back to the prompt
+            engine.abort(request_id, "interrupted")
+            engine.step()
+            print("\n[interrupted]", end="")
+        print()
+
+
+def repl_command(line: str, settings: dict, engine: Engine, args: argparse.Namespace) -> str:
+    """/set NAME [VALUE] or /help: the reply. A value is JSON (0.7, 5, true, null); stop's is
+    a string with escapes (/set stop \\n\\n)."""
+    command, name, value = (line.split(maxsplit=2) + ["", ""])[:3]
+    if command == "/help":
+        return REPL_HELP + "\nnow: " + ", ".join(f"{k}={v!r}" for k, v in settings.items())
+    if command != "/set" or name not in {f.name for f in dataclasses.fields(SamplingParams)}:
+        return f"error: unknown command {line!r}; /help lists them"
+    if not value:
+        settings.pop(name, None)
+        return f"{name} reset"
+    try:
+        parsed = [codecs.decode(value, "unicode_escape")] if name == "stop" else json.loads(value)
+        cli_params(engine, args, "", **settings | {name: parsed})  # validates
+    except (ValueError, TypeError) as e:
+        return f"error: {e}"
+    settings[name] = parsed
+    return f"{name} = {parsed!r}"
+
+
 def main(argv=None) -> None:
     """Errors: one "error: ..." line, status 2. Ctrl-C: status 130. A closed stdout: quiet."""
     args = parse_args(argv)
@@ -535,7 +656,13 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
         config = EngineConfig(**{f.name: getattr(args, f.name)
                                  for f in dataclasses.fields(EngineConfig)})
-        run_prompts(Engine(config), args)
+        engine = Engine(config)
+        if args.prompt:
+            run_prompts(engine, args)
+        elif sys.stdin.isatty() and not args.jsonl:
+            run_terminal(engine, args)
+        else:
+            run_stdin(engine, args)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no 2nd error at exit
         sys.exit(1)

@@ -1064,9 +1064,8 @@ def test_cli_runs_are_reproducible_and_seeded(capsys):
     (["--model", "/nonexistent"], "neither a checkpoint directory"),
     (["--threads", "0"], "--threads must be an integer >= 1"),
     (["--prompt", "x" * 1100], "the model's context is 256"),
-    ([], "the following arguments are required: --prompt"),
 ], ids=["top-p", "nan", "max-tokens", "float-int", "device", "block-size", "model", "threads",
-        "too-long", "no-prompt"])
+        "too-long"])
 def test_cli_reports_bad_input_in_one_line(capsys, args, message):
     status, out, err = nanoserve_main(capsys, *(["--prompt", "x"] if args and "--prompt" not in
                                                 args else []), *args)
@@ -1129,6 +1128,84 @@ def test_cli_says_once_that_triton_on_a_cpu_is_interpreted():
     run = nanoserve_cli("--preset", "tiny", "--prompt", "x", "--prompt", "y", "--max-tokens", "2",
                         "--attention", "triton")
     assert run.returncode == 0 and run.stderr.count("interpreter") == 1, run.stderr
+
+
+# ----------------------------------------------------------------------------- REPL
+
+def test_piped_lines_print_whole_completions_in_input_order(capsys, monkeypatch):
+    prompts = ["ROMEO:", "JULIET:", "KING:"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(prompts[:2] + [""] + prompts[2:])))
+    status, out, err = nanoserve_main(capsys, "--max-tokens", "30", "--temperature", "0")
+    want = LLM().generate(prompts, SamplingParams(max_tokens=30, temperature=0))
+    assert status == 0 and out == "".join(p + o.outputs[0].text + "\n\n"
+                                          for p, o in zip(prompts, want))
+    assert err == "error: line 3: prompt is empty: it needs at least one token\n"
+
+
+def test_jsonl_answers_every_line_in_order(capsys, monkeypatch):
+    lines = ['{"prompt": "ROMEO:", "max_tokens": 12, "temperature": 0}', "not json",
+             '{"prompt": "KING:", "max_tokens": 20, "temperature": 0, "stop": ["e"]}',
+             '{"prompt": "x", "foo": 1}', '{"prompt": "x", "temperature": NaN}',
+             '{"prompt": [75, 73], "max_tokens": 5, "temperature": 0}']
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
+    status, out, _ = nanoserve_main(capsys, "--jsonl")
+    got = [json.loads(line) for line in out.splitlines()]
+    llm = LLM()
+    for i in (0, 2, 5):
+        fields = json.loads(lines[i])
+        want = llm.generate(fields.pop("prompt"), SamplingParams(**fields))[0].outputs[0]
+        assert (got[i]["text"], got[i]["token_ids"], got[i]["finish_reason"]) == (
+            want.text, want.token_ids, want.finish_reason)
+    assert [set(r) for r in got[1:5:2]] == [{"error"}] * 2
+    assert "unexpected keyword argument 'foo'" in got[3]["error"]
+    assert got[4] == {"error": "line 5: temperature must be a number in [0, inf], got nan"}
+    assert status == 0 and got[2]["stop_reason"] == "e" and got[5]["prompt"] is None
+
+
+def test_repl_at_a_terminal_streams_sets_and_stops_on_ctrl_c():
+    import pty
+    import select
+    import time
+    pid, fd = pty.fork()
+    if pid == 0:  # the child, with the pseudo-terminal as its controlling terminal
+        os.chdir(HERE)
+        os.execv(sys.executable, [sys.executable, "nanoserve.py", "--preset", "tiny"])
+    seen = b""
+
+    def expect(text: str, timeout: float = 60) -> None:
+        nonlocal seen
+        deadline = time.time() + timeout
+        while text.encode() not in seen:
+            ready, _, _ = select.select([fd], [], [], max(0, deadline - time.time()))
+            assert ready, f"no {text!r} in {seen[-500:]!r}"
+            seen += os.read(fd, 4096)
+        seen = seen[seen.index(text.encode()) + len(text):]
+
+    def send(line: str, answer: str) -> None:
+        os.write(fd, line.encode())
+        expect(answer)
+    try:
+        expect("> ")
+        send("/set temperature 0\n", "temperature = 0")
+        send("/set top_p 2\n", "error: top_p must be a number in (0, 1], got 2")
+        send("/bogus\n", "error: unknown command")
+        send("/set max_tokens 1000\n", "max_tokens = 1000")
+        send("/set ignore_eos true\n", "ignore_eos = True")
+        send("Hello\n", "Hello\r\n")
+        expect("\\x", timeout=30)  # generating (random weights: escaped bytes)
+        os.write(fd, b"\x03")  # Ctrl-C: the line discipline sends SIGINT
+        expect("[interrupted]")
+        send("/set max_tokens 3\n", "max_tokens = 3")
+        send("/help\n", "max_tokens=3")
+        send("Hi\n", "> ")  # a completion after the interrupted one runs to its end
+        os.write(fd, b"/quit\n")
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- bench.py
