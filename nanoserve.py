@@ -349,6 +349,7 @@ class Engine:
                     seq.detokenizer.flush()
                 outputs.append(self._output(seq))
             except Exception as e:  # noqa: BLE001 (this request alone fails)
+                seq.detokenizer = Detokenizer(self.tokenizer, [])  # not the one that failed
                 self._abort(seq, f"error: {type(e).__name__}: {e}")
                 outputs.append(self._final_outputs.pop())
         self.stats.record(scheduled, len(out.seqs))

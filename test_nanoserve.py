@@ -709,12 +709,13 @@ def test_a_failing_request_fails_alone(alone, monkeypatch):
     assert_no_leaks(engine)
 
 
-def test_a_request_failing_in_update_fails_alone(alone):
+@pytest.mark.parametrize("method", ["append", "new_text"])
+def test_a_request_failing_in_update_fails_alone(alone, method):
     engine = tiny().engine
     for i, p in enumerate(PROMPTS[:3]):
         engine.add_request(p, GREEDY, str(i))
     deltas = run_to_end(engine, steps=1)
-    engine.seqs["1"].detokenizer.append = lambda token: 1 / 0
+    setattr(engine.seqs["1"].detokenizer, method, lambda *args: 1 / 0)
     run_to_end(engine, deltas)
     assert deltas["1"][-1].outputs[0].stop_reason == "error: ZeroDivisionError: division by zero"
     assert [sum((d.outputs[0].token_ids for d in deltas[i]), []) for i in "02"] == \
