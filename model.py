@@ -375,7 +375,10 @@ def save_checkpoint(model: GPT, path: str, dtype=torch.float16) -> None:
 # ----------------------------------------------------------------------------- training
 
 def train(args) -> None:
-    """Train a byte-level GPT-2 on a text file (--seq-len is also the model's context length)."""
+    """Train a byte-level GPT-2 on a text file (--seq-len is also the model's context length).
+
+    With --short-steps N, the first N steps train on --short-seq-len windows (as many bytes a
+    step): a long context learns faster once short-range statistics are in place."""
     torch.manual_seed(args.seed)
     with open(args.train, encoding="utf-8") as f:
         text = f.read()
@@ -400,8 +403,13 @@ def train(args) -> None:
             break
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        starts = torch.randint(len(train_data) - args.seq_len - 1, (args.batch_size,))
-        windows = torch.stack([train_data[i:i + args.seq_len + 1] for i in starts])
+        seq_len = args.seq_len if step >= args.short_steps else args.short_seq_len
+        if step == args.short_steps > 0:  # positions never trained start as the last trained one
+            wpe = model.transformer.wpe.weight.data
+            wpe[args.short_seq_len:] = wpe[args.short_seq_len - 1]
+        batch_size = args.batch_size * args.seq_len // seq_len
+        starts = torch.randint(len(train_data) - seq_len - 1, (batch_size,))
+        windows = torch.stack([train_data[i:i + seq_len + 1] for i in starts])
         x, y = windows[:, :-1], windows[:, 1:]
         loss = F.cross_entropy(model.forward_dense(x).flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
@@ -440,7 +448,8 @@ if __name__ == "__main__":
     p.add_argument("--out", default=os.path.join("checkpoints", "trained"),
                    help="checkpoint directory to write; serve it with --model DIR")
     for flag, default in [("--steps", 1200), ("--batch-size", 32), ("--seq-len", 256),
-                          ("--n-layer", 6), ("--n-head", 6), ("--n-embd", 192), ("--lr", 2e-3),
+                          ("--short-steps", 0), ("--short-seq-len", 256), ("--n-layer", 6), ("--n-head", 6),
+                          ("--n-embd", 192), ("--lr", 2e-3),
                           ("--warmup", 100), ("--eval-every", 200), ("--seed", 1337)]:
         p.add_argument(flag, type=type(default), default=default, help="(default: %(default)s)")
     train(p.parse_args())

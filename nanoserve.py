@@ -17,10 +17,12 @@ import json
 import math
 import os
 import queue
+import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
@@ -33,14 +35,16 @@ from scheduler import POLICIES, Scheduler, Sequence, SequenceStatus
 KV_CACHE_BYTES = 1 << 30  # the default KV cache's memory budget: 1 GiB
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 GREEDY_BELOW = 1e-5       # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+MAX_LOGPROBS = 20         # top log-probabilities per token at most (vLLM's max_logprobs)
 
 
 # ----------------------------------------------------------------------------- configuration
 
-def check_int(name: str, value, low: int) -> None:
-    """ValueError naming `name` unless value is an int (a bool is not) in [low, 2**64)."""
-    if type(value) is not int or not low <= value < 2**64:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+def check_int(name: str, value, low: int, high=2**64 - 1) -> None:
+    """ValueError naming `name` unless value is an int (a bool is not) in [low, high]."""
+    if type(value) is not int or not low <= value <= high:
+        bounds = f">= {low}" if high == 2**64 - 1 else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be an integer {bounds}, got {value!r}")
 
 
 def option(default, help: str, low=1, high=math.inf, open_low=False, **argparse_kwargs):
@@ -62,7 +66,7 @@ def check_fields(config) -> None:
                 raise ValueError(f"unknown {f.name} {value!r}; choose one of "
                                  f"{', '.join(map(str, meta['choices']))}")
         elif kind is int:
-            check_int(f.name, value, meta["low"])
+            check_int(f.name, value, meta["low"], min(meta["high"], 2**64 - 1))
         elif kind is float:
             low, high, open_low = meta["low"], meta["high"], meta["open_low"]
             number = type(value) in (int, float) and math.isfinite(value)
@@ -85,6 +89,10 @@ class SamplingParams:
                               low=0, type=int)
     stop: list[str] | None = option(None, "stop before any of these strings", type=list)
     ignore_eos: bool = option(False, "keep going after <|endoftext|>")
+    logprobs: int | None = option(None, "each output token's log-probability and the top k",
+                                  low=0, high=MAX_LOGPROBS, type=int)
+    prompt_logprobs: int | None = option(None, "each prompt token's log-probability and the "
+                                         "top k", low=0, high=MAX_LOGPROBS, type=int)
 
     def __post_init__(self):
         try:  # a string, or any iterable of strings, read once here (a generator is used up)
@@ -150,6 +158,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None       # "stop", "length", "abort" or None while running
     stop_reason: str | None = None  # the stop string that ended it, or why it was aborted
+    logprobs: list[dict[int, float]] | None = None  # per token: its log-probability, the top k
 
 
 @dataclass
@@ -159,6 +168,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # in a request's first output
 
 
 # ----------------------------------------------------------------------------- engine
@@ -171,6 +181,9 @@ class Batch:
     meta: AttentionMetadata
     sample_rows: torch.Tensor       # (n,): the last row of each sequence that samples
     sample_seqs: list[Sequence]     # the sequences whose prompt is now fully computed
+    prompt_rows: torch.Tensor       # (m,): rows whose next token is a prompt token to score
+    prompt_targets: torch.Tensor    # (m,): those next tokens
+    prompt_seqs: list[Sequence]     # (m,): their sequences
 
 
 @dataclass
@@ -178,6 +191,8 @@ class ModelOutput:  # execute(): one sampled token per sequence whose prompt is 
     seqs: list[Sequence]
     logits: torch.Tensor            # (len(seqs), vocab) fp32
     token_ids: list[int]
+    logprobs: list[dict | None] = field(default_factory=list)        # per seq, if it asked
+    prompt_logprobs: list[tuple[Sequence, dict]] = field(default_factory=list)
 
 
 @dataclass
@@ -243,6 +258,7 @@ class Engine:
             torch.Generator(self.config.device).manual_seed(params.seed)
         seq = Sequence(request_id, text, token_ids, params, BlockTable(self.allocator),
                        generator, Detokenizer(self.tokenizer, params.stop))
+        seq.prompt_logprobs = [None] if params.prompt_logprobs is not None else []
         with self._lock:  # abort() may run on another thread
             self.seqs[request_id] = seq
             self.scheduler.add(seq)
@@ -318,10 +334,26 @@ class Engine:
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.k_cache,
                             self.v_cache, self.attention)
         logits = self.model.compute_logits(hidden[batch.sample_rows])
-        if not batch.sample_seqs:
-            return ModelOutput([], logits, [])
-        token_ids = sample(logits, self.sampling_tensors(batch.sample_seqs), self.generator)
-        return ModelOutput(batch.sample_seqs, logits, token_ids.tolist())  # the step's one sync
+        token_ids = sample(logits, self.sampling_tensors(batch.sample_seqs), self.generator) \
+            if batch.sample_seqs else batch.prompt_targets[:0]
+        seqs = batch.sample_seqs + batch.prompt_seqs
+        wants = [(s.params.logprobs if i < len(logits) else s.params.prompt_logprobs)
+                 for i, s in enumerate(seqs)]
+        if all(k is None for k in wants):
+            return ModelOutput(seqs, logits, token_ids.tolist(), [None] * len(seqs))  # the sync
+        # the model's own log-softmax (before temperature, top-k, top-p), as vLLM returns it
+        logprobs = torch.cat([logits, self.model.compute_logits(hidden[batch.prompt_rows])]
+                             ).log_softmax(dim=-1)
+        targets = torch.cat([token_ids, batch.prompt_targets])[:, None]
+        top = logprobs.topk(k := max(k or 0 for k in wants), dim=-1)
+        rows = torch.cat([targets.float(), logprobs.gather(1, targets), top.values,
+                          top.indices.float()], dim=1).tolist()  # the step's one sync
+        entries = [None if want is None else {int(r[0]): r[1]} | dict(
+                   zip(map(int, r[2 + k:2 + k + want]), r[2:2 + want]))
+                   for r, want in zip(rows, wants)]
+        n = len(batch.sample_seqs)
+        return ModelOutput(batch.sample_seqs, logits, [int(r[0]) for r in rows[:n]],
+                           entries[:n], list(zip(batch.prompt_seqs, entries[n:])))
 
     def _execute_one_at_a_time(self, scheduled: dict[Sequence, int]) -> ModelOutput:
         """The batch failed: run each sequence alone; abort those that fail alone."""
@@ -332,13 +364,17 @@ class Engine:
             except Exception as e:  # noqa: BLE001
                 del scheduled[seq]
                 self._abort(seq, f"error: {type(e).__name__}: {e}")
-        return ModelOutput([s for o in outs for s in o.seqs],
-                           torch.cat([o.logits for o in outs]) if outs else None,
-                           [t for o in outs for t in o.token_ids])
+        cat = lambda name: [x for o in outs for x in getattr(o, name)]  # noqa: E731
+        return ModelOutput(cat("seqs"), torch.cat([o.logits for o in outs]) if outs else None,
+                           cat("token_ids"), cat("logprobs"), cat("prompt_logprobs"))
 
     def _update(self, scheduled: dict[Sequence, int], out: ModelOutput) -> list[RequestOutput]:
         """The scheduler advances and appends; then detokenize, stop strings, outputs."""
         self.scheduler.update(scheduled, dict(zip(out.seqs, out.token_ids)))
+        for seq, entry in out.prompt_logprobs:
+            seq.prompt_logprobs.append(entry)
+        for seq, entry in zip(out.seqs, out.logprobs):
+            seq.logprobs += [entry] if entry is not None else []
         outputs = []
         for seq in out.seqs:
             try:
@@ -358,20 +394,23 @@ class Engine:
     def _output(self, seq: Sequence) -> RequestOutput:
         """The request's delta since its last output; a finished request leaves the engine."""
         finished = seq.is_finished
-        new_token_ids = seq.token_ids[len(seq.prompt_token_ids) + seq.num_sent_tokens:]
+        first, sent = seq.num_sent_tokens == 0, seq.num_sent_tokens
+        new_token_ids = seq.token_ids[len(seq.prompt_token_ids) + sent:]
         seq.num_sent_tokens = seq.num_output_tokens
         completion = CompletionOutput(0, seq.detokenizer.new_text(finished), new_token_ids,
-                                      seq.status.value if finished else None, seq.stop_reason)
+                                      seq.status.value if finished else None, seq.stop_reason,
+                                      None if seq.params.logprobs is None else seq.logprobs[sent:])
         if finished:
             self.seqs.pop(seq.seq_id, None)
         return RequestOutput(seq.seq_id, seq.prompt, list(seq.prompt_token_ids), [completion],
-                             finished)
+                             finished, list(seq.prompt_logprobs) if first and seq.prompt_logprobs
+                             else None)
 
     def _prepare(self, scheduled: dict[Sequence, int]) -> Batch:
         """The step's inputs, sent to the device in one pinned, non-blocking copy; block tables
         are cdiv(max_model_len, block_size) wide, so the kernel is specialised only once."""
         input_ids, positions, slots, starts, tables, context_lens = [], [], [], [0], [], []
-        sample_rows, sample_seqs = [], []
+        sample_rows, sample_seqs, prompt_rows, prompt_targets, prompt_seqs = [], [], [], [], []
         width = cdiv(self.max_model_len, self.config.block_size)
         for seq, num_new in scheduled.items():
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
@@ -384,14 +423,20 @@ class Engine:
             if end == len(seq.token_ids):  # the whole prompt is in: sample the next token
                 sample_rows.append(starts[-1] - 1)
                 sample_seqs.append(seq)
+            if seq.params.prompt_logprobs is not None:  # the prompt tokens not yet scored
+                scored = range(max(start, len(seq.prompt_logprobs) - 1),
+                               min(end, len(seq.prompt_token_ids) - 1))
+                prompt_rows += [starts[-2] + p - start for p in scored]
+                prompt_targets += [seq.token_ids[p + 1] for p in scored]
+                prompt_seqs += [seq] * len(scored)
         ints = self._upload([input_ids, positions, slots, tables, context_lens, starts,
-                             sample_rows], torch.int64)
+                             sample_rows, prompt_rows, prompt_targets], torch.int64)
         int32 = lambda t: t.to(torch.int32)  # noqa: E731
         meta = AttentionMetadata(
             slot_mapping=ints[2], block_tables=int32(ints[3]).view(len(scheduled), width),
             context_lens=int32(ints[4]), query_start_loc=int32(ints[5]),
             max_query_len=max(scheduled.values()))
-        return Batch(ints[0], ints[1], meta, ints[6], sample_seqs)
+        return Batch(ints[0], ints[1], meta, ints[6], sample_seqs, ints[7], ints[8], prompt_seqs)
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         """The sampling parameters of the rows that sample, as device tensors (one copy)."""
@@ -455,8 +500,377 @@ def accumulate(whole: dict[str, RequestOutput], delta: RequestOutput) -> None:
         return
     out, new = whole[delta.request_id].outputs[0], delta.outputs[0]
     out.text, out.token_ids = out.text + new.text, out.token_ids + new.token_ids
+    if out.logprobs is not None:
+        out.logprobs = out.logprobs + new.logprobs
     out.finish_reason, out.stop_reason = new.finish_reason, new.stop_reason
     whole[delta.request_id].finished = delta.finished
+
+
+# ----------------------------------------------------------------------------- HTTP server
+
+MAX_BODY_BYTES = 1 << 20  # a larger request body is refused (413)
+MAX_N = 64                # samples of one prompt in one request at most
+BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
+CHAT_TURN_END = "\n\n"    # the chat template ends every turn with a blank line
+NEUTRAL = dict(frequency_penalty=0, presence_penalty=0, repetition_penalty=1, min_tokens=0,
+               best_of=1, logit_bias={}, suffix="", user=None)  # accepted at these values
+
+
+class HTTPError(Exception):
+    """Answered as OpenAI does: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+@dataclass
+class Histogram:  # Prometheus': cumulative counts of observations <= each bucket's bound
+    counts: list = field(default_factory=lambda: [0] * len(BUCKETS))
+    sum: float = 0.0
+    count: int = 0
+
+    def observe(self, x: float) -> None:
+        self.counts = [c + (x <= le) for c, le in zip(self.counts, BUCKETS)]
+        self.sum, self.count = self.sum + x, self.count + 1
+
+
+class EngineThread(threading.Thread):
+    """The one thread that touches the engine: it steps while there is work and blocks on its
+    inbox when idle. Handlers put ("add", (requests, arrival), reply), ("abort", ids, None) and
+    ("metrics", None, reply) there; every delta of a request goes to its reply queue."""
+
+    def __init__(self, engine: Engine):
+        super().__init__(daemon=True)
+        self.engine, self.inbox, self.replies, self.times = engine, queue.Queue(), {}, {}
+        self.histograms = {name: Histogram() for name in (
+            "time_to_first_token_seconds", "time_per_output_token_seconds",
+            "e2e_request_latency_seconds")}
+
+    def run(self) -> None:
+        while True:
+            self._take(block=not self.engine.has_unfinished())
+            for out in self.engine.step():
+                self._observe(out)
+                reply = (self.replies.pop if out.finished else self.replies.get)(out.request_id)
+                reply.put(out)
+
+    def _take(self, block: bool) -> None:
+        while True:
+            try:
+                kind, payload, reply = self.inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if kind == "abort":
+                for request_id in payload:
+                    self.engine.abort(request_id, "the client disconnected")
+            elif kind == "metrics":
+                reply.put(self.metrics())
+            else:
+                reply.put(self._add(*payload, reply))
+
+    def _add(self, requests: list, arrival: float, reply: queue.Queue) -> list[str] | ValueError:
+        """All of one HTTP request's sequences, or none of them and the error."""
+        ids = []
+        try:
+            for prompt, params in requests:
+                ids.append(self.engine.add_request(prompt, params))
+        except ValueError as e:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            self.engine.step()  # their abort outputs, to no one
+            return e
+        for request_id in ids:
+            self.replies[request_id], self.times[request_id] = reply, [arrival, None, 0]
+        return ids
+
+    def _observe(self, out: RequestOutput) -> None:
+        """Time to first token, time per output token after it, end to end, per request."""
+        times, now = self.times[out.request_id], time.perf_counter()  # arrival, first, tokens
+        if times[1] is None and out.outputs[0].token_ids:
+            times[1] = now
+            self.histograms["time_to_first_token_seconds"].observe(now - times[0])
+        times[2] += len(out.outputs[0].token_ids)
+        if not out.finished:
+            return
+        del self.times[out.request_id]
+        self.histograms["e2e_request_latency_seconds"].observe(now - times[0])
+        if times[2] > 1:
+            self.histograms["time_per_output_token_seconds"].observe(
+                (now - times[1]) / (times[2] - 1))
+
+    def metrics(self) -> str:
+        """Prometheus' text format, vLLM's metric names with a nanoserve: prefix."""
+        e, free = self.engine, self.engine.allocator.num_free_blocks
+        values = dict(num_requests_running=("gauge", len(e.scheduler.running)),
+                      num_requests_waiting=("gauge", len(e.scheduler.waiting)),
+                      kv_blocks_used=("gauge", e.allocator.num_blocks - free),
+                      kv_blocks_free=("gauge", free),
+                      prompt_tokens_total=("counter", e.stats.num_prompt_tokens),
+                      generation_tokens_total=("counter", e.stats.num_generated_tokens),
+                      num_preemptions_total=("counter", e.scheduler.num_preemptions))
+        lines = [f"# TYPE nanoserve:{name} {kind}\nnanoserve:{name} {value}"
+                 for name, (kind, value) in values.items()]
+        for name, h in self.histograms.items():
+            lines += [f"# TYPE nanoserve:{name} histogram"] + [
+                f'nanoserve:{name}_bucket{{le="{le}"}} {c}' for le, c in zip(BUCKETS, h.counts)
+            ] + [f'nanoserve:{name}_bucket{{le="+Inf"}} {h.count}', f"nanoserve:{name}_sum "
+                 f"{h.sum}", f"nanoserve:{name}_count {h.count}"]
+        return "\n".join(lines) + "\n"
+
+
+def typed(body: dict, name: str, default, *kinds):
+    """body[name] (absent or null: default); HTTPError 400 unless of one of the JSON kinds."""
+    if (value := body.get(name)) is None:
+        return default
+    if type(value) not in kinds:
+        raise HTTPError(400, f"{name} must be a {' or '.join(k.__name__ for k in kinds)}, got "
+                        f"{value!r}", name)
+    return value
+
+
+def render_chat(messages) -> str:
+    """The chat template for a base model: every turn is "ROLE:\n" + content + a blank line,
+    then "ASSISTANT:\n" for the model to go on; its reply ends at its own blank line."""
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+            and isinstance(m.get("content"), str) for m in messages):
+        raise HTTPError(400, 'messages must be a non-empty list of {"role": "system", "user" or '
+                        '"assistant", "content": a string}', "messages")
+    return "".join(f"{m['role'].upper()}:\n{m['content']}{CHAT_TURN_END}" for m in messages) \
+        + "ASSISTANT:\n"
+
+
+def parse_request(body: dict, engine: Engine, model_name: str, chat: bool) -> tuple[list, dict]:
+    """An OpenAI request -> its sequences [(prompt, SamplingParams)], n for each prompt, and
+    options (stream, include_usage, echo, logprobs); HTTPError 400 for anything wrong."""
+    known = {"model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p",
+             "top_k", "seed", "stop", "ignore_eos", "logprobs"} | ({
+                 "messages", "top_logprobs", "max_completion_tokens"} if chat else {"prompt", "echo"})
+    for name, value in body.items():
+        if name not in known and (name not in NEUTRAL or value not in (None, NEUTRAL[name])):
+            raise HTTPError(400, f"{name} is not supported" + (
+                f" (only {NEUTRAL[name]!r})" if name in NEUTRAL and name != "user" else ""), name)
+    if typed(body, "model", model_name, str) != model_name:
+        raise HTTPError(400, f"model {body['model']!r} is not served here; /v1/models lists "
+                        f"{model_name!r}", "model")
+    options = dict(stream=typed(body, "stream", False, bool), echo=typed(body, "echo", False, bool),
+                   include_usage=typed(typed(body, "stream_options", {}, dict), "include_usage",
+                                       False, bool), chat=chat)
+    n = typed(body, "n", 1, int)
+    fields = {name: body[name] for name in ("max_tokens", "temperature", "top_p", "top_k", "seed",
+                                            "ignore_eos") if body.get(name) is not None}
+    fields["stop"] = typed(body, "stop", [], str, list)
+    if chat:
+        prompts = [render_chat(body.get("messages"))]
+        fields["max_tokens"] = typed(body, "max_completion_tokens", None, int) or fields.get(
+            "max_tokens", max(1, engine.max_model_len - len(engine.tokenizer.encode(prompts[0]))))
+        fields["stop"] = [fields["stop"]] if isinstance(fields["stop"], str) else fields["stop"]
+        fields["stop"] = fields["stop"] + [CHAT_TURN_END]
+        fields["logprobs"] = typed(body, "top_logprobs", 0, int) \
+            if typed(body, "logprobs", False, bool) else None
+    else:
+        prompts = body.get("prompt")
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and type(prompts[0]) is int):
+            prompts = [prompts]
+        if not isinstance(prompts, list) or not prompts:
+            raise HTTPError(400, "prompt must be a string, a list of token ids, or a non-empty "
+                            "list of those", "prompt")
+        fields["logprobs"] = typed(body, "logprobs", None, int)
+        if (fields["logprobs"] or 0) > 5:
+            raise HTTPError(400, f"logprobs must be at most 5, got {fields['logprobs']}", "logprobs")
+        fields["prompt_logprobs"] = fields["logprobs"] if options["echo"] else None
+    options["k"] = fields["logprobs"] or 0
+    try:
+        check_int("n", n, 1, MAX_N)
+        params = SamplingParams(**fields)
+        samples = [params if params.seed is None else dataclasses.replace(
+            params, seed=(params.seed + i) % 2**64) for i in range(n)]
+    except ValueError as e:
+        raise HTTPError(400, str(e), next((f for f in [*fields, "n"] if str(e).startswith(f)),
+                                          None)) from None
+    return [(prompt, p) for prompt in prompts for p in samples], options
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """A token as text; as OpenAI writes it, "bytes:\\xe2\\x80" if it is not UTF-8 alone."""
+    data = tokenizer.decode_single_token_bytes(token_id)
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+def logprobs_json(tokenizer, token_ids: list[int], entries: list, k: int, chat: bool) -> dict:
+    """Per-token log-probabilities in OpenAI's completions or chat shape."""
+    text = lambda t: token_text(tokenizer, t)  # noqa: E731
+    top = [None if e is None else sorted(e.items(), key=lambda x: -x[1])[:k] for e in entries]
+    if chat:
+        item = lambda t, lp: dict(token=text(t), logprob=lp,  # noqa: E731
+                                  bytes=list(tokenizer.decode_single_token_bytes(t)))
+        return dict(content=[item(t, e[t]) | dict(top_logprobs=[item(*x) for x in best])
+                             for t, e, best in zip(token_ids, entries, top)])
+    tokens = [text(t) for t in token_ids]
+    return dict(tokens=tokens, token_logprobs=[e and e[t] for t, e in zip(token_ids, entries)],
+                top_logprobs=[best and {text(t): lp for t, lp in best} for best in top],
+                text_offset=[len(tokenizer.decode(token_ids[:i])) for i in range(len(tokens))])
+
+
+class Handler(BaseHTTPRequestHandler):
+    """OpenAI's API, one thread per connection (ThreadingHTTPServer); every engine call goes
+    through the server's EngineThread."""
+    ROUTES = {"/health": ("GET", "health"), "/v1/models": ("GET", "models"),
+              "/metrics": ("GET", "metrics"), "/v1/completions": ("POST", "completions"),
+              "/v1/chat/completions": ("POST", "chat_completions")}
+
+    def route(self) -> None:
+        path = self.path.split("?")[0]
+        try:
+            if path not in self.ROUTES:
+                raise HTTPError(404, f"no such path: {path}")
+            if self.command != self.ROUTES[path][0]:
+                raise HTTPError(405, f"{path} takes {self.ROUTES[path][0]}, not {self.command}")
+            getattr(self, self.ROUTES[path][1])()
+        except HTTPError as e:
+            self.send_json(e.status, {"error": dict(
+                message=str(e), type="invalid_request_error" if e.status < 500 else "server_error",
+                param=e.param, code=e.status)})
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = route
+
+    def send_json(self, status: int, obj, content_type="application/json") -> None:
+        data = (obj if isinstance(obj, str) else json.dumps(obj)).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def health(self) -> None:
+        self.send_json(200, {"status": "ok"})
+
+    def models(self) -> None:
+        self.send_json(200, dict(object="list", data=[dict(
+            id=self.server.model_name, object="model", created=int(self.server.started),
+            owned_by="nanoserve", max_model_len=self.server.engine_thread.engine.max_model_len)]))
+
+    def metrics(self) -> None:
+        reply = queue.Queue()
+        self.server.engine_thread.inbox.put(("metrics", None, reply))
+        self.send_json(200, reply.get(), "text/plain; version=0.0.4")
+
+    def completions(self, chat=False) -> None:
+        length = self.headers.get("Content-Length", "")
+        if not length.isdigit():
+            raise HTTPError(400, "the request needs a JSON body and its Content-Length")
+        if int(length) > MAX_BODY_BYTES:  # read (up to 16x) first: unread, it resets the socket
+            for _ in range(min(int(length), 16 * MAX_BODY_BYTES) // 65536 + 1):
+                self.rfile.read(65536)
+            raise HTTPError(413, f"the body has {length} bytes; the limit is {MAX_BODY_BYTES}")
+        try:
+            body = json.loads(self.rfile.read(int(length)))
+        except ValueError as e:
+            raise HTTPError(400, f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise HTTPError(400, "the body must be a JSON object")
+        engine_thread, reply = self.server.engine_thread, queue.Queue()
+        requests, options = parse_request(body, engine_thread.engine, self.server.model_name, chat)
+        engine_thread.inbox.put(("add", (requests, time.perf_counter()), reply))
+        if isinstance(ids := reply.get(), ValueError):
+            raise HTTPError(400, str(ids), "messages" if chat else "prompt")
+        head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{ids[0]}", created=int(time.time()),
+                    model=self.server.model_name)
+        (self.stream if options["stream"] else self.whole)(ids, reply, head, options)
+
+    def chat_completions(self) -> None:
+        self.completions(chat=True)
+
+    def whole(self, ids: list[str], reply: queue.Queue, head: dict, options: dict) -> None:
+        whole = {}
+        while not all(i in whole and whole[i].finished for i in ids):
+            accumulate(whole, reply.get())
+        if failed := [o.outputs[0].stop_reason for o in whole.values()
+                      if o.outputs[0].finish_reason == "abort"]:
+            raise HTTPError(500, failed[0])
+        choices = [self.choice(index, whole[i], options, first=True)
+                   for index, i in enumerate(ids)]
+        self.send_json(200, head | dict(object="chat.completion" if options["chat"] else
+                                        "text_completion", choices=choices,
+                                        usage=usage(whole, ids)))
+
+    def choice(self, index: int, out: RequestOutput, options: dict, first: bool) -> dict:
+        """One choice of a response (or of a stream chunk, as a delta)."""
+        c, tokenizer, chat = out.outputs[0], self.server.engine_thread.engine.tokenizer, options["chat"]
+        logprobs = None
+        if c.logprobs is not None:
+            ids, entries = c.token_ids, c.logprobs
+            if first and options["echo"] and out.prompt_logprobs is not None:
+                ids, entries = out.prompt_token_ids + ids, out.prompt_logprobs + entries
+            logprobs = logprobs_json(tokenizer, ids, entries, options["k"], chat)
+        text = (out.prompt or tokenizer.decode(out.prompt_token_ids)) + c.text \
+            if first and options["echo"] else c.text
+        if chat:
+            message = dict(role="assistant", content=text) if first else dict(content=text)
+            return dict(index=index, logprobs=logprobs, finish_reason=c.finish_reason,
+                        **{"delta" if options["stream"] else "message": message})
+        return dict(index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason)
+
+    def stream(self, ids: list[str], reply: queue.Queue, head: dict, options: dict) -> None:
+        """Server-sent events: a chunk per delta, usage if asked, then [DONE]. A client that
+        goes away aborts its sequences, which frees their blocks."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+        head["object"] = "chat.completion.chunk" if options["chat"] else "text_completion"
+        index, whole = {i: n for n, i in enumerate(ids)}, {}
+        event = lambda obj: self.wfile.write(b"data: %s\n\n" % json.dumps(obj).encode())  # noqa
+        try:
+            while not all(i in whole and whole[i].finished for i in ids):
+                out = reply.get()
+                chunk = self.choice(index[out.request_id], out, options, out.request_id not in whole)
+                accumulate(whole, out)
+                event(head | dict(choices=[chunk]))
+                self.wfile.flush()
+            if options["include_usage"]:
+                event(head | dict(choices=[], usage=usage(whole, ids)))
+            self.wfile.write(b"data: [DONE]\n\n")
+        except (BrokenPipeError, ConnectionResetError):
+            self.server.engine_thread.inbox.put(("abort", ids, None))
+
+
+def usage(whole: dict, ids: list[str]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in {tuple(whole[i].prompt_token_ids): whole[i]
+                                                  for i in ids}.values())
+    completion = sum(len(whole[i].outputs[0].token_ids) for i in ids)
+    return dict(prompt_tokens=prompt, completion_tokens=completion,
+                total_tokens=prompt + completion)
+
+
+def serve(engine: Engine, args: argparse.Namespace) -> None:
+    """--serve: OpenAI's API on host:port, until SIGINT or SIGTERM."""
+    server = ThreadingHTTPServer((args.host, args.port), Handler, bind_and_activate=False)
+    server.request_queue_size = 256  # connections waiting to be accepted (socketserver's: 5)
+    server.server_bind()
+    server.server_activate()
+    server.engine_thread, server.started = EngineThread(engine), time.time()
+    server.model_name = engine.config.model or engine.config.preset or "shakespeare"
+    server.engine_thread.start()
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
+    try:
+        if args.host not in ("127.0.0.1", "localhost"):
+            print(f"warning: bound to {args.host}: anyone who can reach this machine can use "
+                  "the server (there is no authentication)", file=sys.stderr)
+        host, port = server.server_address[:2]
+        print(f"serving {server.model_name} on http://{host}:{port}", file=sys.stderr, flush=True)
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    server.server_close()
+    print("server stopped", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -484,6 +898,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "together as one batch; none: prompts from stdin (at a terminal, a REPL)")
     p.add_argument("--jsonl", action="store_true", help="stdin and stdout: a JSON object a "
                    "line; prompt and SamplingParams fields in; text, token ids, finish out")
+    p.add_argument("--serve", action="store_true", help="serve OpenAI's API over HTTP")
+    p.add_argument("--host", default="127.0.0.1", help="--serve: the address to bind")
+    p.add_argument("--port", type=int, default=8000, help="--serve: the port (0: any free one)")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                    help="torch CPU threads: half the cores, so a busy core does not stall steps")
     g = p.add_argument_group("sampling (SamplingParams, with the command line's own defaults)")
@@ -658,7 +1075,9 @@ def main(argv=None) -> None:
         config = EngineConfig(**{f.name: getattr(args, f.name)
                                  for f in dataclasses.fields(EngineConfig)})
         engine = Engine(config)
-        if args.prompt:
+        if args.serve:
+            serve(engine, args)
+        elif args.prompt:
             run_prompts(engine, args)
         elif sys.stdin.isatty() and not args.jsonl:
             run_terminal(engine, args)

@@ -45,6 +45,8 @@ class Sequence:
     arrival_step: int = 0
     stop_reason: str | None = None            # the stop string that ended it, or why it aborted
     num_sent_tokens: int = 0                  # output tokens already returned in outputs
+    logprobs: list = field(default_factory=list)         # per output token: {token id: logprob}
+    prompt_logprobs: list = field(default_factory=list)  # per prompt token, the first's None
     queue_entry: int | None = None            # its live entry in the waiting queue
 
     def __post_init__(self):

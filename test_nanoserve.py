@@ -23,7 +23,7 @@ import bench
 import model as M
 from kernels import (AttentionMetadata, SamplingTensors, apply_top_k_top_p, paged_attention,
                      paged_attention_ref, sample, store_kv)
-from nanoserve import LLM, Engine, EngineConfig, SamplingParams
+from nanoserve import LLM, Engine, EngineConfig, SamplingParams, token_text
 from paged_cache import BlockAllocator, BlockTable
 from scheduler import Scheduler, Sequence, SequenceStatus
 
@@ -1207,6 +1207,225 @@ def test_repl_at_a_terminal_streams_sets_and_stops_on_ctrl_c():
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
         os.close(fd)
+
+
+# ----------------------------------------------------------------------------- HTTP server
+# A real server (the tiny preset, seed 0) on a free loopback port, and the same weights in
+# this process through LLM.generate: every HTTP answer must equal the offline one exactly.
+
+def start_server(*args) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "nanoserve.py", "--serve", "--port", "0",
+                             "--preset", "tiny", "--threads", "1", *args], cwd=HERE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stderr.readline()  # "serving tiny on http://127.0.0.1:PORT"
+    assert "serving tiny on http://" in line, line + proc.stderr.read()
+    threading.Thread(target=proc.stderr.read, daemon=True).start()  # the request log
+    return proc, line.split()[-1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = start_server()
+    yield url
+    proc.kill()
+    proc.wait()
+
+
+def http(url: str, path: str, body=None, method=None, raw: bytes | None = None):
+    """(status, parsed JSON or text) of one request."""
+    import urllib.error
+    import urllib.request
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url + path, data, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            status, text = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    with contextlib.suppress(ValueError):
+        return status, json.loads(text)
+    return status, text
+
+
+def sse(url: str, path: str, body: dict) -> list:
+    """The events of a streamed response, [DONE] included."""
+    status, text = http(url, path, body)
+    assert status == 200, text
+    return [e if e == "[DONE]" else json.loads(e)
+            for e in (line.removeprefix("data: ") for line in text.split("\n\n") if line)]
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return tiny(kv_cache_tokens=None)
+
+
+def test_http_completion_equals_offline_generate(server, offline):
+    body = dict(prompt="ROMEO:", max_tokens=12, temperature=0.8, top_p=0.9, seed=7,
+                ignore_eos=True)
+    want = offline.generate("ROMEO:", SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9,
+                                                     seed=7, ignore_eos=True))[0].outputs[0]
+    status, got = http(server, "/v1/completions", body)
+    assert status == 200 and got["object"] == "text_completion"
+    assert got["choices"][0]["text"] == want.text and got["choices"][0]["finish_reason"] == "length"
+    assert got["usage"] == dict(prompt_tokens=6, completion_tokens=12, total_tokens=18)
+    events = sse(server, "/v1/completions", body | dict(stream=True,
+                                                         stream_options={"include_usage": True}))
+    assert events[-1] == "[DONE]" and events[-2]["usage"] == got["usage"]
+    assert "".join(c["text"] for e in events[:-2] for c in e["choices"]) == want.text
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
+
+
+def test_http_prompt_forms_n_and_token_ids(server, offline):
+    params = [SamplingParams(max_tokens=5, seed=s, ignore_eos=True) for s in (3, 4)]
+    want = [o.outputs[0] for p in ("A", [65, 66]) for o in offline.generate([p, p], params)]
+    status, got = http(server, "/v1/completions", dict(prompt=["A", [65, 66]], n=2, seed=3,
+                                                       max_tokens=5, ignore_eos=True))
+    assert status == 200 and [c["index"] for c in got["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in got["choices"]] == [w.text for w in want]
+    assert got["usage"]["prompt_tokens"] == 3 and got["usage"]["completion_tokens"] == 20
+
+
+def test_http_logprobs_and_echo_equal_dense_log_softmax(server, offline):
+    status, got = http(server, "/v1/completions", dict(prompt=[5, 80, 9, 200], max_tokens=4,
+                                                       temperature=0, logprobs=3, echo=True))
+    assert status == 200
+    lp = got["choices"][0]["logprobs"]
+    ids = [5, 80, 9, 200] + offline.generate([[5, 80, 9, 200]], SamplingParams(
+        max_tokens=4, temperature=0))[0].outputs[0].token_ids
+    dense = offline.engine.model.forward_dense(torch.tensor([ids])).log_softmax(-1)[0]
+    tokenizer = offline.engine.tokenizer
+    assert lp["tokens"] == [token_text(tokenizer, t) for t in ids]
+    assert lp["token_logprobs"][0] is None
+    assert lp["top_logprobs"][0] is None and len(lp["token_logprobs"]) == 8
+    for i in range(1, 8):
+        assert lp["token_logprobs"][i] == pytest.approx(dense[i - 1, ids[i]].item(), abs=1e-4)
+        top = dense[i - 1].topk(3)
+        assert list(lp["top_logprobs"][i].values()) == pytest.approx(top.values.tolist(), abs=1e-4)
+    assert lp["text_offset"][:2] == [0, len(tokenizer.decode(ids[:1]))]
+
+
+def test_http_chat_uses_the_documented_template(server, offline):
+    messages = [dict(role="system", content="Be brief."), dict(role="user", content="Hi")]
+    prompt = "SYSTEM:\nBe brief.\n\nUSER:\nHi\n\nASSISTANT:\n"
+    want = offline.generate(prompt, SamplingParams(max_tokens=6, seed=1, stop=["\n\n"],
+                                                   logprobs=2))[0].outputs[0]
+    body = dict(messages=messages, max_tokens=6, seed=1, logprobs=True, top_logprobs=2)
+    status, got = http(server, "/v1/chat/completions", body)
+    assert status == 200 and got["object"] == "chat.completion"
+    assert got["choices"][0]["message"] == dict(role="assistant", content=want.text)
+    content = got["choices"][0]["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == pytest.approx(
+        [e[t] for t, e in zip(want.token_ids, want.logprobs)], abs=1e-6)
+    assert all(len(c["top_logprobs"]) == 2 for c in content)
+    events = sse(server, "/v1/chat/completions", body | dict(stream=True))
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(e["choices"][0]["delta"]["content"] for e in events[:-1]) == want.text
+
+
+def test_32_concurrent_streams_each_get_their_own_output(server, offline):
+    prompts = [f"{i} " * (1 + i % 5) for i in range(32)]
+    params = [SamplingParams(max_tokens=6 + i % 4, seed=i, ignore_eos=True) for i in range(32)]
+    want = [o.outputs[0].text for o in offline.generate(prompts, params)]
+    got = [None] * 32
+
+    def client(i):
+        events = sse(server, "/v1/completions", dict(prompt=prompts[i], seed=i, stream=True,
+                                                     max_tokens=6 + i % 4, ignore_eos=True))
+        got[i] = "".join(c["text"] for e in events[:-1] for c in e["choices"])
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(32)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert got == want
+
+
+def metric(url: str, name: str) -> float:
+    text = http(url, "/metrics")[1]
+    return float(next(line.split()[-1] for line in text.splitlines()
+                      if line.startswith(f"nanoserve:{name} ")))
+
+
+def test_disconnect_mid_stream_frees_the_blocks(server):
+    import socket
+    import time
+    host, port = server.removeprefix("http://").split(":")
+    body = json.dumps(dict(prompt="x" * 100, max_tokens=900, ignore_eos=True, stream=True))
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                     f"{len(body)}\r\n\r\n{body}".encode())
+        assert b"data: " in sock.recv(4096) + sock.recv(4096)  # streaming has begun
+        assert metric(server, "kv_blocks_used") > 0
+    deadline = time.time() + 30
+    while metric(server, "kv_blocks_used") > 0 and time.time() < deadline:
+        time.sleep(0.05)
+    assert metric(server, "kv_blocks_used") == 0 and metric(server, "num_requests_running") == 0
+
+
+def test_metrics_count_tokens_and_latencies(server):
+    before = metric(server, "generation_tokens_total")
+    http(server, "/v1/completions", dict(prompt="abc", max_tokens=3, ignore_eos=True))
+    assert metric(server, "generation_tokens_total") == before + 3
+    text = http(server, "/metrics")[1]
+    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds",
+                 "e2e_request_latency_seconds"):
+        assert f"# TYPE nanoserve:{name} histogram" in text
+        assert f'nanoserve:{name}_bucket{{le="+Inf"}}' in text
+    assert "nanoserve:num_preemptions_total 0" in text and "kv_blocks_free" in text
+
+
+BAD_REQUESTS = [
+    ("POST", "/v1/completions", b"{bad json", 400, "not valid JSON"),
+    ("POST", "/v1/completions", b"[1, 2]", 400, "must be a JSON object"),
+    ("POST", "/v1/completions", dict(prompt="x", temperature="hot"), 400, "temperature"),
+    ("POST", "/v1/completions", dict(prompt="x", temperature=float("nan")), 400, "temperature"),
+    ("POST", "/v1/completions", dict(prompt="x", max_tokens=True), 400, "max_tokens"),
+    ("POST", "/v1/completions", dict(prompt="x", n=0), 400, "n must be"),
+    ("POST", "/v1/completions", dict(prompt="x", logprobs=6), 400, "at most 5"),
+    ("POST", "/v1/completions", dict(prompt="x", stream="yes"), 400, "stream must be a bool"),
+    ("POST", "/v1/completions", dict(prompt="x", model="gpt-4"), 400, "not served here"),
+    ("POST", "/v1/completions", dict(prompt="x", best_of=3), 400, "best_of is not supported"),
+    ("POST", "/v1/completions", dict(prompt="x", wat=1), 400, "wat is not supported"),
+    ("POST", "/v1/completions", dict(prompt=[]), 400, "prompt must be"),
+    ("POST", "/v1/completions", dict(prompt=[[1], [99999]]), 400, "token ids must be"),
+    ("POST", "/v1/completions", dict(prompt="x" * 1100), 400, "the model's context is 1024"),
+    ("POST", "/v1/chat/completions", dict(messages=[dict(role="bot", content="x")]), 400,
+     "messages must be"),
+    ("POST", "/v1/completions", b"x" * (1 << 20 + 1), 413, "the limit is"),
+    ("GET", "/v2/nothing", None, 404, "no such path"),
+    ("GET", "/v1/completions", None, 405, "takes POST"),
+    ("DELETE", "/v1/models", None, 405, "takes GET"),
+]
+
+
+@pytest.mark.parametrize("method, path, body, status, message", BAD_REQUESTS,
+                         ids=[f"{r[3]}-{r[4][:20]}" for r in BAD_REQUESTS])
+def test_http_bad_input_gets_an_openai_error_and_the_server_goes_on(
+        server, method, path, body, status, message):
+    raw = body if isinstance(body, bytes) else None
+    got_status, got = http(server, path, None if raw else body, method, raw)
+    assert got_status == status and message in got["error"]["message"]
+    assert set(got["error"]) == {"message", "type", "param", "code"}
+    assert http(server, "/health") == (200, {"status": "ok"})
+    assert metric(server, "kv_blocks_used") == 0
+
+
+def test_sigterm_stops_the_server_cleanly():
+    proc, url = start_server()
+    assert http(url, "/v1/models")[1]["data"][0]["id"] == "tiny"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+
+
+def test_server_warns_when_bound_beyond_loopback():
+    proc = subprocess.Popen([sys.executable, "nanoserve.py", "--serve", "--port", "0", "--host",
+                             "0.0.0.0", "--preset", "tiny"], cwd=HERE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert "warning: bound to 0.0.0.0" in proc.stderr.readline()
+        assert "serving tiny on http://0.0.0.0:" in proc.stderr.readline()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
 
 
 # ----------------------------------------------------------------------------- bench.py
