@@ -510,10 +510,12 @@ def accumulate(whole: dict[str, RequestOutput], delta: RequestOutput) -> None:
 
 MAX_BODY_BYTES = 1 << 20  # a larger request body is refused (413)
 MAX_N = 64                # samples of one prompt in one request at most
-BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
 CHAT_TURN_END = "\n\n"    # the chat template ends every turn with a blank line
+FIELDS = {"model", "n", "stream", "stream_options", "user", "max_tokens", "temperature", "top_p",
+          "top_k", "seed", "stop", "ignore_eos", "logprobs"}
 NEUTRAL = dict(frequency_penalty=0, presence_penalty=0, repetition_penalty=1, min_tokens=0,
-               best_of=1, logit_bias={}, suffix="", user=None)  # accepted at these values
+               best_of=1, logit_bias={}, suffix="")  # accepted at these values only
+BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
 
 
 class HTTPError(Exception):
@@ -525,7 +527,7 @@ class HTTPError(Exception):
 
 
 @dataclass
-class Histogram:  # Prometheus': cumulative counts of observations <= each bucket's bound
+class Histogram:  # Prometheus': cumulative counts of the observations <= each bucket's bound
     counts: list = field(default_factory=lambda: [0] * len(BUCKETS))
     sum: float = 0.0
     count: int = 0
@@ -534,89 +536,79 @@ class Histogram:  # Prometheus': cumulative counts of observations <= each bucke
         self.counts = [c + (x <= le) for c, le in zip(self.counts, BUCKETS)]
         self.sum, self.count = self.sum + x, self.count + 1
 
+    def lines(self, name: str) -> list[str]:
+        return [f"# TYPE {name} histogram"] + [f'{name}_bucket{{le="{le}"}} {c}' for le, c in zip(
+            [*BUCKETS, "+Inf"], [*self.counts, self.count])] + [f"{name}_sum {self.sum}",
+                                                                f"{name}_count {self.count}"]
+
 
 class EngineThread(threading.Thread):
-    """The one thread that touches the engine: it steps while there is work and blocks on its
-    inbox when idle. Handlers put ("add", (requests, arrival), reply), ("abort", ids, None) and
-    ("metrics", None, reply) there; every delta of a request goes to its reply queue."""
+    """The one thread that touches the engine. Between steps it runs the calls that handlers
+    put in its inbox (add a request, abort, read the metrics); with no work, it blocks there.
+    Each request's deltas go to the reply queue of the handler that added it."""
 
     def __init__(self, engine: Engine):
         super().__init__(daemon=True)
         self.engine, self.inbox, self.replies, self.times = engine, queue.Queue(), {}, {}
-        self.histograms = {name: Histogram() for name in (
-            "time_to_first_token_seconds", "time_per_output_token_seconds",
-            "e2e_request_latency_seconds")}
+        self.histograms = {name: Histogram() for name in ("time_to_first_token_seconds",
+                           "time_per_output_token_seconds", "e2e_request_latency_seconds")}
 
     def run(self) -> None:
         while True:
-            self._take(block=not self.engine.has_unfinished())
+            try:
+                self.inbox.get(block=not self.engine.has_unfinished())()
+                while True:
+                    self.inbox.get_nowait()()
+            except queue.Empty:
+                pass
             for out in self.engine.step():
                 self._observe(out)
-                reply = (self.replies.pop if out.finished else self.replies.get)(out.request_id)
-                reply.put(out)
+                (self.replies.pop if out.finished else self.replies.get)(out.request_id).put(out)
 
-    def _take(self, block: bool) -> None:
-        while True:
-            try:
-                kind, payload, reply = self.inbox.get(block=block)
-            except queue.Empty:
-                return
-            block = False
-            if kind == "abort":
-                for request_id in payload:
-                    self.engine.abort(request_id, "the client disconnected")
-            elif kind == "metrics":
-                reply.put(self.metrics())
-            else:
-                reply.put(self._add(*payload, reply))
-
-    def _add(self, requests: list, arrival: float, reply: queue.Queue) -> list[str] | ValueError:
-        """All of one HTTP request's sequences, or none of them and the error."""
+    def add(self, requests: list, arrival: float, reply: queue.Queue) -> None:
+        """All of one HTTP request's sequences, or none of them; reply gets the ids or the error."""
         ids = []
         try:
             for prompt, params in requests:
                 ids.append(self.engine.add_request(prompt, params))
+                self.replies[ids[-1]], self.times[ids[-1]] = reply, [arrival, None, 0]
         except ValueError as e:
             for request_id in ids:
                 self.engine.abort(request_id)
-            self.engine.step()  # their abort outputs, to no one
-            return e
+            return reply.put(e)
+        reply.put(ids)
+
+    def abort(self, ids: list[str]) -> None:
         for request_id in ids:
-            self.replies[request_id], self.times[request_id] = reply, [arrival, None, 0]
-        return ids
+            self.engine.abort(request_id, "the client disconnected")
 
     def _observe(self, out: RequestOutput) -> None:
-        """Time to first token, time per output token after it, end to end, per request."""
-        times, now = self.times[out.request_id], time.perf_counter()  # arrival, first, tokens
-        if times[1] is None and out.outputs[0].token_ids:
+        """Per request: time to first token, time per output token after it, end to end."""
+        times, now, c = self.times[out.request_id], time.perf_counter(), out.outputs[0]
+        if times[1] is None and c.token_ids:
             times[1] = now
             self.histograms["time_to_first_token_seconds"].observe(now - times[0])
-        times[2] += len(out.outputs[0].token_ids)
-        if not out.finished:
-            return
-        del self.times[out.request_id]
-        self.histograms["e2e_request_latency_seconds"].observe(now - times[0])
-        if times[2] > 1:
-            self.histograms["time_per_output_token_seconds"].observe(
-                (now - times[1]) / (times[2] - 1))
+        times[2] += len(c.token_ids)
+        if out.finished and self.times.pop(out.request_id) and c.finish_reason != "abort":
+            self.histograms["e2e_request_latency_seconds"].observe(now - times[0])
+            if times[2] > 1:
+                self.histograms["time_per_output_token_seconds"].observe(
+                    (now - times[1]) / (times[2] - 1))
 
     def metrics(self) -> str:
-        """Prometheus' text format, vLLM's metric names with a nanoserve: prefix."""
+        """Prometheus' text format: vLLM's metric names, with a nanoserve: prefix."""
         e, free = self.engine, self.engine.allocator.num_free_blocks
-        values = dict(num_requests_running=("gauge", len(e.scheduler.running)),
-                      num_requests_waiting=("gauge", len(e.scheduler.waiting)),
-                      kv_blocks_used=("gauge", e.allocator.num_blocks - free),
-                      kv_blocks_free=("gauge", free),
-                      prompt_tokens_total=("counter", e.stats.num_prompt_tokens),
-                      generation_tokens_total=("counter", e.stats.num_generated_tokens),
-                      num_preemptions_total=("counter", e.scheduler.num_preemptions))
-        lines = [f"# TYPE nanoserve:{name} {kind}\nnanoserve:{name} {value}"
-                 for name, (kind, value) in values.items()]
-        for name, h in self.histograms.items():
-            lines += [f"# TYPE nanoserve:{name} histogram"] + [
-                f'nanoserve:{name}_bucket{{le="{le}"}} {c}' for le, c in zip(BUCKETS, h.counts)
-            ] + [f'nanoserve:{name}_bucket{{le="+Inf"}} {h.count}', f"nanoserve:{name}_sum "
-                 f"{h.sum}", f"nanoserve:{name}_count {h.count}"]
+        values = [("num_requests_running", "gauge", len(e.scheduler.running)),
+                  ("num_requests_waiting", "gauge", len(e.scheduler.waiting)),
+                  ("kv_blocks_used", "gauge", e.allocator.num_blocks - free),
+                  ("kv_blocks_free", "gauge", free),
+                  ("prompt_tokens_total", "counter", e.stats.num_prompt_tokens),
+                  ("generation_tokens_total", "counter", e.stats.num_generated_tokens),
+                  ("num_preemptions_total", "counter", e.scheduler.num_preemptions)]
+        lines = [f"# TYPE nanoserve:{name} {kind}\nnanoserve:{name} {v}"
+                 for name, kind, v in values]
+        for name, histogram in self.histograms.items():
+            lines += histogram.lines("nanoserve:" + name)
         return "\n".join(lines) + "\n"
 
 
@@ -625,14 +617,14 @@ def typed(body: dict, name: str, default, *kinds):
     if (value := body.get(name)) is None:
         return default
     if type(value) not in kinds:
-        raise HTTPError(400, f"{name} must be a {' or '.join(k.__name__ for k in kinds)}, got "
-                        f"{value!r}", name)
+        raise HTTPError(400, f"{name} must be of type {' or '.join(k.__name__ for k in kinds)}, "
+                        f"got {value!r}", name)
     return value
 
 
 def render_chat(messages) -> str:
-    """The chat template for a base model: every turn is "ROLE:\n" + content + a blank line,
-    then "ASSISTANT:\n" for the model to go on; its reply ends at its own blank line."""
+    """The chat template for a base model: every turn is "ROLE:\\n" + content + a blank line,
+    then "ASSISTANT:\\n" for the model to go on; its reply ends at its own blank line."""
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
             and isinstance(m.get("content"), str) for m in messages):
@@ -644,48 +636,48 @@ def render_chat(messages) -> str:
 
 def parse_request(body: dict, engine: Engine, model_name: str, chat: bool) -> tuple[list, dict]:
     """An OpenAI request -> its sequences [(prompt, SamplingParams)], n for each prompt, and
-    options (stream, include_usage, echo, logprobs); HTTPError 400 for anything wrong."""
-    known = {"model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p",
-             "top_k", "seed", "stop", "ignore_eos", "logprobs"} | ({
-                 "messages", "top_logprobs", "max_completion_tokens"} if chat else {"prompt", "echo"})
+    how to answer (stream, include_usage, echo, logprobs k); HTTPError 400 if anything is off."""
+    known = FIELDS | ({"messages", "top_logprobs", "max_completion_tokens"} if chat else
+                      {"prompt", "echo"})
     for name, value in body.items():
         if name not in known and (name not in NEUTRAL or value not in (None, NEUTRAL[name])):
             raise HTTPError(400, f"{name} is not supported" + (
-                f" (only {NEUTRAL[name]!r})" if name in NEUTRAL and name != "user" else ""), name)
+                f" (only {NEUTRAL[name]!r})" if name in NEUTRAL else ""), name)
     if typed(body, "model", model_name, str) != model_name:
         raise HTTPError(400, f"model {body['model']!r} is not served here; /v1/models lists "
                         f"{model_name!r}", "model")
-    options = dict(stream=typed(body, "stream", False, bool), echo=typed(body, "echo", False, bool),
-                   include_usage=typed(typed(body, "stream_options", {}, dict), "include_usage",
-                                       False, bool), chat=chat)
-    n = typed(body, "n", 1, int)
     fields = {name: body[name] for name in ("max_tokens", "temperature", "top_p", "top_k", "seed",
                                             "ignore_eos") if body.get(name) is not None}
-    fields["stop"] = typed(body, "stop", [], str, list)
+    fields["stop"], n = typed(body, "stop", [], str, list), typed(body, "n", 1, int)
     if chat:
         prompts = [render_chat(body.get("messages"))]
-        fields["max_tokens"] = typed(body, "max_completion_tokens", None, int) or fields.get(
-            "max_tokens", max(1, engine.max_model_len - len(engine.tokenizer.encode(prompts[0]))))
-        fields["stop"] = [fields["stop"]] if isinstance(fields["stop"], str) else fields["stop"]
-        fields["stop"] = fields["stop"] + [CHAT_TURN_END]
+        fields["stop"] = ([fields["stop"]] if isinstance(fields["stop"], str) else fields["stop"]
+                          ) + [CHAT_TURN_END]
+        left = engine.max_model_len - len(engine.tokenizer.encode(prompts[0]))  # the default
+        fields["max_tokens"] = next((body[k] for k in ("max_completion_tokens", "max_tokens")
+                                     if body.get(k) is not None), max(1, left))
         fields["logprobs"] = typed(body, "top_logprobs", 0, int) \
             if typed(body, "logprobs", False, bool) else None
     else:
         prompts = body.get("prompt")
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and type(prompts[0]) is int):
+        if isinstance(prompts, str) or isinstance(prompts, list) and prompts \
+                and type(prompts[0]) is int:
             prompts = [prompts]
         if not isinstance(prompts, list) or not prompts:
             raise HTTPError(400, "prompt must be a string, a list of token ids, or a non-empty "
                             "list of those", "prompt")
         fields["logprobs"] = typed(body, "logprobs", None, int)
-        if (fields["logprobs"] or 0) > 5:
-            raise HTTPError(400, f"logprobs must be at most 5, got {fields['logprobs']}", "logprobs")
-        fields["prompt_logprobs"] = fields["logprobs"] if options["echo"] else None
-    options["k"] = fields["logprobs"] or 0
+        if (fields["logprobs"] or 0) > 5:  # OpenAI's limit for completions
+            raise HTTPError(400, f"logprobs must be at most 5, got {fields['logprobs']}",
+                            "logprobs")
+        fields["prompt_logprobs"] = fields["logprobs"] if typed(body, "echo", False, bool) else None
+    options = dict(stream=typed(body, "stream", False, bool), chat=chat, n=n,
+                   k=fields["logprobs"] or 0,
+                   echo=typed(body, "echo", False, bool), include_usage=typed(
+                       typed(body, "stream_options", {}, dict), "include_usage", False, bool))
     try:
         check_int("n", n, 1, MAX_N)
-        params = SamplingParams(**fields)
+        params = SamplingParams(**fields)  # each sample of a seeded request: the next seed
         samples = [params if params.seed is None else dataclasses.replace(
             params, seed=(params.seed + i) % 2**64) for i in range(n)]
     except ValueError as e:
@@ -704,7 +696,7 @@ def token_text(tokenizer, token_id: int) -> str:
 
 
 def logprobs_json(tokenizer, token_ids: list[int], entries: list, k: int, chat: bool) -> dict:
-    """Per-token log-probabilities in OpenAI's completions or chat shape."""
+    """Each token's log-probability and the top k, in OpenAI's completions or chat shape."""
     text = lambda t: token_text(tokenizer, t)  # noqa: E731
     top = [None if e is None else sorted(e.items(), key=lambda x: -x[1])[:k] for e in entries]
     if chat:
@@ -712,15 +704,14 @@ def logprobs_json(tokenizer, token_ids: list[int], entries: list, k: int, chat: 
                                   bytes=list(tokenizer.decode_single_token_bytes(t)))
         return dict(content=[item(t, e[t]) | dict(top_logprobs=[item(*x) for x in best])
                              for t, e, best in zip(token_ids, entries, top)])
-    tokens = [text(t) for t in token_ids]
-    return dict(tokens=tokens, token_logprobs=[e and e[t] for t, e in zip(token_ids, entries)],
+    return dict(tokens=[text(t) for t in token_ids],
+                token_logprobs=[e and e[t] for t, e in zip(token_ids, entries)],
                 top_logprobs=[best and {text(t): lp for t, lp in best} for best in top],
-                text_offset=[len(tokenizer.decode(token_ids[:i])) for i in range(len(tokens))])
+                text_offset=[len(tokenizer.decode(token_ids[:i])) for i in range(len(entries))])
 
 
 class Handler(BaseHTTPRequestHandler):
-    """OpenAI's API, one thread per connection (ThreadingHTTPServer); every engine call goes
-    through the server's EngineThread."""
+    """OpenAI's API, a thread per connection; engine calls go through the EngineThread."""
     ROUTES = {"/health": ("GET", "health"), "/v1/models": ("GET", "models"),
               "/metrics": ("GET", "metrics"), "/v1/completions": ("POST", "completions"),
               "/v1/chat/completions": ("POST", "chat_completions")}
@@ -733,14 +724,18 @@ class Handler(BaseHTTPRequestHandler):
             if self.command != self.ROUTES[path][0]:
                 raise HTTPError(405, f"{path} takes {self.ROUTES[path][0]}, not {self.command}")
             getattr(self, self.ROUTES[path][1])()
-        except HTTPError as e:
-            self.send_json(e.status, {"error": dict(
+        except ConnectionError:
+            return  # the client went away
+        except Exception as e:  # noqa: BLE001 (the request fails; the server goes on)
+            if not isinstance(e, HTTPError):
+                self.log_error("%s", e := HTTPError(500, f"{type(e).__name__}: {e}"))
+            self.send(e.status, {"error": dict(
                 message=str(e), type="invalid_request_error" if e.status < 500 else "server_error",
                 param=e.param, code=e.status)})
 
     do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = route
 
-    def send_json(self, status: int, obj, content_type="application/json") -> None:
+    def send(self, status: int, obj, content_type="application/json") -> None:
         data = (obj if isinstance(obj, str) else json.dumps(obj)).encode()
         self.send_response(status)
         self.send_header("Content-Type", content_type)
@@ -749,25 +744,29 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def health(self) -> None:
-        self.send_json(200, {"status": "ok"})
+        self.send(200, {"status": "ok"})
 
     def models(self) -> None:
-        self.send_json(200, dict(object="list", data=[dict(
+        self.send(200, dict(object="list", data=[dict(
             id=self.server.model_name, object="model", created=int(self.server.started),
             owned_by="nanoserve", max_model_len=self.server.engine_thread.engine.max_model_len)]))
 
     def metrics(self) -> None:
-        reply = queue.Queue()
-        self.server.engine_thread.inbox.put(("metrics", None, reply))
-        self.send_json(200, reply.get(), "text/plain; version=0.0.4")
+        reply, engine_thread = queue.Queue(), self.server.engine_thread
+        engine_thread.inbox.put(lambda: reply.put(engine_thread.metrics()))
+        self.send(200, reply.get(), "text/plain; version=0.0.4")
+
+    def chat_completions(self) -> None:
+        self.completions(chat=True)
 
     def completions(self, chat=False) -> None:
         length = self.headers.get("Content-Length", "")
         if not length.isdigit():
             raise HTTPError(400, "the request needs a JSON body and its Content-Length")
         if int(length) > MAX_BODY_BYTES:  # read (up to 16x) first: unread, it resets the socket
-            for _ in range(min(int(length), 16 * MAX_BODY_BYTES) // 65536 + 1):
-                self.rfile.read(65536)
+            remaining = min(int(length), 16 * MAX_BODY_BYTES)
+            while remaining > 0 and (chunk := self.rfile.read(min(remaining, 65536))):
+                remaining -= len(chunk)
             raise HTTPError(413, f"the body has {length} bytes; the limit is {MAX_BODY_BYTES}")
         try:
             body = json.loads(self.rfile.read(int(length)))
@@ -775,79 +774,67 @@ class Handler(BaseHTTPRequestHandler):
             raise HTTPError(400, f"the body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise HTTPError(400, "the body must be a JSON object")
-        engine_thread, reply = self.server.engine_thread, queue.Queue()
+        engine_thread, reply, arrival = self.server.engine_thread, queue.Queue(), \
+            time.perf_counter()
         requests, options = parse_request(body, engine_thread.engine, self.server.model_name, chat)
-        engine_thread.inbox.put(("add", (requests, time.perf_counter()), reply))
+        engine_thread.inbox.put(lambda: engine_thread.add(requests, arrival, reply))
         if isinstance(ids := reply.get(), ValueError):
             raise HTTPError(400, str(ids), "messages" if chat else "prompt")
         head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{ids[0]}", created=int(time.time()),
-                    model=self.server.model_name)
-        (self.stream if options["stream"] else self.whole)(ids, reply, head, options)
+                    model=self.server.model_name, object="text_completion" if not chat else
+                    "chat.completion.chunk" if options["stream"] else "chat.completion")
+        self.respond(ids, reply, head, options)
 
-    def chat_completions(self) -> None:
-        self.completions(chat=True)
-
-    def whole(self, ids: list[str], reply: queue.Queue, head: dict, options: dict) -> None:
-        whole = {}
-        while not all(i in whole and whole[i].finished for i in ids):
-            accumulate(whole, reply.get())
-        if failed := [o.outputs[0].stop_reason for o in whole.values()
-                      if o.outputs[0].finish_reason == "abort"]:
-            raise HTTPError(500, failed[0])
-        choices = [self.choice(index, whole[i], options, first=True)
-                   for index, i in enumerate(ids)]
-        self.send_json(200, head | dict(object="chat.completion" if options["chat"] else
-                                        "text_completion", choices=choices,
-                                        usage=usage(whole, ids)))
-
-    def choice(self, index: int, out: RequestOutput, options: dict, first: bool) -> dict:
-        """One choice of a response (or of a stream chunk, as a delta)."""
-        c, tokenizer, chat = out.outputs[0], self.server.engine_thread.engine.tokenizer, options["chat"]
-        logprobs = None
-        if c.logprobs is not None:
-            ids, entries = c.token_ids, c.logprobs
-            if first and options["echo"] and out.prompt_logprobs is not None:
-                ids, entries = out.prompt_token_ids + ids, out.prompt_logprobs + entries
-            logprobs = logprobs_json(tokenizer, ids, entries, options["k"], chat)
-        text = (out.prompt or tokenizer.decode(out.prompt_token_ids)) + c.text \
-            if first and options["echo"] else c.text
-        if chat:
-            message = dict(role="assistant", content=text) if first else dict(content=text)
-            return dict(index=index, logprobs=logprobs, finish_reason=c.finish_reason,
-                        **{"delta" if options["stream"] else "message": message})
-        return dict(index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason)
-
-    def stream(self, ids: list[str], reply: queue.Queue, head: dict, options: dict) -> None:
-        """Server-sent events: a chunk per delta, usage if asked, then [DONE]. A client that
-        goes away aborts its sequences, which frees their blocks."""
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.end_headers()
-        head["object"] = "chat.completion.chunk" if options["chat"] else "text_completion"
-        index, whole = {i: n for n, i in enumerate(ids)}, {}
+    def respond(self, ids: list[str], reply: queue.Queue, head: dict, options: dict) -> None:
+        """Whole, or streamed as server-sent events (a chunk per delta, the usage if asked,
+        then [DONE]). A client that goes away mid-stream aborts its sequences: blocks freed."""
+        stream, index, whole = options["stream"], {i: n for n, i in enumerate(ids)}, {}
         event = lambda obj: self.wfile.write(b"data: %s\n\n" % json.dumps(obj).encode())  # noqa
+        if stream:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
         try:
             while not all(i in whole and whole[i].finished for i in ids):
                 out = reply.get()
-                chunk = self.choice(index[out.request_id], out, options, out.request_id not in whole)
+                if stream:
+                    event(head | dict(choices=[self.choice(index[out.request_id], out, options,
+                                                           first=out.request_id not in whole)]))
+                    self.wfile.flush()
                 accumulate(whole, out)
-                event(head | dict(choices=[chunk]))
-                self.wfile.flush()
-            if options["include_usage"]:
-                event(head | dict(choices=[], usage=usage(whole, ids)))
-            self.wfile.write(b"data: [DONE]\n\n")
-        except (BrokenPipeError, ConnectionResetError):
-            self.server.engine_thread.inbox.put(("abort", ids, None))
+            prompt_tokens = sum(len(whole[i].prompt_token_ids) for i in ids[::options["n"]])
+            completion_tokens = sum(len(whole[i].outputs[0].token_ids) for i in ids)
+            usage = dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens)
+            if stream and options["include_usage"]:
+                event(head | dict(choices=[], usage=usage))
+            if stream:
+                return self.wfile.write(b"data: [DONE]\n\n")
+        except ConnectionError:
+            engine_thread = self.server.engine_thread
+            return engine_thread.inbox.put(lambda: engine_thread.abort(ids))
+        if failed := [o.outputs[0].stop_reason for o in whole.values()
+                      if o.outputs[0].finish_reason == "abort"]:
+            raise HTTPError(500, failed[0])
+        self.send(200, head | dict(choices=[self.choice(index[i], whole[i], options, True)
+                                            for i in ids], usage=usage))
 
-
-def usage(whole: dict, ids: list[str]) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in {tuple(whole[i].prompt_token_ids): whole[i]
-                                                  for i in ids}.values())
-    completion = sum(len(whole[i].outputs[0].token_ids) for i in ids)
-    return dict(prompt_tokens=prompt, completion_tokens=completion,
-                total_tokens=prompt + completion)
+    def choice(self, index: int, out: RequestOutput, options: dict, first: bool) -> dict:
+        """One choice of a response, or of a stream's chunk (then from a delta)."""
+        c, tokenizer = out.outputs[0], self.server.engine_thread.engine.tokenizer
+        token_ids, entries, text = c.token_ids, c.logprobs, c.text
+        if first and options["echo"]:  # the prompt (and its log-probabilities) first
+            token_ids = out.prompt_token_ids + token_ids
+            text = (out.prompt or tokenizer.decode(out.prompt_token_ids)) + text
+            entries = None if entries is None else out.prompt_logprobs + entries
+        logprobs = None if entries is None else logprobs_json(tokenizer, token_ids, entries,
+                                                              options["k"], options["chat"])
+        if not options["chat"]:
+            return dict(index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason)
+        message = dict(role="assistant", content=text) if first else dict(content=text)
+        return {"index": index, "delta" if options["stream"] else "message": message,
+                "logprobs": logprobs, "finish_reason": c.finish_reason}
 
 
 def serve(engine: Engine, args: argparse.Namespace) -> None:

@@ -1381,7 +1381,7 @@ BAD_REQUESTS = [
     ("POST", "/v1/completions", dict(prompt="x", max_tokens=True), 400, "max_tokens"),
     ("POST", "/v1/completions", dict(prompt="x", n=0), 400, "n must be"),
     ("POST", "/v1/completions", dict(prompt="x", logprobs=6), 400, "at most 5"),
-    ("POST", "/v1/completions", dict(prompt="x", stream="yes"), 400, "stream must be a bool"),
+    ("POST", "/v1/completions", dict(prompt="x", stream="yes"), 400, "stream must be of type bool"),
     ("POST", "/v1/completions", dict(prompt="x", model="gpt-4"), 400, "not served here"),
     ("POST", "/v1/completions", dict(prompt="x", best_of=3), 400, "best_of is not supported"),
     ("POST", "/v1/completions", dict(prompt="x", wat=1), 400, "wat is not supported"),
