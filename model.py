@@ -239,8 +239,7 @@ def read_safetensors(path: str) -> dict[str, torch.Tensor]:
     tensors = {}
     for name, info in header.items():
         dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
-        start, end = info["data_offsets"]
-        numel = math.prod(info["shape"])
+        (start, end), numel = info["data_offsets"], math.prod(info["shape"])
         if dtype is None or end - start != numel * dtype.itemsize or 8 + n + end > len(data):
             raise ValueError(f"{path}: corrupt safetensors entry for {name}: {info}")
         tensors[name] = torch.frombuffer(data, dtype=dtype, count=numel,
@@ -375,10 +374,8 @@ def save_checkpoint(model: GPT, path: str, dtype=torch.float16) -> None:
 # ----------------------------------------------------------------------------- training
 
 def train(args) -> None:
-    """Train a byte-level GPT-2 on a text file (--seq-len is also the model's context length).
-
-    With --short-steps N, the first N steps train on --short-seq-len windows (as many bytes a
-    step): a long context learns faster once short-range statistics are in place."""
+    """Train a byte-level GPT-2 on a text file (--seq-len is also the model's context length);
+    the first --short-steps steps see --short-seq-len windows, as many bytes a step."""
     torch.manual_seed(args.seed)
     with open(args.train, encoding="utf-8") as f:
         text = f.read()
@@ -395,12 +392,10 @@ def train(args) -> None:
     print(f"{num_params / 1e6:.2f}M parameters, {len(train_data):,} train bytes, "
           f"{len(val_data):,} validation bytes")
     t0 = time.time()
-    for step in range(args.steps + 1):
-        if step % args.eval_every == 0 or step == args.steps:
+    for step in range(args.steps):
+        if step % args.eval_every == 0:
             print(f"step {step:5d}  val {evaluate(model, val_data, args.seq_len):.4f} nats/byte  "
                   f"{(time.time() - t0) / 60:.1f} min", flush=True)
-        if step == args.steps:
-            break
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         seq_len = args.seq_len if step >= args.short_steps else args.short_seq_len
@@ -448,8 +443,8 @@ if __name__ == "__main__":
     p.add_argument("--out", default=os.path.join("checkpoints", "trained"),
                    help="checkpoint directory to write; serve it with --model DIR")
     for flag, default in [("--steps", 1200), ("--batch-size", 32), ("--seq-len", 256),
-                          ("--short-steps", 0), ("--short-seq-len", 256), ("--n-layer", 6), ("--n-head", 6),
-                          ("--n-embd", 192), ("--lr", 2e-3),
-                          ("--warmup", 100), ("--eval-every", 200), ("--seed", 1337)]:
+                          ("--short-steps", 0), ("--short-seq-len", 256), ("--n-layer", 6),
+                          ("--n-head", 6), ("--n-embd", 192), ("--lr", 2e-3), ("--warmup", 100),
+                          ("--eval-every", 200), ("--seed", 1337)]:
         p.add_argument(flag, type=type(default), default=default, help="(default: %(default)s)")
     train(p.parse_args())

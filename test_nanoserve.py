@@ -1265,9 +1265,12 @@ def test_http_completion_equals_offline_generate(server, offline):
                 ignore_eos=True)
     want = offline.generate("ROMEO:", SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9,
                                                      seed=7, ignore_eos=True))[0].outputs[0]
-    status, got = http(server, "/v1/completions", body)
+    status, got = http(server, "/v1/completions", body | dict(logprobs=0))
     assert status == 200 and got["object"] == "text_completion"
     assert got["choices"][0]["text"] == want.text and got["choices"][0]["finish_reason"] == "length"
+    tokenizer = offline.engine.tokenizer  # the same tokens, not only the same text
+    assert got["choices"][0]["logprobs"]["tokens"] == [token_text(tokenizer, t)
+                                                       for t in want.token_ids]
     assert got["usage"] == dict(prompt_tokens=6, completion_tokens=12, total_tokens=18)
     events = sse(server, "/v1/completions", body | dict(stream=True,
                                                          stream_options={"include_usage": True}))
