@@ -129,6 +129,25 @@ def test_greedy_output_survives_preemption(alone, policy):
     assert_no_leaks(llm.engine)
 
 
+def test_logprobs_survive_chunking_batching_and_preemption():
+    """Prompt and output log-probabilities (top 3) computed in 16-token chunks, in a batch that
+    is preempted, equal those of each prompt alone in one step; each prompt token is scored
+    once (the first is None) though preemption recomputes it."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=3,
+                            prompt_logprobs=3)
+    alone = [tiny().generate([p], params)[0] for p in PROMPTS]
+    llm = tiny(kv_cache_tokens=192, max_num_batched_tokens=16)
+    together = llm.generate(PROMPTS, params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for a, b in zip(alone, together):
+        assert len(b.prompt_logprobs) == len(b.prompt_token_ids) and b.prompt_logprobs[0] is None
+        for x, y in zip(a.prompt_logprobs[1:] + a.outputs[0].logprobs,
+                        b.prompt_logprobs[1:] + b.outputs[0].logprobs):
+            assert list(x) == list(y) and list(x.values()) == pytest.approx(list(y.values()),
+                                                                            abs=1e-5)
+    assert_no_leaks(llm.engine)
+
+
 def test_seeded_sample_is_independent_of_batch():
     """A seeded request samples the same tokens alone and beside rows with other top-k, top-p,
     temperatures, seeds and greedy rows."""
