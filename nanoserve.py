@@ -894,7 +894,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--max-tokens", type=int, default=argparse.SUPPRESS,
                    help="default: 200, or what the context has left")
     g.add_argument("--stop", action="append", help="stop before this string (repeatable)")
-    add_config_args(g, SamplingParams, skip=("max_tokens", "stop", "seed"))
+    add_config_args(g, SamplingParams, skip=("max_tokens", "stop", "seed", "logprobs",
+                                              "prompt_logprobs"))
     p.set_defaults(temperature=0.8, top_p=0.95)
     add_config_args(p.add_argument_group("engine (EngineConfig)"), EngineConfig)
     return p.parse_args(argv)
@@ -991,7 +992,8 @@ def print_result(result: RequestOutput | str, jsonl: bool) -> None:
     if jsonl:
         print(json.dumps({"error": result} if out is None else dict(
             prompt=result.prompt, text=out.text, token_ids=out.token_ids,
-            finish_reason=out.finish_reason, stop_reason=out.stop_reason)), flush=True)
+            finish_reason=out.finish_reason, stop_reason=out.stop_reason, logprobs=out.logprobs,
+            prompt_logprobs=result.prompt_logprobs)), flush=True)
     elif out is None:
         print(f"error: {result}", file=sys.stderr)
     else:
