@@ -442,8 +442,8 @@ if __name__ == "__main__":
     p.add_argument("--train", required=True, help="UTF-8 text file; its last 10%% is held out")
     p.add_argument("--out", default=os.path.join("checkpoints", "trained"),
                    help="checkpoint directory to write; serve it with --model DIR")
-    for flag, default in [("--steps", 1200), ("--batch-size", 32), ("--seq-len", 256),
-                          ("--short-steps", 0), ("--short-seq-len", 256), ("--n-layer", 6),
+    for flag, default in [("--steps", 1300), ("--batch-size", 8), ("--seq-len", 1024),
+                          ("--short-steps", 900), ("--short-seq-len", 256), ("--n-layer", 6),
                           ("--n-head", 6), ("--n-embd", 192), ("--lr", 2e-3), ("--warmup", 100),
                           ("--eval-every", 200), ("--seed", 1337)]:
         p.add_argument(flag, type=type(default), default=default, help="(default: %(default)s)")

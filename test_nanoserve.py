@@ -484,15 +484,16 @@ def test_streamed_text_is_always_a_prefix_of_the_final_text():
     llm = LLM(device="cpu", dtype="float32")
     text = llm.generate(["ROMEO:"], SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
                         )[0].outputs[0].text
-    stops = ["e\nX", "the q", text[60:66], text[100:103] + "\x00"]
+    at = next(i for i in range(60, 140) if text.find(text[i:i + 6]) == i)  # its first place
+    stops = ["e\nX", "the q", text[at:at + 6], text[100:103] + "\x00"]
     llm.engine.add_request("ROMEO:", SamplingParams(max_tokens=150, temperature=0, stop=stops,
                                                     ignore_eos=True), "r")
     streamed, final = "", None
     for delta in run_to_end(llm.engine)["r"]:
         streamed += delta.outputs[0].text
         final = delta.outputs[0]
-    assert (final.finish_reason, final.stop_reason) == ("stop", text[60:66])
-    assert streamed == text[:60]
+    assert (final.finish_reason, final.stop_reason) == ("stop", text[at:at + 6])
+    assert streamed == text[:at] and "the " in streamed  # "the q" started and abandoned
 
 
 def test_detokenizer_holds_back_a_possible_stop_string_and_split_utf8():
@@ -1083,7 +1084,7 @@ def test_cli_runs_are_reproducible_and_seeded(capsys):
     (["--block-size", "32", "--kv-cache-tokens", "16"], "block_size (32 tokens) is larger"),
     (["--model", "/nonexistent"], "neither a checkpoint directory"),
     (["--threads", "0"], "--threads must be an integer >= 1"),
-    (["--prompt", "x" * 1100], "the model's context is 256"),
+    (["--prompt", "x" * 1100], "the model's context is 1024"),
 ], ids=["top-p", "nan", "max-tokens", "float-int", "device", "block-size", "model", "threads",
         "too-long"])
 def test_cli_reports_bad_input_in_one_line(capsys, args, message):
