@@ -1,26 +1,22 @@
 """bench.py: what continuous batching buys, measured. The Anyscale/Orca experiment at this scale.
 
-The same requests (one prompt length, exponential output lengths capped at a generation limit,
-EOS ignored) on the same weights go through the MODES: naive padded static batches on a dense
-KV cache (Hugging Face pipelines), static request-level batching on the paged engine, and
-continuous fcfs, sjf, and fcfs without chunked prefill. Out come offline throughput, online
-latency under Poisson arrivals, what each step held, the hardware view (decode step: paged vs
-dense, host part by output length, FLOP/s; sampling; a KV cache that holds one request): tables
-to stdout, all to JSON. Left out: real text, network serving (the online loop calls the
-engine), the original's memory limit (every mode gets one batch size).
+The same requests (one prompt length, exponential output lengths capped at a limit, EOS ignored)
+on the same weights through each of the MODES: offline throughput, online latency under Poisson
+arrivals, what each step held, the hardware view; tables to stdout, all to JSON. --url: only the
+online sweep, over HTTP on any OpenAI-compatible server; --compare: in process too (same flags).
 
-    python bench.py --out bench.json                  # about 5 minutes on 2 CPU cores
-    python bench.py --num-requests 1000 --prompt-len 512 --limits 32 128 512 1536 \\
-        --online-limit 512 --rates 2 4 8 --preset gpt2 --device cuda --threads 0 \\
-        --max-num-seqs 128 --kv-cache-tokens 262144  # the original's scale, on a GPU
+    python bench.py --out bench.json         # about 5 minutes on 2 CPU cores; .ci/gpu: on a GPU
+    python nanoserve.py --serve --port 8000 --preset tiny --max-num-seqs 32 --threads 1 &
+    python bench.py --url http://127.0.0.1:8000 --compare --out bench-http.json
 """
 import argparse
 import json
-import operator
 import os
 import platform
 import sys
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -37,8 +33,7 @@ MODES = {  # mode -> (table label, EngineConfig overrides); naive does not use t
     "static": ("static: request-level batching, paged", dict(policy="static")),
     "fcfs": ("continuous, fcfs", dict(policy="fcfs")),
     "sjf": ("continuous, sjf", dict(policy="sjf")),
-    "no-chunk": ("continuous, no chunked prefill", dict(enable_chunked_prefill=False)),
-}
+    "no-chunk": ("continuous, no chunked prefill", dict(enable_chunked_prefill=False))}
 
 
 @dataclass
@@ -55,13 +50,14 @@ class BenchConfig:
     max_num_batched_tokens: int = option(512, "tokens per step (no-chunk: >= prompt + limit)")
     kv_cache_tokens: int = option(0, "paged KV cache capacity in tokens; 0: the engine's default")
     block_size: int = option(16, "tokens per KV block")
-    host_output_lens: tuple = option((10, 900), "host cost: output lengths to time steps at, "
-                                     "each at the same context (prompt + output)")
+    host_output_lens: tuple = option((10, 900), "host cost: output lengths, timed at one context")
     preset: str = option("tiny", "random weights of a shape: tiny 3.5M, gpt2 124M", choices=PRESETS)
     device: str = option("cpu", "cpu or cuda")
     threads: int = option(1, "torch CPU threads (0: torch's default); 1: steadier on shared cores")
     seed: int = option(0, "seeds the weights, prompts, lengths and arrivals")
     out: str = option("bench.json", "where to write every figure as JSON")
+    url: str = option("", "an OpenAI-compatible server (http://host:port): the online sweep on it")
+    compare: bool = option(False, "with --url: the online sweep in process too (fcfs)")
 
 
 def parse_args(argv=None) -> BenchConfig:
@@ -73,27 +69,20 @@ def parse_args(argv=None) -> BenchConfig:
                           for k, v in vars(p.parse_args(argv)).items()})
 
 
-# ----------------------------------------------------------------------------- workload
-
 def make_workload(cfg: BenchConfig, n: int, limit: int) -> tuple[list[list[int]], list[int]]:
-    """n prompts of prompt_len random ids and their output lengths capped at `limit`; the same
-    draws for every limit (they depend only on the seed), capped harder."""
+    """n prompts of prompt_len random ids, lengths capped at `limit`: same draws at any limit."""
     rng = np.random.default_rng(cfg.seed)
     prompts = rng.integers(0, 256, (n, cfg.prompt_len)).tolist()
-    lengths = np.ceil(rng.exponential(cfg.mean_output_len, n)).clip(1, limit).astype(int)
-    return prompts, lengths.tolist()
+    return prompts, list(map(int, np.ceil(rng.exponential(cfg.mean_output_len, n)).clip(1, limit)))
 
 
 def greedy(length: int) -> SamplingParams:
     return SamplingParams(max_tokens=length, temperature=0, ignore_eos=True)
 
 
-# ----------------------------------------------------------------------------- naive baseline
-
 def dense_forward(model, idx, positions, mask, caches, start: int) -> torch.Tensor:
-    """The last position's logits (B, vocab) of new tokens idx (B, T) at positions (B, T), their
-    K/V put in caches[layer] = (k, v), each (B, H, max_len, D), at start..start+T-1; attention
-    reads keys 0..start+T-1 where mask (B, 1, T, start+T) allows (None: all)."""
+    """The last position's logits (B, vocab) of new tokens idx (B, T) at positions (B, T); their K/V
+    go to caches[layer] = (k, v) (B, H, max_len, D) at start..; mask (B, 1, T, start+T) or None."""
     tr = model.transformer
     x = tr.wte(idx) + tr.wpe(positions)  # (B, T, C)
     B, T, C = x.shape
@@ -110,17 +99,14 @@ def dense_forward(model, idx, positions, mask, caches, start: int) -> torch.Tens
 
 
 def new_caches(model, batch: int, max_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    c, w = model.config, model.lm_head.weight
-    shape = (batch, c.n_head, max_len, c.head_dim)
-    return [(w.new_zeros(shape), w.new_zeros(shape)) for _ in range(c.n_layer)]
+    w, shape = model.lm_head.weight, (batch, model.config.n_head, max_len, model.config.head_dim)
+    return [(w.new_zeros(shape), w.new_zeros(shape)) for _ in range(model.config.n_layer)]
 
 
 @torch.inference_mode()
 def naive_batch(model, prompts: list[list[int]], lengths: list[int], log: list) -> list[list[int]]:
-    """One static batch the Hugging Face pipelines way: prompts left-padded to the longest, a
-    contiguous cache sized for the longest output, every row computed until the longest ends."""
-    dev = model.lm_head.weight.device
-    B, P, L = len(prompts), max(map(len, prompts)), max(lengths)
+    """A static batch the Hugging Face way: prompts left-padded, a dense cache, rows to the end."""
+    dev, B, P, L = model.lm_head.weight.device, len(prompts), max(map(len, prompts)), max(lengths)
     pads = torch.tensor([P - len(p) for p in prompts], device=dev)
     idx = torch.tensor([[0] * (P - len(p)) + p for p in prompts], device=dev)  # (B, P)
     valid = torch.arange(P + L, device=dev)[None] >= pads[:, None]              # (B, P+L) keys
@@ -136,11 +122,8 @@ def naive_batch(model, prompts: list[list[int]], lengths: list[int], log: list) 
     for t in range(L):  # cached after step t: each prompt and the outputs fed back so far
         real = sum(len(p) + min(t, n - 1) for p, n in zip(prompts, lengths))
         log.append((B, B * P if t == 0 else B, real, B * (P + L)))
-    out = torch.stack(tokens, 1).tolist()  # (B, L)
-    return [row[:n] for row, n in zip(out, lengths)]
+    return [row[:n] for row, n in zip(torch.stack(tokens, 1).tolist(), lengths)]  # (B, L) rows
 
-
-# ----------------------------------------------------------------------------- engine runs
 
 def make_engine(cfg: BenchConfig, mode: str = "fcfs", limit: int = 0, **overrides) -> Engine:
     """A fresh engine for `mode`, on the same seeded weights as every other."""
@@ -153,8 +136,7 @@ def make_engine(cfg: BenchConfig, mode: str = "fcfs", limit: int = 0, **override
 
 
 def run_offline(cfg: BenchConfig, mode: str, prompts, lengths, limit: int, model=None):
-    """Every request queued at once, served to the end: (useful output tokens/s and what the
-    steps held: sequences, tokens, cached tokens, KV slots; each request's output tokens)."""
+    """All requests queued at once, run to the end: (useful tokens/s, what steps held; outputs)."""
     log, B = [], cfg.max_num_seqs
     if mode == "naive":
         start, preemptions = time.perf_counter(), 0
@@ -185,40 +167,63 @@ def run_offline(cfg: BenchConfig, mode: str, prompts, lengths, limit: int, model
 
 
 def run_online(cfg: BenchConfig, mode: str, prompts, lengths, rate: float) -> dict:
-    """Requests arrive by a Poisson process at `rate` requests/s. The clock is simulated: it
-    moves by the wall time of each iteration (admit what has arrived, one step) and, when the
-    engine is idle, jumps to the next arrival: a real-time loop less its idle waiting."""
+    """Requests arrive by a Poisson process at `rate` requests/s. In process, the clock moves by
+    each iteration's wall time, skipping idle time; "http": a thread a request, the wall clock."""
     gaps = np.random.default_rng(cfg.seed + 1).exponential(1 / rate, len(prompts))
     arrivals = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
-    engine = make_engine(cfg, mode, cfg.online_limit)
-    times, clock, i = [[] for _ in prompts], 0.0, 0
-    while i < len(prompts) or engine.has_unfinished():
-        if not engine.has_unfinished():
-            clock = max(clock, arrivals[i])
+    if mode == "http":
+        def send(arrival, prompt, n):  # the times (s after start) of its chunks; its tokens
+            time.sleep(max(0.0, start + arrival - time.perf_counter()))
+            times, tokens = [], None
+            for line in http_open(cfg.url, "/v1/completions", dict(
+                    model=model, prompt=prompt, max_tokens=n, temperature=0, ignore_eos=True,
+                    stream=True, stream_options=dict(include_usage=True))):  # "data: {json}"
+                chunk = json.loads(line[5:]) if line.startswith(b"data: {") else {}
+                if chunk.get("choices"):  # a chunk of text (or held back), as vLLM times them
+                    times.append(time.perf_counter() - start)
+                tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+            if not times:  # not a stream of OpenAI's chunks
+                raise ConnectionError(f"{cfg.url}/v1/completions streamed no choices")
+            return times, tokens or len(times)  # tokens: the usage chunk's count, or a chunk's
+        model = json.load(http_open(cfg.url, "/v1/models"))["data"][0]["id"]  # the first listed
         start = time.perf_counter()
-        while i < len(prompts) and arrivals[i] <= clock:
-            engine.add_request(prompts[i], greedy(lengths[i]), str(i))
-            i += 1
-        outputs = engine.step()
-        clock += time.perf_counter() - start
-        for o in outputs:
-            times[int(o.request_id)].append(clock)
-    # vLLM's serving metrics. TTFT: arrival to first token; TPOT: (e2e - ttft) / (n - 1);
-    # ITL: every gap between a request's tokens; E2E: arrival to last token
-    summary = lambda xs: dict(  # noqa: E731
-        mean=np.mean(xs), p50=np.percentile(xs, 50), p99=np.percentile(xs, 99)) if len(xs) \
-        else dict(mean=None, p50=None, p99=None)
-    duration = max(t[-1] for t in times) - arrivals[0]
-    num_tokens = sum(map(len, times))
+        times, tokens = zip(*ThreadPoolExecutor(len(prompts)).map(send, arrivals, prompts, lengths))
+    else:
+        engine = make_engine(cfg, mode, cfg.online_limit)
+        times, clock, i = [[] for _ in prompts], 0.0, 0
+        while i < len(prompts) or engine.has_unfinished():
+            clock = clock if engine.has_unfinished() else max(clock, arrivals[i])  # idle: a jump
+            start = time.perf_counter()
+            while i < len(prompts) and arrivals[i] <= clock:
+                engine.add_request(prompts[i], greedy(lengths[i]), str(i))
+                i += 1
+            outputs = engine.step()
+            clock += time.perf_counter() - start
+            for o in outputs:
+                times[int(o.request_id)].append(clock)
+        tokens = [len(t) for t in times]
+    # vLLM's metrics: TTFT, TPOT (e2e - ttft) / (n - 1), ITL (token gaps; HTTP: chunks), E2E
+    summary = lambda xs: dict(zip(("mean", "p50", "p99"), [np.mean(xs), *np.percentile(  # noqa
+        xs, [50, 99])] if len(xs) else [None] * 3))
+    duration, num_tokens = max(t[-1] for t in times) - arrivals[0], sum(tokens)
     return dict(ttft=summary([t[0] - a for a, t in zip(arrivals, times)]),
-                tpot=summary([(t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1]),
+                tpot=summary([(t[-1] - t[0]) / (n - 1) for t, n in zip(times, tokens) if n > 1]),
                 itl=summary(np.concatenate([np.diff(t) for t in times])),
                 e2e=summary([t[-1] - a for a, t in zip(arrivals, times)]),
                 requests=len(times), output_tokens=num_tokens, duration_s=duration,
                 request_throughput=len(times) / duration, output_throughput=num_tokens / duration)
 
 
-# ----------------------------------------------------------------------------- hardware view
+def http_open(url: str, path: str, body: dict | None = None):
+    """GET url + path, or POST body as JSON (no proxy); errors: a one-line ConnectionError."""
+    try:
+        return urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+            urllib.request.Request(url.rstrip("/").removesuffix("/v1") + path, body and json.dumps(
+                body).encode(), {"Content-Type": "application/json"}), timeout=600)
+    except Exception as e:  # an HTTPError holds the server's answer: OpenAI's error, as JSON
+        raise ConnectionError(f"{url}{path} answered {e.code}: {e.read().decode()}" if hasattr(
+            e, "code") else f"cannot reach {url}: {getattr(e, 'reason', e)}") from None
+
 
 def per_call(fn, reps: int, device: str) -> float:
     """Seconds per call of fn over reps calls, the device synchronised before and after."""
@@ -232,12 +237,9 @@ def per_call(fn, reps: int, device: str) -> float:
 
 
 @torch.inference_mode()
-def decode_step(cfg: BenchConfig, model, batch: int, prompt_len: int = 0, first: int = 1,
-                steps: int = 16, rounds: int = 3) -> dict:
-    """Decode steps of `batch` sequences of prompt_len tokens from their `first` output token
-    on: the paged engine's step, its model forward and the rest, the host part (scheduling,
-    inputs, logits, sampling, detokenizing); and a dense contiguous-cache forward of the same
-    weights over the same tokens. Rounds alternate the two; the median round counts."""
+def decode_step(cfg, model, batch: int, prompt_len=0, first=1, steps=16, rounds=3) -> dict:
+    """Decode steps of `batch` sequences of prompt_len tokens from output `first` on: the paged
+    step, its forward (the rest: host part), a dense-cache forward; median of alternate rounds."""
     B, P, n, dev = batch, prompt_len or cfg.prompt_len, rounds * steps, cfg.device
     engine = make_engine(cfg, max_num_seqs=B, max_num_batched_tokens=B * P,
                          kv_cache_tokens=B * (P + first + n + cfg.block_size))
@@ -253,18 +255,15 @@ def decode_step(cfg: BenchConfig, model, batch: int, prompt_len: int = 0, first:
         spent.append(per_call(lambda: hidden.append(forward(*args)), 1, dev))
         return hidden[0]
     engine.model.forward = timed_forward
-    C = len(seqs[0].token_ids) - 1  # cached tokens: the dense cache is prefilled with the same
-    out0 = np.mean([s.num_output_tokens for s in seqs])
+    C, out0 = len(seqs[0].token_ids) - 1, np.mean([s.num_output_tokens for s in seqs])  # cached
     caches = new_caches(model, B, C + n + 1)
     tokens = [torch.tensor([[s.token_ids[-1]] for s in seqs], device=dev)]
     dense_forward(model, torch.tensor([s.token_ids[:-1] for s in seqs], device=dev),
                   torch.arange(C, device=dev).expand(B, C),
                   torch.ones(C, C, dtype=torch.bool, device=dev).tril(), caches, 0)
-
-    def dense_step():  # feeds the newest token of every row, at position C + t
-        t = len(tokens) - 1
-        tokens.append(dense_forward(model, tokens[-1], torch.full((B, 1), C + t, device=dev), None,
-                                    caches, C + t).argmax(-1, keepdim=True))
+    dense_step = lambda: tokens.append(dense_forward(  # noqa: E731 (the newest token of each row)
+        model, tokens[-1], torch.full((B, 1), C + len(tokens) - 1, device=dev), None, caches,
+        C + len(tokens) - 1).argmax(-1, keepdim=True))
     paged, forward_s, dense = [], [], []
     for _ in range(rounds):
         spent.clear()
@@ -285,8 +284,7 @@ def decode_step(cfg: BenchConfig, model, batch: int, prompt_len: int = 0, first:
 
 @torch.inference_mode()
 def sampling_time(cfg: BenchConfig, rows: int = 64, reps: int = 50, rounds: int = 5) -> dict:
-    """Sampling `rows` requests (temperature 0.8, top-p 0.95, a seed each) from (rows, vocab)
-    logits as the engine does, engine.sampling_tensors then sample; and sample alone."""
+    """Sampling `rows` seeded requests (T 0.8, top-p 0.95) as the engine does; sample() alone."""
     engine = make_engine(cfg, max_num_seqs=rows, max_num_batched_tokens=rows,
                          kv_cache_tokens=rows * cfg.block_size)
     for i, prompt in enumerate(make_workload(cfg, rows, 1)[0]):
@@ -300,8 +298,7 @@ def sampling_time(cfg: BenchConfig, rows: int = 64, reps: int = 50, rounds: int 
 
 
 def tight_kv(cfg: BenchConfig, num_requests: int = 16) -> dict:
-    """num_requests requests of prompt_len tokens (prefilled in 4 chunks), as many generated, on
-    a KV cache that holds exactly one, fcfs: tokens computed (recomputed ones too) / needed."""
+    """Requests of P + P tokens (fcfs, P / 4 a step) on a KV cache for one: computed / needed."""
     P, kv = cfg.prompt_len, cdiv(2 * cfg.prompt_len - 1, cfg.block_size) * cfg.block_size
     r = run_offline(replace(cfg, kv_cache_tokens=kv, max_num_batched_tokens=cdiv(P, 4)), "fcfs",
                     make_workload(cfg, num_requests, 1)[0], [P] * num_requests, P)[0]
@@ -312,41 +309,42 @@ def tight_kv(cfg: BenchConfig, num_requests: int = 16) -> dict:
                     "tokens_computed", "preemptions", "output_tokens", "steps", "wall_s")})
 
 
-# ----------------------------------------------------------------------------- report
-
 def targets(result: dict) -> list[dict]:
     """The issue's targets, each against the measured figure it cites."""
-    off, hw = result["offline"], result["hardware"]
-    host, (short, long) = hw["host_cost"], hw["host_cost"]["rows"]
+    off, hw = result["offline"], result.get("hardware")
     mode = lambda limit, m: off.get(limit, {}).get("modes", {}).get(m, {})  # noqa: E731
     found = [(f"fcfs / static, limit {limit}", ">=", goal, mode(limit, "fcfs").get("vs_static"))
              for limit, goal in (("128", 2.0), ("512", 3.0))]
     found += [(f"static / naive, limit {limit}", ">", 1, mode(limit, "static").get("vs_naive"))
               for limit in off]
-    found += [("paged / dense decode step", "<=", 1.15, 1 + hw["decode"][-1]["paging_overhead"]),
-              (f"decode step, batch {long['batch']}, output {long['output_len']:.0f} / "
-               f"{short['output_len']:.0f}, same context", "<=", 1.1, host["step_ratio"]),
-              ("  its host part (step less model forward)", "<=", 1.1, host["host_ratio"]),
-              (f"sampling {hw['sampling']['rows']} rows (top-p, seeded), ms", "<", 1,
-               hw["sampling"]["sample_ms"]),
-              ("tight KV: tokens computed / needed", "<=", 1.5, hw["tight_kv"]["ratio"])]
-    ops = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
-    return [dict(target=t, goal=f"{op} {goal}", measured=r, met=bool(ops[op](r, goal)))
+    found += [t for rate, r in result["online"].items() if "http" in r and "fcfs" in r for t in (
+        (f"HTTP / in process, output tok/s, rate {rate}", ">=", 0.9,
+         r["http"]["output_throughput"] / r["fcfs"]["output_throughput"]),
+        (f"HTTP - in process, TTFT p50 ms, rate {rate}", "<=", 5,
+         (r["http"]["ttft"]["p50"] - r["fcfs"]["ttft"]["p50"]) * 1e3))]
+    if hw:
+        host, (short, long) = hw["host_cost"], hw["host_cost"]["rows"]
+        found += [("paged / dense decode step", "<=", 1.15,
+                   1 + hw["decode"][-1]["paging_overhead"]),
+                  (f"decode step, batch {long['batch']}, output {long['output_len']:.0f} / "
+                   f"{short['output_len']:.0f}, same context", "<=", 1.1, host["step_ratio"]),
+                  ("  its host part (step less model forward)", "<=", 1.1, host["host_ratio"]),
+                  (f"sampling {hw['sampling']['rows']} rows (top-p, seeded), ms", "<", 1,
+                   hw["sampling"]["sample_ms"]),
+                  ("tight KV: tokens computed / needed", "<=", 1.5, hw["tight_kv"]["ratio"])]
+    return [dict(target=t, goal=f"{op} {goal}", measured=r,
+                 met=bool({">=": r >= goal, ">": r > goal, "<=": r <= goal, "<": r < goal}[op]))
             for t, op, goal, r in found if r is not None]
 
 
-def table(title: str, header: list, rows: list[list]) -> str:
-    lines = [header, ["---"] * len(header), *rows]
-    return title + "\n" + "\n".join("| " + " | ".join(map(str, r)) + " |" for r in lines)
-
-
 def report(result: dict) -> str:
-    """Every table, in markdown."""
-    cfg, off, hw = result["config"], result["offline"], result["hardware"]
-    smp, kv, x = hw["sampling"], hw["tight_kv"], lambda r: "-" if r is None else f"{r:.2f}x"
-    ms = lambda s: " / ".join("-" if v is None else f"{v * 1e3:.0f}"  # noqa: E731
-                              for v in s.values())
-    return "\n\n".join([
+    """Every table there are figures for (with --url: online and targets), in markdown."""
+    cfg, off, hw = result["config"], result["offline"], result.get("hardware", {})
+    table = lambda title, header, rows: title + "".join(  # noqa: E731
+        "\n| " + " | ".join(map(str, r)) + " |" for r in [header, ["---"] * len(header), *rows])
+    ms = lambda s: " / ".join("-" if v is None else f"{v * 1e3:.0f}" for v in s.values())  # noqa
+    smp, kv, x = hw.get("sampling"), hw.get("tight_kv"), lambda r: "-" if r is None else f"{r:.2f}x"
+    return "\n\n".join(([] if not hw else [
         table("Offline throughput, useful output tokens/s (ratio to naive / to static)",
               ["mode"] + [f"limit {limit}" for limit in off],
               [[MODES[m][0]] + [f"{r['tok_s']:.0f} ({x(r['vs_naive'])} / {x(r['vs_static'])})"
@@ -359,11 +357,6 @@ def report(result: dict) -> str:
                 f"{r['seqs_per_step']:.1f}", f"{r['tokens_per_step']:.1f}",
                 f"{r['kv_slots_mean']:.0f}", r["kv_slots_peak"], f"{r['kv_real_share']:.2f}",
                 r["preemptions"]] for limit in off for m, r in off[limit]["modes"].items()]),
-        table(f"Online, limit {cfg['online_limit']}, Poisson arrivals; mean / p50 / p99",
-              ["rate req/s", "mode", "TTFT ms", "TPOT ms", "ITL ms", "E2E ms", "req/s", "tok/s"],
-              [[rate, m, ms(r["ttft"]), ms(r["tpot"]), ms(r["itl"]), ms(r["e2e"]),
-                f"{r['request_throughput']:.1f}", f"{r['output_throughput']:.0f}"]
-               for rate, runs in result["online"].items() for m, r in runs.items()]),
         table(f"Decode step: paged engine (its model forward; the rest is the host part) vs a "
               f"dense contiguous cache. Last {len(hw['host_cost']['rows'])} rows: host cost by "
               f"output length. A {hw['matmul_n']}^2 matmul runs at {hw['matmul_gflops']:.0f} "
@@ -382,68 +375,75 @@ def report(result: dict) -> str:
              f"{kv['kv_cache_tokens']}-token KV, budget {kv['max_num_batched_tokens']}: tokens "
              "computed / needed, preemptions",
              f"{kv['tokens_computed']} / {kv['tokens_needed']} = {kv['ratio']:.2f}x, "
-             f"{kv['preemptions']}"]]),
+             f"{kv['preemptions']}"]])]) + [
+        table(f"Online, limit {cfg['online_limit']}, Poisson arrivals; mean / p50 / p99",
+              ["rate req/s", "mode", "TTFT ms", "TPOT ms", "ITL ms", "E2E ms", "req/s", "tok/s"],
+              [[rate, m, ms(r["ttft"]), ms(r["tpot"]), ms(r["itl"]), ms(r["e2e"]),
+                f"{r['request_throughput']:.1f}", f"{r['output_throughput']:.0f}"]
+               for rate, runs in result["online"].items() for m, r in runs.items()])] + [
         table("Targets", ["target", "goal", "measured", "met"],
               [[t["target"], t["goal"], f"{t['measured']:.2f}", "yes" if t["met"] else "NO"]
-               for t in result["targets"]])])
+               for t in result["targets"]])] * bool(result["targets"]))
 
 
 def main(argv=None) -> None:
     cfg = parse_args(argv)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    model = make_engine(cfg).model  # the engines' weights, device and dtype, for naive
-    result = dict(config=asdict(cfg), offline={}, online={}, versions=dict(
+    torch.set_num_threads(cfg.threads or torch.get_num_threads())
+    sweep = make_workload(cfg, cfg.online_requests, cfg.online_limit)  # the online requests
+    result = dict(config=asdict(cfg), offline={}, online={}, online_lengths=sweep[1], versions=dict(
         python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
         device=cfg.device, threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
         processor=platform.processor(), load_average_start=os.getloadavg()))
     start = time.perf_counter()
     progress = lambda msg: print(f"[{time.perf_counter() - start:6.1f} s] {msg}",  # noqa: E731
                                  file=sys.stderr, flush=True)
-    for mode in cfg.modes:  # warm-up, not timed
-        run_offline(cfg, mode, *make_workload(cfg, cfg.max_num_seqs, 8), 8, model)
-    for limit in cfg.limits:
-        prompts, lengths = make_workload(cfg, cfg.num_requests, limit)
-        runs, first = {}, None
-        for mode in cfg.modes:
-            runs[mode], outputs = run_offline(cfg, mode, prompts, lengths, limit, model)
-            first = first or outputs  # greedy: every mode should produce the same tokens
-            runs[mode]["same_tokens"] = float(np.mean([a == b for a, b in zip(outputs, first)]))
-            progress(f"offline, limit {limit}, {mode}: {runs[mode]['tok_s']:.0f} tok/s")
-        for r in runs.values():  # static steps / steps: the gain if every step cost the same
-            r |= {f"vs_{b}": r["tok_s"] / runs[b]["tok_s"] if b in runs else None
-                  for b in ("naive", "static")}
-            r["steps_vs_static"] = runs["static"]["steps"] / r["steps"] if "static" in runs \
-                else None
-        result["offline"][str(limit)] = dict(lengths=lengths, modes=runs)
-    prompts, lengths = make_workload(cfg, cfg.online_requests, cfg.online_limit)
-    result["online_lengths"] = lengths
-    for rate in cfg.rates:
-        runs = result["online"][str(rate)] = {}
-        for mode in (m for m in cfg.modes if m != "naive"):
-            runs[mode] = run_online(cfg, mode, prompts, lengths, rate)
-            progress(f"online, {rate} req/s, {mode}: "
-                     f"TTFT p50 {runs[mode]['ttft']['p50'] * 1e3:.0f} ms")
-    B = cfg.max_num_seqs  # the decode sweep: powers of two, then the batch size itself
-    batches = [2 ** i for i in range(B.bit_length()) if 2 ** i < B] + [B]
-    w = torch.randn(1024, 1024, dtype=model.lm_head.weight.dtype, device=cfg.device)
-    matmul_s = min(per_call(lambda: w @ w, 10, cfg.device) for _ in range(3))  # the ceiling
-    hw = result["hardware"] = dict(decode=[decode_step(cfg, model, b) for b in batches],
-                                   matmul_n=1024, matmul_gflops=2 * 1024 ** 3 / matmul_s / 1e9)
-    top = max(cfg.host_output_lens)  # context top + 16 for every output length n, centred on n
-    rows = [decode_step(cfg, model, B, top + 16 - n, max(1, n - 10), steps=4, rounds=5)
-            for n in cfg.host_output_lens]
-    hw.update(host_cost=dict(rows=rows, host_ratio=rows[-1]["host_ms"] / rows[0]["host_ms"],
-                             step_ratio=rows[-1]["paged_step_ms"] / rows[0]["paged_step_ms"]),
-              sampling=sampling_time(cfg), tight_kv=tight_kv(cfg))
-    progress("hardware view")
-    result["targets"] = targets(result)
+    modes = ["http", "fcfs"][:1 + cfg.compare]  # with --url: the server, and fcfs to compare
+    if not cfg.url:
+        modes, model = [m for m in cfg.modes if m != "naive"], make_engine(cfg).model  # naive's
+        for mode in cfg.modes:  # warm-up, not timed
+            run_offline(cfg, mode, *make_workload(cfg, cfg.max_num_seqs, 8), 8, model)
+        for limit in cfg.limits:
+            prompts, lengths = make_workload(cfg, cfg.num_requests, limit)
+            runs, first = {}, None
+            for mode in cfg.modes:
+                runs[mode], outputs = run_offline(cfg, mode, prompts, lengths, limit, model)
+                first = first or outputs  # greedy: every mode should produce the same tokens
+                runs[mode]["same_tokens"] = float(np.mean([a == b for a, b in zip(outputs, first)]))
+                progress(f"offline, limit {limit}, {mode}: {runs[mode]['tok_s']:.0f} tok/s")
+            for r in runs.values():  # static steps / steps: the gain if every step cost the same
+                r |= {f"vs_{b}": r["tok_s"] / runs[b]["tok_s"] if b in runs else None
+                      for b in ("naive", "static")}
+                r["steps_vs_static"] = runs["static"]["steps"] / r["steps"] if "static" in runs \
+                    else None
+            result["offline"][str(limit)] = dict(lengths=lengths, modes=runs)
+        B = cfg.max_num_seqs  # the decode sweep: powers of two, then the batch size itself
+        batches = [2 ** i for i in range(B.bit_length()) if 2 ** i < B] + [B]
+        w = torch.randn(1024, 1024, dtype=model.lm_head.weight.dtype, device=cfg.device)
+        matmul_s = min(per_call(lambda: w @ w, 10, cfg.device) for _ in range(3))  # the ceiling
+        hw = result["hardware"] = dict(decode=[decode_step(cfg, model, b) for b in batches],
+                                       matmul_n=1024, matmul_gflops=2 * 1024 ** 3 / matmul_s / 1e9)
+        top = max(cfg.host_output_lens)  # context top + 16 for every output length n, centred on n
+        rows = [decode_step(cfg, model, B, top + 16 - n, max(1, n - 10), steps=4, rounds=5)
+                for n in cfg.host_output_lens]
+        hw.update(host_cost=dict(rows=rows, host_ratio=rows[-1]["host_ms"] / rows[0]["host_ms"],
+                                 step_ratio=rows[-1]["paged_step_ms"] / rows[0]["paged_step_ms"]),
+                  sampling=sampling_time(cfg), tight_kv=tight_kv(cfg))
+        progress("hardware view")
+    try:
+        for rate in cfg.rates:
+            runs = result["online"][str(rate)] = {}
+            for mode in modes:
+                r = runs[mode] = run_online(cfg, mode, *sweep, rate)
+                progress(f"online, {rate} req/s, {mode}: TTFT p50 {r['ttft']['p50'] * 1e3:.0f} "
+                         f"ms, {r['output_throughput']:.0f} tok/s")
+    except ConnectionError as e:  # the server at --url: one line, exit status 2
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    result |= dict(targets=targets(result), wall_s=time.perf_counter() - start)
     result["versions"]["load_average_end"] = os.getloadavg()
-    result["wall_s"] = time.perf_counter() - start
     print(report(result))
     with open(cfg.out, "w") as f:
         json.dump(result, f, indent=1)
-    progress(f"wrote {cfg.out}")
 
 
 if __name__ == "__main__":

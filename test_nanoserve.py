@@ -10,11 +10,15 @@ import json
 import math
 import os
 import signal
+import socket
 import struct
 import subprocess
 import sys
 import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -1186,7 +1190,6 @@ def test_jsonl_answers_every_line_in_order(capsys, monkeypatch):
 def test_repl_at_a_terminal_streams_sets_and_stops_on_ctrl_c():
     import pty
     import select
-    import time
     pid, fd = pty.fork()
     if pid == 0:  # the child, with the pseudo-terminal as its controlling terminal
         os.chdir(HERE)
@@ -1292,8 +1295,8 @@ def test_http_completion_equals_offline_generate(server, offline):
     assert got["choices"][0]["logprobs"]["tokens"] == [token_text(tokenizer, t)
                                                        for t in want.token_ids]
     assert got["usage"] == dict(prompt_tokens=6, completion_tokens=12, total_tokens=18)
-    events = sse(server, "/v1/completions", body | dict(stream=True,
-                                                         stream_options={"include_usage": True}))
+    events = sse(server, "/v1/completions",
+                 body | dict(stream=True, stream_options={"include_usage": True}))
     assert events[-1] == "[DONE]" and events[-2]["usage"] == got["usage"]
     assert "".join(c["text"] for e in events[:-2] for c in e["choices"]) == want.text
     assert events[-3]["choices"][0]["finish_reason"] == "length"
@@ -1369,8 +1372,6 @@ def metric(url: str, name: str) -> float:
 
 
 def test_disconnect_mid_stream_frees_the_blocks(server):
-    import socket
-    import time
     host, port = server.removeprefix("http://").split(":")
     body = json.dumps(dict(prompt="x" * 100, max_tokens=900, ignore_eos=True, stream=True))
     with socket.create_connection((host, int(port)), timeout=60) as sock:
@@ -1570,3 +1571,191 @@ def test_bench_flags_come_from_its_config():
     for bad in (["--token-budget", "7"], ["--modes", "fifo"], ["--preset", "huge"]):
         with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
             bench.parse_args(bad)
+
+
+# ----------------------------------------------------------------------------- bench.py --url
+# The HTTP client at a tiny scale: against a stub that streams two tokens a chunk (so tokens
+# must be counted from the usage chunk), against nanoserve's server with --compare, and its
+# one-line errors.
+
+URL_TINY = ("--online-requests 8 --online-limit 9 --mean-output-len 5 --prompt-len 12 "
+            "--rates 25 inf --max-num-seqs 4").split()
+
+
+def run_bench(argv: list[str]) -> tuple[int, dict | None, str, str]:
+    """bench.main in this process: (exit status, its JSON, stdout, stderr); torch's threads put
+    back after (bench sets them)."""
+    threads, out, status = torch.get_num_threads(), io.StringIO(), 0
+    err, path = io.StringIO(), os.path.join(os.environ.get("TMPDIR", "/tmp"),
+                                            f"bench_url_{os.getpid()}_{time.monotonic_ns()}.json")
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            bench.main(argv + ["--out", path])
+    except SystemExit as e:
+        status = e.code
+    finally:
+        torch.set_num_threads(threads)
+    result = None
+    if os.path.exists(path):
+        with open(path) as f:
+            result = json.load(f)
+        os.remove(path)
+    return status, result, out.getvalue(), err.getvalue()
+
+
+class Stub(BaseHTTPRequestHandler):
+    """GET /v1/models; POST /v1/completions streamed two tokens a chunk, then usage, [DONE]."""
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def answer(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path != "/v1/models":
+            return self.answer(404, {"error": {"message": f"no {self.path}"}})
+        self.answer(200, {"object": "list", "data": [{"id": "stub-model", "object": "model"}]})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.requests.append((time.perf_counter(), body,
+                                     self.headers.get("Content-Type")))
+        if body.get("model") != "stub-model" or body["max_tokens"] > 100:
+            return self.answer(400, {"error": {"message": "no such model, or too many tokens",
+                                               "type": "invalid_request_error"}})
+        if self.server.plain:  # a server that does not stream: one JSON answer
+            return self.answer(200, {"object": "text_completion", "choices": [{"text": "ab"}]})
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+        def event(data: str) -> None:
+            raw = f"data: {data}\n\n".encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(raw), raw))
+            self.wfile.flush()
+        n = body["max_tokens"]
+        for i in range(0, n, 2):  # a chunk of two tokens (one at the end of an odd n)
+            time.sleep(0.002)
+            event(json.dumps({"object": "text_completion", "choices": [{
+                "index": 0, "text": "ab"[:min(2, n - i)],
+                "finish_reason": "length" if i + 2 >= n else None}]}))
+        event(json.dumps({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]),
+                                                   "completion_tokens": n}}))
+        event("[DONE]")
+        self.wfile.write(b"0\r\n\r\n")
+
+
+@pytest.fixture()
+def stub():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    server.daemon_threads, server.requests, server.plain = True, [], False
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def check_online(result: dict, modes: list[str]) -> None:
+    """Every request counted, every requested token counted, and the figures agree."""
+    lengths, cfg = result["online_lengths"], result["config"]
+    want = bench.make_workload(bench.parse_args(URL_TINY), 8, 9)[1]
+    assert lengths == want and len(lengths) == 8 and cfg["online_limit"] == 9
+    assert list(result["online"]) == ["25.0", "inf"] and not result["offline"]
+    assert "hardware" not in result
+    for rate, runs in result["online"].items():
+        assert list(runs) == modes
+        for mode, r in runs.items():
+            assert r["requests"] == 8 and r["output_tokens"] == sum(lengths), (rate, mode)
+            assert 0 < r["ttft"]["p50"] <= r["e2e"]["p50"] and r["ttft"]["mean"] <= r["e2e"]["mean"]
+            assert r["ttft"]["p99"] <= r["e2e"]["p99"] and r["itl"]["p50"] >= 0
+            assert r["tpot"]["mean"] > 0 and r["e2e"]["p99"] <= r["duration_s"]
+            assert r["output_throughput"] == pytest.approx(sum(lengths) / r["duration_s"])
+            assert r["request_throughput"] == pytest.approx(8 / r["duration_s"])
+    # Poisson arrivals on the wall clock: the last request is sent no earlier than its arrival
+    gaps = np.random.default_rng(cfg["seed"] + 1).exponential(1 / 25, 8)
+    assert result["online"]["25.0"]["http"]["duration_s"] >= gaps[:-1].sum()
+
+
+def test_bench_url_sends_the_workload_and_counts_usage_tokens(stub):
+    server, url = stub
+    status, result, printed, err = run_bench(URL_TINY + ["--url", url + "/"])
+    assert status == 0, err
+    check_online(result, ["http"])
+    assert result["targets"] == [] and "Targets" not in printed
+    assert "Online, limit 9" in printed and "Offline" not in printed and "Decode" not in printed
+    # 8 requests per rate, each exactly the workload's, as OpenAI's /v1/completions asks
+    prompts, lengths = bench.make_workload(bench.parse_args(URL_TINY), 8, 9)
+    bodies = [body for _, body, _ in server.requests]
+    assert len(bodies) == 16 and all(kind == "application/json" for *_, kind in server.requests)
+    want = [dict(model="stub-model", prompt=prompt, max_tokens=n, temperature=0, ignore_eos=True,
+                 stream=True, stream_options=dict(include_usage=True))
+            for prompt, n in zip(prompts * 2, lengths * 2)]
+    assert sorted(bodies, key=json.dumps) == sorted(want, key=json.dumps)  # in any order
+    # chunks hold two tokens: ITL is per chunk, TPOT per token, so TPOT < ITL at the median
+    r = result["online"]["inf"]["http"]
+    assert r["tpot"]["p50"] < r["itl"]["p50"]
+
+
+def test_bench_url_compares_with_the_engine_in_process():
+    proc, url = start_server("--max-num-seqs", "4")
+    try:
+        status, result, printed, err = run_bench(URL_TINY + ["--url", url, "--compare"])
+    finally:
+        proc.kill()
+        proc.wait()
+    assert status == 0, err
+    check_online(result, ["http", "fcfs"])
+    names = [t["target"] for t in result["targets"]]
+    assert names == [f"HTTP {what}, rate {rate}" for rate in ("25.0", "inf") for what in (
+        "/ in process, output tok/s", "- in process, TTFT p50 ms")]
+    for t in result["targets"]:
+        http, fcfs = (result["online"][t["target"].split()[-1]][m] for m in ("http", "fcfs"))
+        want = http["output_throughput"] / fcfs["output_throughput"] if "tok/s" in t["target"] \
+            else (http["ttft"]["p50"] - fcfs["ttft"]["p50"]) * 1e3
+        assert t["measured"] == pytest.approx(want)
+        assert t["met"] == (want >= 0.9 if "tok/s" in t["target"] else want <= 5)
+    assert "Targets" in printed and "| 25.0 | http |" in printed and "| 25.0 | fcfs |" in printed
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("url, message", [
+    ("http://127.0.0.1:{port}", "error: cannot reach http://127.0.0.1:{port}: "),
+    ("127.0.0.1:{port}", "error: cannot reach 127.0.0.1:{port}: "),
+    ("http://127.0.0.1:{port}x", "error: cannot reach http://127.0.0.1:{port}x: ")])
+def test_bench_url_unreachable_is_one_line_and_exit_2(url, message):
+    port = free_port()
+    status, result, printed, err = run_bench(URL_TINY + ["--url", url.format(port=port)])
+    assert status == 2 and result is None and printed == ""
+    assert err.startswith(message.format(port=port)) and err.count("\n") == 1, err
+
+
+def test_bench_url_reports_the_servers_error(stub):
+    server, url = stub
+    status, result, printed, err = run_bench(URL_TINY + ["--url", url, "--online-limit", "200",
+                                                         "--mean-output-len", "500"])
+    assert status == 2 and result is None and err.count("\n") == 1, err
+    assert err.startswith(f"error: {url}/v1/completions answered 400: ")
+    assert "no such model, or too many tokens" in err
+    status, _, _, err = run_bench(URL_TINY + ["--url", url + "/nowhere"])
+    assert status == 2 and err.startswith(f"error: {url}/nowhere/v1/models answered 404: ")
+
+
+def test_bench_url_needs_a_stream(stub):
+    server, url = stub
+    server.plain = True
+    status, result, printed, err = run_bench(URL_TINY + ["--url", url])
+    assert status == 2 and result is None and err.count("\n") == 1, err
+    assert err == f"error: {url}/v1/completions streamed no choices\n"
