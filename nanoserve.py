@@ -734,6 +734,7 @@ class Handler(BaseHTTPRequestHandler):
                 param=e.param, code=e.status)})
 
     do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = route
+    disable_nagle_algorithm = True  # a streamed chunk goes out at once, not after the last ACK
 
     def send(self, status: int, obj, content_type="application/json") -> None:
         data = (obj if isinstance(obj, str) else json.dumps(obj)).encode()
@@ -894,8 +895,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--max-tokens", type=int, default=argparse.SUPPRESS,
                    help="default: 200, or what the context has left")
     g.add_argument("--stop", action="append", help="stop before this string (repeatable)")
-    add_config_args(g, SamplingParams, skip=("max_tokens", "stop", "seed", "logprobs",
-                                              "prompt_logprobs"))
+    add_config_args(g, SamplingParams,
+                    skip=("max_tokens", "stop", "seed", "logprobs", "prompt_logprobs"))
     p.set_defaults(temperature=0.8, top_p=0.95)
     add_config_args(p.add_argument_group("engine (EngineConfig)"), EngineConfig)
     return p.parse_args(argv)
