@@ -677,12 +677,13 @@ def parse_request(body: dict, engine: Engine, model_name: str, chat: bool) -> tu
                        typed(body, "stream_options", {}, dict), "include_usage", False, bool))
     try:
         check_int("n", n, 1, MAX_N)
+        check_int("top_logprobs", typed(body, "top_logprobs", 0, int), 0, MAX_LOGPROBS)
         params = SamplingParams(**fields)  # each sample of a seeded request: the next seed
         samples = [params if params.seed is None else dataclasses.replace(
             params, seed=(params.seed + i) % 2**64) for i in range(n)]
     except ValueError as e:
-        raise HTTPError(400, str(e), next((f for f in [*fields, "n"] if str(e).startswith(f)),
-                                          None)) from None
+        raise HTTPError(400, str(e), next((f for f in [*fields, "n", "top_logprobs"]
+                                           if str(e).startswith(f)), None)) from None
     return [(prompt, p) for prompt in prompts for p in samples], options
 
 
@@ -695,8 +696,10 @@ def token_text(tokenizer, token_id: int) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
-def logprobs_json(tokenizer, token_ids: list[int], entries: list, k: int, chat: bool) -> dict:
-    """Each token's log-probability and the top k, in OpenAI's completions or chat shape."""
+def logprobs_json(tokenizer, token_ids: list[int], entries: list, k: int, chat: bool,
+                  offset: int = 0) -> dict:
+    """Each token's log-probability and the top k, in OpenAI's completions or chat shape (text
+    offsets start at `offset`: the characters that earlier chunks of the choice held)."""
     text = lambda t: token_text(tokenizer, t)  # noqa: E731
     top = [None if e is None else sorted(e.items(), key=lambda x: -x[1])[:k] for e in entries]
     if chat:
@@ -707,7 +710,8 @@ def logprobs_json(tokenizer, token_ids: list[int], entries: list, k: int, chat: 
     return dict(tokens=[text(t) for t in token_ids],
                 token_logprobs=[e and e[t] for t, e in zip(token_ids, entries)],
                 top_logprobs=[best and {text(t): lp for t, lp in best} for best in top],
-                text_offset=[len(tokenizer.decode(token_ids[:i])) for i in range(len(entries))])
+                text_offset=[offset + len(tokenizer.decode(token_ids[:i]))
+                             for i in range(len(entries))])
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -733,7 +737,7 @@ class Handler(BaseHTTPRequestHandler):
                 message=str(e), type="invalid_request_error" if e.status < 500 else "server_error",
                 param=e.param, code=e.status)})
 
-    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = route
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = route
     disable_nagle_algorithm = True  # a streamed chunk goes out at once, not after the last ACK
 
     def send(self, status: int, obj, content_type="application/json") -> None:
@@ -789,7 +793,7 @@ class Handler(BaseHTTPRequestHandler):
     def respond(self, ids: list[str], reply: queue.Queue, head: dict, options: dict) -> None:
         """Whole, or streamed as server-sent events (a chunk per delta, the usage if asked,
         then [DONE]). A client that goes away mid-stream aborts its sequences: blocks freed."""
-        stream, index, whole = options["stream"], {i: n for n, i in enumerate(ids)}, {}
+        stream, index, whole, sent = options["stream"], {i: n for n, i in enumerate(ids)}, {}, {}
         event = lambda obj: self.wfile.write(b"data: %s\n\n" % json.dumps(obj).encode())  # noqa
         if stream:
             self.send_response(200)
@@ -798,10 +802,11 @@ class Handler(BaseHTTPRequestHandler):
         try:
             while not all(i in whole and whole[i].finished for i in ids):
                 out = reply.get()
-                if stream:
-                    event(head | dict(choices=[self.choice(index[out.request_id], out, options,
-                                                           first=out.request_id not in whole)]))
-                    self.wfile.flush()
+                if stream:  # sent: the characters of each choice streamed so far
+                    chunk = self.choice(index[out.request_id], out, options, out.request_id
+                                        not in whole, sent.get(out.request_id, 0))
+                    sent[out.request_id] = sent.get(out.request_id, 0) + len(chunk.get("text", ""))
+                    event(head | dict(choices=[chunk]))
                 accumulate(whole, out)
             prompt_tokens = sum(len(whole[i].prompt_token_ids) for i in ids[::options["n"]])
             completion_tokens = sum(len(whole[i].outputs[0].token_ids) for i in ids)
@@ -820,16 +825,18 @@ class Handler(BaseHTTPRequestHandler):
         self.send(200, head | dict(choices=[self.choice(index[i], whole[i], options, True)
                                             for i in ids], usage=usage))
 
-    def choice(self, index: int, out: RequestOutput, options: dict, first: bool) -> dict:
-        """One choice of a response, or of a stream's chunk (then from a delta)."""
+    def choice(self, index: int, out: RequestOutput, options: dict, first: bool, offset=0
+               ) -> dict:
+        """One choice of a response, or of a stream's chunk (then from a delta, `offset`
+        characters into the choice's text)."""
         c, tokenizer = out.outputs[0], self.server.engine_thread.engine.tokenizer
         token_ids, entries, text = c.token_ids, c.logprobs, c.text
         if first and options["echo"]:  # the prompt (and its log-probabilities) first
             token_ids = out.prompt_token_ids + token_ids
             text = (out.prompt or tokenizer.decode(out.prompt_token_ids)) + text
             entries = None if entries is None else out.prompt_logprobs + entries
-        logprobs = None if entries is None else logprobs_json(tokenizer, token_ids, entries,
-                                                              options["k"], options["chat"])
+        logprobs = None if entries is None else logprobs_json(
+            tokenizer, token_ids, entries, options["k"], options["chat"], offset)
         if not options["chat"]:
             return dict(index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason)

@@ -1329,6 +1329,12 @@ def test_http_logprobs_and_echo_equal_dense_log_softmax(server, offline):
         top = dense[i - 1].topk(3)
         assert list(lp["top_logprobs"][i].values()) == pytest.approx(top.values.tolist(), abs=1e-4)
     assert lp["text_offset"][:2] == [0, len(tokenizer.decode(ids[:1]))]
+    events = sse(server, "/v1/completions", dict(prompt=[5, 80, 9, 200], max_tokens=4,
+                                                 temperature=0, logprobs=3, echo=True, stream=True))
+    streamed = [e["choices"][0]["logprobs"] for e in events[:-1]]
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == got["choices"][0]["text"]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for chunk in streamed for x in chunk[key]] == lp[key], key
 
 
 def test_http_chat_uses_the_documented_template(server, offline):
@@ -1418,6 +1424,9 @@ BAD_REQUESTS = [
     ("GET", "/v2/nothing", None, 404, "no such path"),
     ("GET", "/v1/completions", None, 405, "takes POST"),
     ("DELETE", "/v1/models", None, 405, "takes GET"),
+    ("OPTIONS", "/v1/completions", None, 405, "takes POST"),
+    ("POST", "/v1/chat/completions", dict(messages=[dict(role="user", content="x")],
+                                          logprobs=True, top_logprobs=21), 400, "top_logprobs"),
 ]
 
 
