@@ -144,17 +144,14 @@ def run_offline(cfg: BenchConfig, mode: str, prompts, lengths, limit: int, model
                    for out in naive_batch(model, prompts[i:i + B], lengths[i:i + B], log)]
     else:
         engine = make_engine(cfg, mode, limit)
-        stats, alloc, start, done = engine.stats, engine.allocator, time.perf_counter(), {}
+        start, done, engine.step_records = time.perf_counter(), {}, []
         for i, (prompt, n) in enumerate(zip(prompts, lengths)):
             engine.add_request(prompt, greedy(n), str(i))
         while engine.has_unfinished():
-            seqs, tokens = stats.num_batched_seqs, stats.num_batched_tokens
             for o in engine.step():  # deltas: the tokens new since the request's last output
                 done.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
-            if stats.num_batched_seqs > seqs:  # what the step held (as naive_batch logs it)
-                log.append((stats.num_batched_seqs - seqs, stats.num_batched_tokens - tokens,
-                            sum(s.num_computed_tokens for s in engine.scheduler.running),
-                            (alloc.num_blocks - alloc.num_free_blocks) * alloc.block_size))
+        log = [(len(r.scheduled), sum(r.scheduled.values()), r.num_cached_tokens,  # as naive's
+                r.kv_blocks_used * engine.allocator.block_size) for r in engine.step_records]
         outputs = [done[str(i)] for i in range(len(prompts))]
         preemptions = engine.scheduler.num_preemptions
     wall, num_tokens = time.perf_counter() - start, sum(map(len, outputs))

@@ -196,6 +196,20 @@ class ModelOutput:  # execute(): one sampled token per sequence whose prompt is 
 
 
 @dataclass
+class StepRecord:
+    """What one step did, by request id: the record that --trace, /metrics and bench.py read
+    and EngineStats adds up."""
+    scheduled: dict[str, int]       # tokens computed this step
+    sampled: list[str]              # got a token
+    finished: list[str]             # ended in this step, or were aborted since the last one
+    preempted: list[str]            # sent back to waiting, their blocks freed
+    num_running: int
+    num_waiting: int
+    num_cached_tokens: int          # tokens whose K/V the running sequences hold
+    kv_blocks_used: int
+
+
+@dataclass
 class EngineStats:
     num_steps: int = 0
     num_prompt_tokens: int = 0
@@ -204,12 +218,14 @@ class EngineStats:
     num_batched_tokens: int = 0     # tokens computed, recomputation after preemption included
     peak_batch_size: int = 0
 
-    def record(self, scheduled: dict[Sequence, int], num_sampled: int) -> None:
+    def record(self, step: StepRecord) -> None:
+        if not step.scheduled:  # only aborts since the last step
+            return
         self.num_steps += 1
-        self.num_generated_tokens += num_sampled
-        self.num_batched_seqs += len(scheduled)
-        self.num_batched_tokens += sum(scheduled.values())
-        self.peak_batch_size = max(self.peak_batch_size, len(scheduled))
+        self.num_generated_tokens += len(step.sampled)
+        self.num_batched_seqs += len(step.scheduled)
+        self.num_batched_tokens += sum(step.scheduled.values())
+        self.peak_batch_size = max(self.peak_batch_size, len(step.scheduled))
 
 
 class Engine:
@@ -239,6 +255,8 @@ class Engine:
         self.generator = torch.Generator(config.device).manual_seed(config.seed)
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
+        self.last_step: StepRecord | None = None         # the newest step's record
+        self.step_records: list[StepRecord] | None = None  # every record, once made a list
         self._ids = itertools.count()
         self._lock = threading.Lock()  # abort() from other threads against step()
         self._final_outputs: list[RequestOutput] = []  # aborted or failed, for the next step()
@@ -319,14 +337,18 @@ class Engine:
         that got a token, and the last output of each one aborted or failed since."""
         with self._lock:
             outputs, self._final_outputs = self._final_outputs, []
-            scheduled = self.scheduler.schedule()
-            if not scheduled:
-                return outputs
-            try:
-                model_output = self.execute(scheduled)
-            except Exception:  # noqa: BLE001 (find the request that fails, and fail it alone)
-                model_output = self._execute_one_at_a_time(scheduled)
-            return outputs + self._update(scheduled, model_output)
+            running = list(self.scheduler.running)  # to see which are preempted
+            scheduled, sampled = self.scheduler.schedule(), []
+            if scheduled:
+                try:
+                    model_output = self.execute(scheduled)
+                except Exception:  # noqa: BLE001 (find the request that fails; it alone fails)
+                    model_output = self._execute_one_at_a_time(scheduled)
+                outputs += self._update(scheduled, model_output)
+                sampled = model_output.seqs
+            if scheduled or outputs:
+                self._record(scheduled, sampled, running, outputs)
+            return outputs
 
     def execute(self, scheduled: dict[Sequence, int]) -> ModelOutput:
         """Build the inputs, run the model over every scheduled token, sample."""
@@ -388,8 +410,22 @@ class Engine:
                 seq.detokenizer = Detokenizer(self.tokenizer, [])  # not the one that failed
                 self._abort(seq, f"error: {type(e).__name__}: {e}")
                 outputs.append(self._final_outputs.pop())
-        self.stats.record(scheduled, len(out.seqs))
         return outputs
+
+    def _record(self, scheduled: dict[Sequence, int], sampled: list[Sequence],
+                running: list[Sequence], outputs: list[RequestOutput]) -> None:
+        s, alloc = self.scheduler, self.allocator
+        self.last_step = StepRecord(
+            scheduled={seq.seq_id: n for seq, n in scheduled.items()},
+            sampled=[seq.seq_id for seq in sampled],
+            finished=[o.request_id for o in outputs if o.finished],
+            preempted=[seq.seq_id for seq in running if seq.status == SequenceStatus.WAITING],
+            num_running=len(s.running), num_waiting=len(s.waiting),
+            num_cached_tokens=sum(seq.num_computed_tokens for seq in s.running),
+            kv_blocks_used=alloc.num_blocks - alloc.num_free_blocks)
+        self.stats.record(self.last_step)
+        if self.step_records is not None:
+            self.step_records.append(self.last_step)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         """The request's delta since its last output; a finished request leaves the engine."""
@@ -466,9 +502,10 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args):
         self.engine = Engine(EngineConfig(model=model, **engine_args))
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """Serve all prompts (any form add_request takes) as one batch; whole outputs, in order."""
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 trace: bool = False) -> list[RequestOutput]:
+        """Serve all prompts (any form add_request takes) as one batch; whole outputs, in order.
+        trace: print the step-by-step timeline to stderr at the end."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and type(prompts[0]) is int):
             prompts = [prompts]
@@ -479,6 +516,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids, whole = [], {}
+        self.engine.step_records = [] if trace else None
         try:
             for prompt, p in zip(prompts, params):
                 ids.append(self.engine.add_request(prompt, p))
@@ -490,7 +528,28 @@ class LLM:
                 self.engine.abort(request_id, "withdrawn: generate() did not finish")
             self.engine.step()
             raise
+        if trace:
+            print(render_trace(self.engine.step_records, ids), file=sys.stderr)
         return [whole[i] for i in ids]
+
+
+TRACE_LEGEND = "= a prompt chunk   o a generated token   * the end   x preempted   . waiting"
+
+
+def render_trace(records: list[StepRecord], request_ids: list[str]) -> str:
+    """The timeline that continuous-batching diagrams draw: a row per request, a column per
+    step (the requests are taken to have arrived before the first step)."""
+    width = max(len(i) for i in [*request_ids, "request"])
+    rows = [f"{'request':>{width}} | " + "".join(f"{n // 10 % 10}" if n % 10 == 0 else " "
+                                                 for n in range(len(records))).rstrip()]
+    for i in request_ids:
+        marks, ended = "", False
+        for r in records:
+            marks += " " if ended else "x" if i in r.preempted else "*" if i in r.finished \
+                else "o" if i in r.sampled else "=" if i in r.scheduled else "."
+            ended = ended or i in r.finished
+        rows.append(f"{i:>{width}} | {marks.rstrip()}")
+    return "\n".join(rows + ["", TRACE_LEGEND])
 
 
 def accumulate(whole: dict[str, RequestOutput], delta: RequestOutput) -> None:
@@ -596,12 +655,13 @@ class EngineThread(threading.Thread):
                     (now - times[1]) / (times[2] - 1))
 
     def metrics(self) -> str:
-        """Prometheus' text format: vLLM's metric names, with a nanoserve: prefix."""
-        e, free = self.engine, self.engine.allocator.num_free_blocks
-        values = [("num_requests_running", "gauge", len(e.scheduler.running)),
-                  ("num_requests_waiting", "gauge", len(e.scheduler.waiting)),
-                  ("kv_blocks_used", "gauge", e.allocator.num_blocks - free),
-                  ("kv_blocks_free", "gauge", free),
+        """Prometheus' text format: vLLM's metric names, with a nanoserve: prefix; the gauges
+        as the newest step's record left them."""
+        e, step = self.engine, self.engine.last_step or StepRecord({}, [], [], [], 0, 0, 0, 0)
+        values = [("num_requests_running", "gauge", step.num_running),
+                  ("num_requests_waiting", "gauge", step.num_waiting),
+                  ("kv_blocks_used", "gauge", step.kv_blocks_used),
+                  ("kv_blocks_free", "gauge", e.allocator.num_blocks - step.kv_blocks_used),
                   ("prompt_tokens_total", "counter", e.stats.num_prompt_tokens),
                   ("generation_tokens_total", "counter", e.stats.num_generated_tokens),
                   ("num_preemptions_total", "counter", e.scheduler.num_preemptions)]
@@ -893,6 +953,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "together as one batch; none: prompts from stdin (at a terminal, a REPL)")
     p.add_argument("--jsonl", action="store_true", help="stdin and stdout: a JSON object a "
                    "line; prompt and SamplingParams fields in; text, token ids, finish out")
+    p.add_argument("--trace", action="store_true", help="with --prompt: the step-by-step "
+                   "timeline at the end (to stderr)")
     p.add_argument("--serve", action="store_true", help="serve OpenAI's API over HTTP")
     p.add_argument("--host", default="127.0.0.1", help="--serve: the address to bind")
     p.add_argument("--port", type=int, default=8000, help="--serve: the port (0: any free one)")
@@ -929,7 +991,7 @@ def run_prompts(engine: Engine, args: argparse.Namespace) -> None:
     """Serve every --prompt as one batch; stream each one in turn; a summary, Ctrl-C or not."""
     ids = [engine.add_request(prompt, cli_params(engine, args, prompt)) for prompt in args.prompt]
     later = {i: [] for i in ids}  # deltas of the requests after the one being printed
-    current, start = 0, time.perf_counter()
+    current, start, engine.step_records = 0, time.perf_counter(), [] if args.trace else None
 
     def summary(s=engine.stats):
         elapsed = time.perf_counter() - start
@@ -937,6 +999,8 @@ def run_prompts(engine: Engine, args: argparse.Namespace) -> None:
               f"{elapsed:.2f} s, {s.num_generated_tokens / elapsed:.1f} tok/s, {s.num_steps} "
               f"steps, peak batch {s.peak_batch_size}, {engine.scheduler.num_preemptions} "
               "preemptions]", file=sys.stderr)
+        if args.trace:
+            print(render_trace(engine.step_records, ids), file=sys.stderr)
 
     print(args.prompt[0].translate(VISIBLE), end="", flush=True)
     try:
@@ -1068,6 +1132,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     try:
         check_int("--threads", args.threads, 1)
+        if args.trace and not args.prompt or args.serve and args.prompt:
+            raise ValueError("--trace needs --prompt" if args.trace else
+                             "--serve takes no --prompt")
         torch.set_num_threads(args.threads)
         config = EngineConfig(**{f.name: getattr(args, f.name)
                                  for f in dataclasses.fields(EngineConfig)})

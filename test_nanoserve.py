@@ -27,6 +27,7 @@ import bench
 import model as M
 from kernels import (AttentionMetadata, SamplingTensors, apply_top_k_top_p, paged_attention,
                      paged_attention_ref, sample, store_kv)
+import nanoserve
 from nanoserve import LLM, Engine, EngineConfig, SamplingParams, token_text
 from paged_cache import BlockAllocator, BlockTable
 from scheduler import Scheduler, Sequence, SequenceStatus
@@ -1230,6 +1231,52 @@ def test_repl_at_a_terminal_streams_sets_and_stops_on_ctrl_c():
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
         os.close(fd)
+
+
+# ----------------------------------------------------------------------------- trace
+
+TRACE_PROMPTS = ["ab", "x" * 40, "hello", "hi"]  # 2 to 40 tokens: one prefill spans 3 steps
+TRACE_PARAMS = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 8, 5, 4)]
+
+
+@pytest.mark.parametrize("policy, grid", [
+    ("static", ["request | 0         1",
+                "      0 | oo*",
+                "      1 | ==ooooooo*",
+                "      2 | ..........oooo*",
+                "      3 | ..........ooo*"]),
+    ("fcfs", ["request | 0         1",
+              "      0 | oo*",
+              "      1 | ==ooooooo*",
+              "      2 | ...oooo*",
+              "      3 | ........ooo*"])])
+def test_trace_draws_each_request_step_by_step(capsys, policy, grid):
+    """Two at a time, 16 tokens a step: static waits for the whole batch, fcfs admits a request
+    as soon as one ends. The 40-token prompt takes two chunks (=) before its first token."""
+    tiny(max_num_seqs=2, max_num_batched_tokens=16, policy=policy).generate(
+        TRACE_PROMPTS, TRACE_PARAMS, trace=True)
+    assert capsys.readouterr().err == "\n".join(grid + ["", nanoserve.TRACE_LEGEND]) + "\n"
+
+
+def test_trace_marks_a_preemption():
+    llm = tiny(max_num_seqs=4, max_num_batched_tokens=16, kv_cache_tokens=48, block_size=8)
+    llm.engine.step_records = []
+    for i, prompt in enumerate(["ab" * 10, "x" * 20, "hello" * 4, "hi" * 10]):
+        llm.engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0,
+                                                      ignore_eos=True), str(i))
+    run_to_end(llm.engine)
+    rows = nanoserve.render_trace(llm.engine.step_records, ["0", "1", "2", "3"]).split("\n")
+    assert rows[2] == "      1 | .=oooox......=ooooooo*"  # preempted, then recomputed
+    assert sum(len(r.preempted) for r in llm.engine.step_records) == \
+        llm.engine.scheduler.num_preemptions == 2
+
+
+def test_cli_trace_needs_prompts_and_is_printed_after_the_summary(capsys):
+    assert nanoserve_main(capsys, "--trace")[::2] == (2, "error: --trace needs --prompt\n")
+    status, _, err = nanoserve_main(capsys, "--preset", "tiny", "--prompt", "a", "--prompt", "b",
+                                    "--max-tokens", "3", "--ignore-eos", "--trace")
+    assert status == 0 and err.endswith("      0 | oo*\n      1 | oo*\n\n" + nanoserve.TRACE_LEGEND
+                                        + "\n") and "generated tokens" in err, err
 
 
 # ----------------------------------------------------------------------------- HTTP server
