@@ -139,7 +139,7 @@ def run_offline(cfg: BenchConfig, mode: str, prompts, lengths, limit: int, model
     """All requests queued at once, run to the end: (useful tokens/s, what steps held; outputs)."""
     log, B = [], cfg.max_num_seqs
     if mode == "naive":
-        start, preemptions = time.perf_counter(), 0
+        start, preemptions, hit_rate = time.perf_counter(), 0, 0.0
         outputs = [out for i in range(0, len(prompts), B)
                    for out in naive_batch(model, prompts[i:i + B], lengths[i:i + B], log)]
     else:
@@ -151,16 +151,18 @@ def run_offline(cfg: BenchConfig, mode: str, prompts, lengths, limit: int, model
             for o in engine.step():  # deltas: the tokens new since the request's last output
                 done.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
         log = [(len(r.scheduled), sum(r.scheduled.values()), r.num_cached_tokens,  # as naive's
-                r.kv_blocks_used * engine.allocator.block_size) for r in engine.step_records]
+                r.kv_blocks_used * engine.block_pool.block_size) for r in engine.step_records]
         outputs = [done[str(i)] for i in range(len(prompts))]
-        preemptions = engine.scheduler.num_preemptions
+        preemptions = sum(len(r.preempted) for r in engine.step_records)
+        hit_rate = engine.stats.num_cached_tokens / engine.stats.num_prompt_tokens  # prefix cache
     wall, num_tokens = time.perf_counter() - start, sum(map(len, outputs))
     seqs, tokens, real, slots = np.array(log, dtype=np.float64).T
     return dict(output_tokens=num_tokens, wall_s=wall, tok_s=num_tokens / wall, steps=len(log),
                 ms_per_step=wall / len(log) * 1e3, tokens_computed=int(tokens.sum()),
                 seqs_per_step=seqs.mean(), tokens_per_step=tokens.mean(),
                 kv_slots_mean=slots.mean(), kv_slots_peak=int(slots.max()),
-                kv_real_share=real.sum() / slots.sum(), preemptions=preemptions), outputs
+                kv_real_share=real.sum() / slots.sum(), preemptions=preemptions,
+                prefix_hit_rate=hit_rate), outputs
 
 
 def run_online(cfg: BenchConfig, mode: str, prompts, lengths, rate: float) -> dict:

@@ -123,6 +123,8 @@ class EngineConfig:
     max_num_seqs: int = option(64, "sequences in one step at most")
     max_num_batched_tokens: int = option(512, "tokens in one step at most (the token budget)")
     enable_chunked_prefill: bool = option(True, "split long prompts across steps")
+    enable_prefix_caching: bool = option(True, "reuse the cached KV blocks of earlier requests' "
+                                         "prompt prefixes")
     policy: str = option("fcfs", "scheduling policy", choices=list(POLICIES))
     seed: int = option(0, "seeds random weights and requests without a seed", low=0)
 
@@ -203,6 +205,7 @@ class StepRecord:
     sampled: list[str]              # got a token
     finished: list[str]             # ended in this step, or were aborted since the last one
     preempted: list[str]            # sent back to waiting, their blocks freed
+    cached: dict[str, int]          # first admitted, with this many prompt tokens cached
     num_running: int
     num_waiting: int
     num_cached_tokens: int          # tokens whose K/V the running sequences hold
@@ -213,6 +216,7 @@ class StepRecord:
 class EngineStats:
     num_steps: int = 0
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0      # prompt tokens found in the prefix cache
     num_generated_tokens: int = 0
     num_batched_seqs: int = 0       # summed over steps: divide by num_steps for the mean
     num_batched_tokens: int = 0     # tokens computed, recomputation after preemption included
@@ -222,6 +226,7 @@ class EngineStats:
         if not step.scheduled:  # only aborts since the last step
             return
         self.num_steps += 1
+        self.num_cached_tokens += sum(step.cached.values())
         self.num_generated_tokens += len(step.sampled)
         self.num_batched_seqs += len(step.scheduled)
         self.num_batched_tokens += sum(step.scheduled.values())
@@ -246,10 +251,10 @@ class Engine:
         bytes_per_token = 2 * c.n_layer * c.n_embd * DTYPES[config.dtype].itemsize  # K and V
         kv_cache_tokens = config.kv_cache_tokens or min(
             config.max_num_seqs * self.max_model_len, KV_CACHE_BYTES // bytes_per_token)
-        self.k_cache, self.v_cache, self.allocator = allocate_kv_cache(
+        self.k_cache, self.v_cache, self.block_pool = allocate_kv_cache(
             c.n_layer, c.n_head, c.head_dim, kv_cache_tokens, config.block_size, config.device,
-            DTYPES[config.dtype])
-        self.scheduler = Scheduler(self.allocator, config.max_num_seqs,
+            DTYPES[config.dtype], config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_pool, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
                                    config.policy, self.tokenizer.eot_token)
         self.generator = torch.Generator(config.device).manual_seed(config.seed)
@@ -259,6 +264,7 @@ class Engine:
         self.step_records: list[StepRecord] | None = None  # every record, once made a list
         self._ids = itertools.count()
         self._lock = threading.Lock()  # abort() from other threads against step()
+        self._admitted: set[str] = set()  # the unfinished requests admitted once
         self._final_outputs: list[RequestOutput] = []  # aborted or failed, for the next step()
 
     def add_request(self, prompt, params: SamplingParams | None = None,
@@ -274,7 +280,7 @@ class Engine:
         self._validate(token_ids, params, request_id)
         generator = None if params.seed is None else \
             torch.Generator(self.config.device).manual_seed(params.seed)
-        seq = Sequence(request_id, text, token_ids, params, BlockTable(self.allocator),
+        seq = Sequence(request_id, text, token_ids, params, BlockTable(self.block_pool),
                        generator, Detokenizer(self.tokenizer, params.stop))
         seq.prompt_logprobs = [None] if params.prompt_logprobs is not None else []
         with self._lock:  # abort() may run on another thread
@@ -309,9 +315,9 @@ class Engine:
         if n + params.max_tokens > limit:
             raise ValueError(f"prompt has {n} tokens and max_tokens is {params.max_tokens}: "
                              f"{n + params.max_tokens} tokens; the model's context is {limit}")
-        if blocks > self.allocator.num_blocks:
+        if blocks > self.block_pool.num_blocks:
             raise ValueError(f"request needs {blocks} KV blocks ({cached} tokens) but the cache "
-                             f"has {self.allocator.num_blocks}; raise kv_cache_tokens")
+                             f"has {self.block_pool.num_blocks}; raise kv_cache_tokens")
         if not self.config.enable_chunked_prefill and cached > budget:
             raise ValueError(f"request may need to prefill {cached} tokens in one step, but "
                              f"max_num_batched_tokens is {budget} and chunked prefill is off")
@@ -414,15 +420,19 @@ class Engine:
 
     def _record(self, scheduled: dict[Sequence, int], sampled: list[Sequence],
                 running: list[Sequence], outputs: list[RequestOutput]) -> None:
-        s, alloc = self.scheduler, self.allocator
+        s, pool = self.scheduler, self.block_pool
         self.last_step = StepRecord(
             scheduled={seq.seq_id: n for seq, n in scheduled.items()},
             sampled=[seq.seq_id for seq in sampled],
             finished=[o.request_id for o in outputs if o.finished],
             preempted=[seq.seq_id for seq in running if seq.status == SequenceStatus.WAITING],
+            cached={seq.seq_id: seq.num_cached_tokens for seq in scheduled
+                    if seq.seq_id not in self._admitted and seq.num_cached_tokens},
             num_running=len(s.running), num_waiting=len(s.waiting),
             num_cached_tokens=sum(seq.num_computed_tokens for seq in s.running),
-            kv_blocks_used=alloc.num_blocks - alloc.num_free_blocks)
+            kv_blocks_used=pool.num_blocks - pool.num_free_blocks)
+        self._admitted |= {seq.seq_id for seq in scheduled}
+        self._admitted -= set(self.last_step.finished)
         self.stats.record(self.last_step)
         if self.step_records is not None:
             self.step_records.append(self.last_step)
@@ -533,7 +543,7 @@ class LLM:
         return [whole[i] for i in ids]
 
 
-TRACE_LEGEND = "= a prompt chunk   o a generated token   * the end   x preempted   . waiting"
+TRACE_LEGEND = "= prompt chunk  o generated token  * end  x preempted  . waiting  c cache hit"
 
 
 def render_trace(records: list[StepRecord], request_ids: list[str]) -> str:
@@ -546,7 +556,8 @@ def render_trace(records: list[StepRecord], request_ids: list[str]) -> str:
         marks, ended = "", False
         for r in records:
             marks += " " if ended else "x" if i in r.preempted else "*" if i in r.finished \
-                else "o" if i in r.sampled else "=" if i in r.scheduled else "."
+                else "c" if i in r.cached else "o" if i in r.sampled else "=" if i in r.scheduled \
+                else "."
             ended = ended or i in r.finished
         rows.append(f"{i:>{width}} | {marks.rstrip()}")
     return "\n".join(rows + ["", TRACE_LEGEND])
@@ -657,13 +668,15 @@ class EngineThread(threading.Thread):
     def metrics(self) -> str:
         """Prometheus' text format: vLLM's metric names, with a nanoserve: prefix; the gauges
         as the newest step's record left them."""
-        e, step = self.engine, self.engine.last_step or StepRecord({}, [], [], [], 0, 0, 0, 0)
+        e, step = self.engine, self.engine.last_step or StepRecord({}, [], [], [], {}, 0, 0, 0, 0)
         values = [("num_requests_running", "gauge", step.num_running),
                   ("num_requests_waiting", "gauge", step.num_waiting),
                   ("kv_blocks_used", "gauge", step.kv_blocks_used),
-                  ("kv_blocks_free", "gauge", e.allocator.num_blocks - step.kv_blocks_used),
+                  ("kv_blocks_free", "gauge", e.block_pool.num_blocks - step.kv_blocks_used),
                   ("prompt_tokens_total", "counter", e.stats.num_prompt_tokens),
                   ("generation_tokens_total", "counter", e.stats.num_generated_tokens),
+                  ("prefix_cache_queries_total", "counter", e.stats.num_prompt_tokens),
+                  ("prefix_cache_hits_total", "counter", e.stats.num_cached_tokens),
                   ("num_preemptions_total", "counter", e.scheduler.num_preemptions)]
         lines = [f"# TYPE nanoserve:{name} {kind}\nnanoserve:{name} {v}"
                  for name, kind, v in values]
@@ -967,7 +980,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_config_args(g, SamplingParams,
                     skip=("max_tokens", "stop", "seed", "logprobs", "prompt_logprobs"))
     p.set_defaults(temperature=0.8, top_p=0.95)
-    add_config_args(p.add_argument_group("engine (EngineConfig)"), EngineConfig)
+    add_config_args(engine := p.add_argument_group("engine (EngineConfig)"), EngineConfig)
+    engine.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        help="the same as --no-enable-prefix-caching")
     return p.parse_args(argv)
 
 
@@ -998,7 +1013,8 @@ def run_prompts(engine: Engine, args: argparse.Namespace) -> None:
         print(f"\n\n[{s.num_prompt_tokens} prompt + {s.num_generated_tokens} generated tokens in "
               f"{elapsed:.2f} s, {s.num_generated_tokens / elapsed:.1f} tok/s, {s.num_steps} "
               f"steps, peak batch {s.peak_batch_size}, {engine.scheduler.num_preemptions} "
-              "preemptions]", file=sys.stderr)
+              f"preemptions, prefix cache hits {s.num_cached_tokens / s.num_prompt_tokens:.0%}]",
+              file=sys.stderr)
         if args.trace:
             print(render_trace(engine.step_records, ids), file=sys.stderr)
 

@@ -1,4 +1,5 @@
-"""The paged KV cache: fixed-size blocks, a block allocator, and per-sequence block tables.
+"""The paged KV cache: fixed-size blocks, a block pool with a prefix cache, and per-sequence
+block tables.
 
 The cache is one preallocated tensor for K and one for V, shaped
 (n_layer, num_blocks, block_size, n_head, head_dim). A sequence never owns a contiguous
@@ -15,91 +16,183 @@ it gets longer, so memory is wasted only in each sequence's last, partly filled 
     token 36 -> 9 * 16 + 4 = 148;  slot_mapping = the slots of this step's new tokens
 
 Blocks are handed out on demand (`BlockTable.ensure`), freed when a sequence finishes,
-is aborted or is preempted. Reference counts let later features (prefix caching) share a
-block between sequences; a block returns to the free list when its count reaches zero.
+is aborted or is preempted; a block returns to the free queue when its reference count
+reaches zero.
 
-Names as in vLLM v1: BlockAllocator ~ BlockPool, BlockTable ~ the request's block ids,
-slot_mapping is the same. Left out: swapping to CPU, prefix hashing, eviction policy.
+Automatic prefix caching: once a full block's K/V are computed, the block is registered
+under its block hash, a hash of its tokens chained with the hash of the block before it,
+so equal hashes mean equal whole prefixes. A new sequence starts from the longest run of
+its prompt's blocks found in the cache, sharing them (reference count above 1) instead of
+computing them again. A shared block is never written: only full blocks are shared, and a
+sequence writes only past its computed tokens. A freed block keeps its hash and stays
+findable in the free queue, which is also the eviction order: blocks without a hash at the
+front, then cached blocks least recently used first; a cached block is evicted (its hash
+forgotten) only when it is handed out again.
+
+    prompt "abcd efgh ijkl mn", block_size 4   hashes  h1 = H(-, abcd)   h2 = H(h1, efgh)
+    cached: h1 -> block 5, h2 -> block 3       h3 = H(h2, ijkl): not cached
+    block table [5, 3, new, new]  (5 and 3 shared), num_computed_tokens 8
+
+Names as in vLLM v1: BlockPool, block hashes, the free queue; BlockTable ~ the request's
+block ids; slot_mapping is the same. Left out: swapping to CPU.
 """
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
 
 import torch
+
+NO_PARENT = b""  # the parent hash of a sequence's first block
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class BlockAllocator:
-    """Free list and reference counts of the physical block ids 0..num_blocks-1.
+def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
+    """A full block's identity: SHA-256 of its parent's hash and its tokens, so it names the
+    whole prefix. Stable across processes, and no prompt can be crafted to collide with
+    another's prefix and read its K/V, as one could with Python's hash()."""
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
 
-    It owns `block_size` (tokens per block): every other user reads it from here.
-    """
 
-    def __init__(self, num_blocks: int, block_size: int):
+class BlockPool:
+    """The physical blocks 0..num_blocks-1: their reference counts, the free queue, and the
+    prefix cache, block hash -> block id.
+
+    It owns `block_size` (tokens per block): every other user reads it from here. The free
+    queue holds every block nobody owns, in the order they are handed out again: blocks
+    without a hash first, then cached blocks, least recently used first (the LRU list).
+    With enable_caching False no block is ever cached or looked up."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_block_ids = deque(range(num_blocks))
+        self.enable_caching = enable_caching
         self.ref_counts = [0] * num_blocks
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.block_hashes: list[bytes | None] = [None] * num_blocks  # None: not cached
+        self.cached_blocks: dict[bytes, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        """Blocks nobody owns, cached ones included: they are evicted when needed."""
+        return len(self.free_queue)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self.free_block_ids)
+        return n <= len(self.free_queue)
 
     def allocate(self, n: int) -> list[int]:
+        """n blocks from the front of the free queue, each evicted from the cache if cached."""
         if not self.can_allocate(n):
             raise RuntimeError(f"asked for {n} KV blocks; {self.num_free_blocks} are free")
-        block_ids = [self.free_block_ids.popleft() for _ in range(n)]
+        block_ids = [self.free_queue.popitem(last=False)[0] for _ in range(n)]
         for b in block_ids:
+            if (block_hash := self.block_hashes[b]) is not None:
+                del self.cached_blocks[block_hash]
+                self.block_hashes[b] = None
             self.ref_counts[b] = 1
         return block_ids
 
+    def touch(self, block_ids: list[int]) -> None:
+        """One more owner for each of these cached blocks; a free one leaves the free queue."""
+        for b in block_ids:
+            if self.ref_counts[b] == 0:
+                del self.free_queue[b]
+            self.ref_counts[b] += 1
+
     def free(self, block_ids: list[int]) -> None:
+        """One owner less each; a block nobody owns joins the free queue: at the back, the
+        most recently used, if cached, else at the front, to be handed out before any cached
+        one."""
         for b in block_ids:
             assert self.ref_counts[b] > 0, f"block {b} freed twice"
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self.free_block_ids.append(b)
+                self.free_queue[b] = None
+                if self.block_hashes[b] is None:
+                    self.free_queue.move_to_end(b, last=False)
+
+    def cache_block(self, block_id: int, block_hash: bytes) -> None:
+        """Make a full, computed block findable by its hash, unless another block with the
+        same prefix is cached already (two sequences computed it at once): that one stays."""
+        if block_hash not in self.cached_blocks:
+            self.cached_blocks[block_hash] = block_id
+            self.block_hashes[block_id] = block_hash
 
 
 class BlockTable:
-    """One sequence's logical -> physical block map, its blocks taken from `allocator`."""
+    """One sequence's logical -> physical block map, its blocks taken from `block_pool`, and
+    the hashes of its first blocks, full and computed (the chain goes on from the last)."""
 
-    def __init__(self, allocator: BlockAllocator):
-        self.allocator = allocator
+    def __init__(self, block_pool: BlockPool):
+        self.block_pool = block_pool
         self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []  # of block_ids[:len(block_hashes)]
 
     def num_missing_blocks(self, num_tokens: int) -> int:
         """Blocks still to allocate before the table holds `num_tokens` tokens."""
-        return max(0, cdiv(num_tokens, self.allocator.block_size) - len(self.block_ids))
+        return max(0, cdiv(num_tokens, self.block_pool.block_size) - len(self.block_ids))
 
     def ensure(self, num_tokens: int) -> bool:
         """Grow to hold `num_tokens` tokens; False (and nothing taken) if blocks ran out."""
         missing = self.num_missing_blocks(num_tokens)
-        if not self.allocator.can_allocate(missing):
+        if not self.block_pool.can_allocate(missing):
             return False
-        self.block_ids += self.allocator.allocate(missing)
+        self.block_ids += self.block_pool.allocate(missing)
         return True
 
+    def take_cached_prefix(self, token_ids: list[int]) -> int:
+        """Start an empty table with the longest run of token_ids' full blocks found in the
+        cache, shared with their other owners, and return its length in tokens: at most
+        len(token_ids) - 1, so that the last token is computed and sampled from (a prompt of
+        whole blocks computes its last block again rather than write into a shared one)."""
+        if self.block_ids:
+            raise RuntimeError("a cached prefix can only start an empty block table")
+        pool = self.block_pool
+        while pool.enable_caching and len(self.block_ids) < (len(token_ids) - 1) // pool.block_size:
+            block_hash = self._next_block_hash(token_ids)
+            if (block_id := pool.cached_blocks.get(block_hash)) is None:
+                break
+            self.block_hashes.append(block_hash)
+            self.block_ids.append(block_id)
+        pool.touch(self.block_ids)
+        return len(self.block_ids) * pool.block_size
+
+    def cache_full_blocks(self, token_ids: list[int], num_computed_tokens: int) -> None:
+        """Cache each block that the first num_computed_tokens of token_ids fill: full, with
+        its K/V written (call it after the step that computed them)."""
+        if not self.block_pool.enable_caching:
+            return
+        while len(self.block_hashes) < num_computed_tokens // self.block_pool.block_size:
+            self.block_hashes.append(self._next_block_hash(token_ids))
+            self.block_pool.cache_block(self.block_ids[len(self.block_hashes) - 1],
+                                        self.block_hashes[-1])
+
+    def _next_block_hash(self, token_ids: list[int]) -> bytes:
+        """The hash of logical block len(block_hashes), chained to the one before it."""
+        i, bs = len(self.block_hashes), self.block_pool.block_size
+        parent = self.block_hashes[-1] if i else NO_PARENT
+        return hash_block(parent, token_ids[i * bs:(i + 1) * bs])
+
     def release(self) -> None:
-        self.allocator.free(self.block_ids)
-        self.block_ids = []
+        """Give the blocks back, the last first: a sequence's last blocks are the least likely
+        to be shared, so they are evicted first."""
+        self.block_pool.free(self.block_ids[::-1])
+        self.block_ids, self.block_hashes = [], []
 
     def slots(self, start: int, end: int) -> list[int]:
         """Flat cache slots of token positions start..end-1."""
-        bs = self.allocator.block_size
+        bs = self.block_pool.block_size
         return [self.block_ids[t // bs] * bs + t % bs for t in range(start, end)]
 
 
 def allocate_kv_cache(n_layer: int, n_head: int, head_dim: int, num_tokens: int, block_size: int,
-                      device: str, dtype: torch.dtype
-                      ) -> tuple[torch.Tensor, torch.Tensor, BlockAllocator]:
+                      device: str, dtype: torch.dtype, enable_prefix_caching: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor, BlockPool]:
     """K and V, each (n_layer, num_blocks, block_size, n_head, head_dim), for num_tokens tokens,
-    and the BlockAllocator of their blocks; a ValueError if that is not one block or does not
-    fit in memory."""
+    and the BlockPool of their blocks; a ValueError if that is not one block or does not fit
+    in memory."""
     num_blocks = num_tokens // block_size
     if num_blocks == 0:
         raise ValueError(f"block_size ({block_size} tokens) is larger than the KV cache "
@@ -111,4 +204,4 @@ def allocate_kv_cache(n_layer: int, n_head: int, head_dim: int, num_tokens: int,
         gib = 2 * num_blocks * block_size * n_layer * n_head * head_dim * dtype.itemsize / 2**30
         raise ValueError(f"cannot allocate a KV cache of {num_tokens} tokens ({gib:.1f} GiB): "
                          f"{str(e).splitlines()[0]}") from None
-    return k, v, BlockAllocator(num_blocks, block_size)
+    return k, v, BlockPool(num_blocks, block_size, enable_prefix_caching)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from paged_cache import BlockAllocator, BlockTable
+from paged_cache import BlockPool, BlockTable
 
 POLICIES = ("fcfs", "sjf", "static")
 
@@ -48,6 +48,7 @@ class Sequence:
     logprobs: list = field(default_factory=list)         # per output token: {token id: logprob}
     prompt_logprobs: list = field(default_factory=list)  # per prompt token, the first's None
     queue_entry: int | None = None            # its live entry in the waiting queue
+    num_cached_tokens: int | None = None      # prompt tokens found cached at first admission
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
@@ -80,8 +81,7 @@ class WaitingQueue:
         self.policy, self.max_wait_steps = policy, max_wait_steps
         self._heap: list = []        # (policy key, entry, seq)
         self._by_arrival: list = []  # sjf: (arrival_step, entry, seq)
-        self._entries = itertools.count()
-        self._len = 0
+        self._entries, self._len = itertools.count(), 0
 
     def __len__(self) -> int:
         return self._len
@@ -118,21 +118,18 @@ class WaitingQueue:
 class Scheduler:
     """Picks each step's work under two limits: max_num_seqs and max_num_batched_tokens."""
 
-    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, policy: str = "fcfs",
                  eos_token_id: int | None = None, sjf_max_wait_steps: int = 256):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {POLICIES}")
-        self.allocator = allocator
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.enable_chunked_prefill = enable_chunked_prefill
-        self.policy = policy
+        self.block_pool = block_pool
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.enable_chunked_prefill, self.policy = enable_chunked_prefill, policy
         self.eos_token_id = eos_token_id
         self.waiting = WaitingQueue(policy, sjf_max_wait_steps)
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
-        self.num_steps = 0
-        self.num_preemptions = 0
+        self.num_steps = self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         seq.arrival_step = self.num_steps
@@ -149,12 +146,12 @@ class Scheduler:
     #    generated tokens kept) until the blocks are there or the sequence preempted itself.
     # 2) Then, unless this step preempted, admit waiting sequences in policy order (fcfs:
     #    arrival; sjf: shortest remaining job, except that one waiting sjf_max_wait_steps
-    #    goes first) while max_num_seqs and the budget allow, giving each as much of its
-    #    prompt as the budget has left (a chunk), or none unless all of it fits when
-    #    chunked prefill is off. A sequence is admitted only if the blocks that it and the
-    #    running sequences need to finish their prompts and take one more token are free
-    #    (a watermark): otherwise admitting it would only get it preempted, its work lost.
-    #    Admission stops at the first that does not fit.
+    #    goes first) while max_num_seqs and the budget allow, each from the end of its
+    #    longest cached prefix, giving each as much of the rest as the budget has left (a
+    #    chunk), or none unless all of it fits when chunked prefill is off. A sequence is
+    #    admitted only if the blocks that it and the running sequences need to finish their
+    #    prompts and take one more token are free (a watermark): otherwise admitting it would
+    #    only get it preempted, its work lost. Admission stops at the first that does not fit.
     # static (request-level batching) admits only when nothing runs, a whole batch at once.
     def schedule(self) -> dict[Sequence, int]:
         """The next step's batch: each scheduled sequence -> its number of new tokens."""
@@ -181,34 +178,43 @@ class Scheduler:
             return scheduled
         # 2) waiting, in policy order
         while len(self.running) < self.max_num_seqs and (seq := self.waiting.peek(self.num_steps)):
+            self._take_cached_prefix(seq)
             num_new = self._num_new_tokens(seq, budget)
             if num_new == 0 or not self._fits_above_watermark(seq):
+                seq.block_table.release()
+                seq.num_computed_tokens = 0
                 break
             seq.block_table.ensure(seq.num_computed_tokens + num_new)
-            self.waiting.remove(seq)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._admit(seq)
             scheduled[seq] = num_new
             budget -= num_new
         return scheduled
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
-        if seq.num_uncomputed_tokens > budget and not self.enable_chunked_prefill:
-            return 0
-        return min(seq.num_uncomputed_tokens, budget)
+        n = seq.num_uncomputed_tokens
+        return 0 if n > budget and not self.enable_chunked_prefill else min(n, budget)
 
     def _fits_above_watermark(self, seq: Sequence) -> bool:
-        """Whether the blocks that seq and every running sequence need to compute all the
-        tokens they have and then one more (the rest of a prompt, then the next decode) are
-        free: a sequence admitted on its first chunk alone would be preempted by the others'."""
-        return self.allocator.can_allocate(sum(s.block_table.num_missing_blocks(
+        """Whether the blocks that seq and every running sequence need to compute all their
+        tokens and one more are free: one admitted on a chunk's blocks would be preempted."""
+        return self.block_pool.can_allocate(sum(s.block_table.num_missing_blocks(
             len(s.token_ids) + 1) for s in (seq, *self.running)))
 
     def _admit_static_batch(self) -> None:
         while len(self.running) < self.max_num_seqs and (seq := self.waiting.peek(self.num_steps)):
-            self.waiting.remove(seq)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._take_cached_prefix(seq)
+            self._admit(seq)
+
+    def _take_cached_prefix(self, seq: Sequence) -> None:
+        if seq.params.prompt_logprobs is None:  # those need every prompt token computed
+            seq.num_computed_tokens = seq.block_table.take_cached_prefix(seq.token_ids)
+
+    def _admit(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        if seq.num_cached_tokens is None:  # first admission: what the prefix cache held
+            seq.num_cached_tokens = seq.num_computed_tokens
 
     def _preempt(self, seq: Sequence) -> None:
         seq.block_table.release()
@@ -219,10 +225,11 @@ class Scheduler:
         self.num_preemptions += 1
 
     def update(self, scheduled: dict[Sequence, int], sampled: dict[Sequence, int]) -> None:
-        """After the model ran: advance each scheduled sequence's num_computed_tokens, append
-        each sampled token, and finish the sequences at end-of-text or max_tokens."""
+        """After the model ran: advance each scheduled sequence's num_computed_tokens and cache
+        the blocks it filled, append the sampled tokens, finish at end-of-text or max_tokens."""
         for seq, num_new in scheduled.items():
             seq.num_computed_tokens += num_new
+            seq.block_table.cache_full_blocks(seq.token_ids, seq.num_computed_tokens)
         for seq, token in sampled.items():
             seq.token_ids.append(token)
             if token == self.eos_token_id and not seq.params.ignore_eos:

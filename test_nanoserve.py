@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -29,7 +30,7 @@ from kernels import (AttentionMetadata, SamplingTensors, apply_top_k_top_p, page
                      paged_attention_ref, sample, store_kv)
 import nanoserve
 from nanoserve import LLM, Engine, EngineConfig, SamplingParams, token_text
-from paged_cache import BlockAllocator, BlockTable
+from paged_cache import BlockPool, BlockTable, hash_block
 from scheduler import Scheduler, Sequence, SequenceStatus
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -55,8 +56,8 @@ def token_ids(outputs) -> list[list[int]]:
 
 
 def assert_no_leaks(engine: Engine) -> None:
-    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
-    assert not any(engine.allocator.ref_counts)
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+    assert not any(engine.block_pool.ref_counts)
     assert not engine.has_unfinished() and not engine.seqs
 
 
@@ -79,7 +80,7 @@ def alone() -> list[list[int]]:
 # ----------------------------------------------------------------------------- exactness
 
 def new_seq(engine: Engine, tokens: list[int], seq_id: str = "s") -> Sequence:
-    return Sequence(seq_id, "", tokens, GREEDY, BlockTable(engine.allocator))
+    return Sequence(seq_id, "", tokens, GREEDY, BlockTable(engine.block_pool))
 
 
 @pytest.mark.parametrize("chunks", [[45], [16, 16, 13], [7, 20, 18], [30] + [1] * 15],
@@ -755,9 +756,9 @@ def test_abort_frees_blocks_and_leaves_others_unchanged(alone, victim_state):
     deltas = run_to_end(engine, steps=3)
     victim = ids[0] if victim_state == "running" else ids[-1]
     assert engine.seqs[victim].status.value == victim_state
-    free_before = engine.allocator.num_free_blocks
+    free_before = engine.block_pool.num_free_blocks
     engine.abort(victim, "client went away")
-    assert engine.allocator.num_free_blocks >= free_before + (victim_state == "running")
+    assert engine.block_pool.num_free_blocks >= free_before + (victim_state == "running")
     run_to_end(engine, deltas)
     last = deltas[victim][-1]
     assert last.finished and (last.outputs[0].finish_reason, last.outputs[0].stop_reason) == (
@@ -791,14 +792,14 @@ def test_abort_from_another_thread_while_stepping(alone):
 # ----------------------------------------------------------------------------- scheduler rules
 
 def make_scheduler(num_blocks=64, budget=512, max_num_seqs=8, policy="fcfs", **kwargs):
-    allocator = BlockAllocator(num_blocks, block_size=4)
-    return Scheduler(allocator, max_num_seqs, budget, True, policy, **kwargs), allocator
+    block_pool = BlockPool(num_blocks, block_size=4)
+    return Scheduler(block_pool, max_num_seqs, budget, True, policy, **kwargs), block_pool
 
 
-def running_seq(scheduler, allocator, seq_id, prompt_len, computed, max_tokens=10) -> Sequence:
+def running_seq(scheduler, block_pool, seq_id, prompt_len, computed, max_tokens=10) -> Sequence:
     """A running sequence with `computed` of its prompt's tokens already cached."""
     seq = Sequence(seq_id, "", list(range(prompt_len)), SamplingParams(max_tokens=max_tokens),
-                   BlockTable(allocator))
+                   BlockTable(block_pool))
     assert seq.block_table.ensure(computed)
     seq.num_computed_tokens, seq.status = computed, SequenceStatus.RUNNING
     scheduler.running.append(seq)
@@ -806,15 +807,15 @@ def running_seq(scheduler, allocator, seq_id, prompt_len, computed, max_tokens=1
 
 
 def test_decodes_are_scheduled_before_prefills():
-    scheduler, allocator = make_scheduler(budget=8)
-    prefill = running_seq(scheduler, allocator, "p", 30, 8)  # admitted first
-    decode = running_seq(scheduler, allocator, "d", 5, 4)     # one uncomputed token
+    scheduler, block_pool = make_scheduler(budget=8)
+    prefill = running_seq(scheduler, block_pool, "p", 30, 8)  # admitted first
+    decode = running_seq(scheduler, block_pool, "d", 5, 4)     # one uncomputed token
     assert list(scheduler.schedule().items()) == [(decode, 1), (prefill, 7)]
 
 
 def test_newest_running_sequence_is_preempted_first():
-    scheduler, allocator = make_scheduler(num_blocks=4)
-    old, mid, new = (running_seq(scheduler, allocator, s, 5, 4) for s in "omn")  # 1 block each
+    scheduler, block_pool = make_scheduler(num_blocks=4)
+    old, mid, new = (running_seq(scheduler, block_pool, s, 5, 4) for s in "omn")  # 1 block each
     scheduled = scheduler.schedule()  # each needs a 2nd block for token 5; none is free
     assert new.status == SequenceStatus.WAITING and new.block_table.block_ids == []
     assert scheduled == {old: 1, mid: 1} and scheduler.num_preemptions == 1
@@ -842,8 +843,8 @@ def test_sjf_runs_the_shortest_job_first_and_bounds_starvation():
 
 
 def test_static_admits_only_when_nothing_runs():
-    scheduler, allocator = make_scheduler(policy="static", max_num_seqs=2)
-    seqs = [Sequence(str(i), "", [1, 2, 3], SamplingParams(), BlockTable(allocator))
+    scheduler, block_pool = make_scheduler(policy="static", max_num_seqs=2)
+    seqs = [Sequence(str(i), "", [1, 2, 3], SamplingParams(), BlockTable(block_pool))
             for i in range(3)]
     for seq in seqs:
         scheduler.add(seq)
@@ -869,23 +870,271 @@ def test_tight_kv_cache_does_not_thrash():
 
 def test_slot_of_a_token_follows_its_block_table():
     """The module docstring's example: block table [7, 2, 9], block size 16, token 36 -> 148."""
-    table = BlockTable(BlockAllocator(10, block_size=16))
+    table = BlockTable(BlockPool(10, block_size=16))
     table.block_ids = [7, 2, 9]
     assert table.slots(36, 37) == [148] and table.slots(15, 17) == [127, 32]
 
 
 def test_a_block_returns_to_the_free_list_when_its_count_reaches_zero():
-    allocator = BlockAllocator(4, block_size=16)
-    table = BlockTable(allocator)
-    assert table.ensure(40) and allocator.num_free_blocks == 1  # 40 tokens: 3 blocks
+    block_pool = BlockPool(4, block_size=16)
+    table = BlockTable(block_pool)
+    assert table.ensure(40) and block_pool.num_free_blocks == 1  # 40 tokens: 3 blocks
     shared = table.block_ids[0]
-    allocator.ref_counts[shared] += 1  # a second owner (what prefix caching will do)
+    block_pool.ref_counts[shared] += 1  # a second owner (what prefix caching will do)
     table.release()
-    assert allocator.num_free_blocks == 3 and allocator.ref_counts[shared] == 1
-    allocator.free([shared])
-    assert allocator.num_free_blocks == 4
+    assert block_pool.num_free_blocks == 3 and block_pool.ref_counts[shared] == 1
+    block_pool.free([shared])
+    assert block_pool.num_free_blocks == 4
     with pytest.raises(AssertionError, match="freed twice"):
-        allocator.free([shared])
+        block_pool.free([shared])
+
+
+# ----------------------------------------------------------------------------- prefix caching
+# Every engine test serves the same requests with the cache on and off and asserts the same
+# tokens, and after every step checks the block pool's books: each reference count is the
+# number of block tables holding the block, the free queue is exactly the blocks nobody holds,
+# the cache map and the blocks' hashes agree, and no sequence is about to write into a shared
+# or cached block.
+
+CACHE_GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+PREFIX = list(range(40, 40 + 37))  # 37 tokens: 4 full blocks of 8 and 5 tokens of a 5th
+
+
+def caching_engine(cache: bool, **kwargs) -> Engine:
+    """The tiny preset on CPU in fp32, block_size 8, with the prefix cache on or off."""
+    return LLM(preset="tiny", **{"kv_cache_tokens": 2048, "device": "cpu", "dtype": "float32",
+                                 "block_size": 8, "enable_prefix_caching": cache} | kwargs).engine
+
+
+def check_books(engine: Engine) -> None:
+    """The pool's invariants, at any point between steps."""
+    pool, bs = engine.block_pool, engine.block_pool.block_size
+    owners = Counter(b for seq in engine.seqs.values() for b in seq.block_table.block_ids)
+    assert pool.ref_counts == [owners[b] for b in range(pool.num_blocks)]
+    assert set(pool.free_queue) == {b for b in range(pool.num_blocks) if not owners[b]}
+    assert len(pool.free_queue) == pool.num_free_blocks
+    assert {pool.block_hashes[b] for b in pool.cached_blocks.values()} == set(pool.cached_blocks)
+    assert sum(h is not None for h in pool.block_hashes) == len(pool.cached_blocks)
+    for seq in engine.scheduler.running:  # the blocks its next tokens go to: its own, uncached
+        for b in seq.block_table.block_ids[seq.num_computed_tokens // bs:]:
+            assert owners[b] == 1 and pool.block_hashes[b] is None, f"{seq.seq_id} writes {b}"
+
+
+def serve_steps(engine: Engine, arrivals: dict[int, list], aborts: dict[int, list] | None = None,
+                seqs: dict | None = None) -> dict[str, list[int]]:
+    """Step the engine; before step i add the requests arrivals[i] ((id, prompt, params)) and
+    abort the ids aborts[i]; check the books after every step. Each request's output tokens;
+    each one's Sequence into `seqs`."""
+    tokens, aborts, step, seqs = {}, aborts or {}, 0, {} if seqs is None else seqs
+    while engine.has_unfinished() or step <= max(arrivals):
+        for request_id, prompt, params in arrivals.get(step, []):
+            seqs[request_id] = engine.seqs[engine.add_request(prompt, params, request_id)]
+        for request_id in aborts.get(step, []):
+            engine.abort(request_id)
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+        check_books(engine)
+        step += 1
+        assert step < 1000, "the engine stopped making progress"
+    assert_no_leaks(engine)
+    return tokens
+
+
+def serve_both(arrivals, aborts=None, probe=None, **kwargs) -> tuple[dict, dict]:
+    """serve_steps() with the cache off and on: the same tokens (but of aborted requests, whose
+    length depends on the timing). The tokens and the Sequences of the run that cached;
+    probe(engine) is called on its engine first."""
+    off = serve_steps(caching_engine(False, **kwargs), arrivals, aborts)
+    (probe or (lambda engine: None))(engine := caching_engine(True, **kwargs))
+    on = serve_steps(engine, arrivals, aborts, seqs := {})
+    aborted = sum((aborts or {}).values(), [])
+    assert {k: v for k, v in on.items() if k not in aborted} == \
+        {k: v for k, v in off.items() if k not in aborted}
+    assert engine.stats.num_cached_tokens > 0
+    return on, seqs
+
+
+def shared(seq) -> bool:
+    """Whether seq holds a block that another sequence holds too."""
+    return any(seq.block_table.block_pool.ref_counts[b] > 1 for b in seq.block_table.block_ids)
+
+
+def spy(engine: Engine, name: str, before) -> None:
+    """Call before(*args) ahead of each call of engine.scheduler's method `name`."""
+    real = getattr(engine.scheduler, name)
+    setattr(engine.scheduler, name, lambda *args: (before(*args), real(*args))[1])
+
+
+def test_shared_prefix_outputs_equal_without_the_cache():
+    """Long shared prefix; requests diverging mid-block and at a block boundary, identical
+    ones (n samples of one prompt, greedy and seeded), some arriving while the first still
+    prefills the prefix (16 tokens a step), some after it finished."""
+    seeded = [SamplingParams(max_tokens=16, temperature=1.0, seed=s) for s in (1, 2, 3)]
+    arrivals = {
+        0: [("first", PREFIX + [1, 2, 3], CACHE_GREEDY)],
+        1: [("mid-block", PREFIX[:20] + [9] * 30, CACHE_GREEDY),  # diverges inside block 2
+            ("same", PREFIX + [1, 2, 3], CACHE_GREEDY)],           # prefix half prefilled
+        3: [("boundary", PREFIX[:24] + [7] * 9, CACHE_GREEDY)]
+        + [(f"n{i}", PREFIX + [5], p) for i, p in enumerate(seeded)],
+        30: [("late", PREFIX + [1, 2, 3], CACHE_GREEDY),
+             ("late-longer", PREFIX + [1, 2, 3, 4], CACHE_GREEDY)],
+    }
+    _, seqs = serve_both(arrivals, max_num_batched_tokens=16)
+    assert {k: seq.num_cached_tokens for k, seq in seqs.items()} == {
+        "first": 0, "same": 32, "mid-block": 16, "boundary": 24, "n0": 32, "n1": 32, "n2": 32,
+        "late": 32, "late-longer": 40}  # "same" waited for the budget while 32 were computed
+
+
+def test_hit_counts_are_whole_cached_blocks_and_never_the_last_token():
+    engine = caching_engine(True)
+    cases = [  # (prompt, tokens found cached)
+        (PREFIX, 0),                      # nothing cached yet
+        (PREFIX, 32),                     # 37 tokens: the 4 full blocks
+        (PREFIX[:32], 24),                # a whole-block prompt recomputes its last block
+        (PREFIX[:20] + [9, 9], 16),       # diverges in block 2: blocks 0 and 1
+        ([9] + PREFIX[1:], 0),            # the first block differs, so every hash does
+    ]
+    for i, (prompt, expected) in enumerate(cases):
+        before, seqs = engine.stats.num_cached_tokens, {}
+        serve_steps(engine, {0: [(str(i), prompt, CACHE_GREEDY)]}, seqs=seqs)
+        assert seqs[str(i)].num_cached_tokens == expected
+        assert engine.stats.num_cached_tokens - before == expected
+
+
+def test_generated_tokens_are_cached_too():
+    """A follow-up whose prompt is an earlier prompt plus its output finds both cached."""
+    engine, seqs = caching_engine(True), {}
+    follow_up = PREFIX + serve_steps(engine, {0: [("a", PREFIX, CACHE_GREEDY)]})["a"] + [3]
+    serve_steps(engine, {0: [("b", follow_up, CACHE_GREEDY)]}, seqs=seqs)
+    # computed: 37 + 23 tokens (the last sampled one never is): 7 full blocks of 8
+    assert seqs["b"].num_cached_tokens == 56
+
+
+def test_a_fully_cached_prompt_leaves_its_shared_blocks_untouched():
+    """A prompt of 4 whole blocks, served once, then twice at once: the two share 3 cached
+    blocks and each computes the 4th into a block of its own; no cached block's K/V change,
+    and the outputs are the uncached ones."""
+    prompt = PREFIX[:32]
+    off = serve_steps(caching_engine(False), {0: [("a", prompt, CACHE_GREEDY)]})
+    engine = caching_engine(True)
+    serve_steps(engine, {0: [("a", prompt, CACHE_GREEDY)]})
+    table = BlockTable(engine.block_pool)
+    assert table.take_cached_prefix(prompt + [0]) == 32  # the prompt's 4 blocks are cached
+    cached = table.block_ids
+    table.release()  # they stay cached: nothing needs their memory
+    kv = engine.k_cache[:, cached].clone(), engine.v_cache[:, cached].clone()
+    on = serve_steps(engine, {0: [("b", prompt, CACHE_GREEDY), ("c", prompt, CACHE_GREEDY)]},
+                     seqs=(seqs := {}))
+    assert on["b"] == on["c"] == off["a"]
+    assert seqs["b"].num_cached_tokens == seqs["c"].num_cached_tokens == 24
+    assert torch.equal(engine.k_cache[:, cached], kv[0])
+    assert torch.equal(engine.v_cache[:, cached], kv[1])
+
+
+def test_eviction_under_memory_pressure_keeps_outputs_right():
+    """A cache of 24 blocks for requests that need up to 9 each, three at a time: cached
+    blocks are evicted, least recently used first, to make room; prefixes are still found;
+    the outputs do not change."""
+    prompts = [PREFIX[:8 * (i % 3 + 1)] + [100 + i] * 20 for i in range(9)]
+    arrivals = {2 * i: [(str(i), p, CACHE_GREEDY)] for i, p in enumerate(prompts)}
+    evictions = []
+
+    def count_evictions(engine):
+        pool, allocate = engine.block_pool, engine.block_pool.allocate
+
+        def counting(n):
+            cached, block_ids = len(pool.cached_blocks), allocate(n)
+            evictions.append(cached - len(pool.cached_blocks))
+            return block_ids
+        pool.allocate = counting
+    _, seqs = serve_both(arrivals, probe=count_evictions, kv_cache_tokens=192, max_num_seqs=3)
+    assert sum(evictions) > 0 and all(seq.num_cached_tokens for seq in list(seqs.values())[3:])
+
+
+def test_preemption_of_sequences_sharing_blocks_keeps_counts_and_outputs():
+    """A cache too small for the running sequences' outputs: the newest is preempted while
+    it shares its prefix blocks, and recomputed later from what is still cached."""
+    arrivals = {0: [(str(i), PREFIX + [i] * 3, CACHE_GREEDY) for i in range(4)],
+                4: [(str(i), PREFIX + [i] * 3, CACHE_GREEDY) for i in range(4, 8)]}
+    preempted = []
+    _, seqs = serve_both(arrivals, probe=lambda engine: spy(
+        engine, "_preempt", lambda seq: preempted.append(shared(seq))),
+        kv_cache_tokens=160, max_num_batched_tokens=32)
+    assert any(preempted)
+
+
+def test_abort_of_sequences_sharing_blocks_keeps_counts_right():
+    """Aborts of running sequences that share their prefix and of waiting ones; the others'
+    outputs do not change."""
+    arrivals = {0: [(str(i), PREFIX + [i], CACHE_GREEDY) for i in range(6)]}
+    aborts = {2: ["0"], 3: ["3"], 6: ["1", "5"]}
+    aborted = []
+    on, _ = serve_both(arrivals, aborts, probe=lambda engine: spy(
+        engine, "finish", lambda seq, status: status.value == "abort" and aborted.append(
+            (seq.status.value, shared(seq)))),
+        max_num_seqs=3, max_num_batched_tokens=24)
+    assert ("running", True) in aborted and ("waiting", False) in aborted
+    assert {"2", "4"} <= set(on)
+
+
+def test_free_queue_hands_out_uncached_blocks_first_then_least_recently_used():
+    pool = BlockPool(4, block_size=2)
+    a, b, c, d = pool.allocate(4)
+    for block_id, token in ((a, 1), (b, 2), (c, 3)):
+        pool.cache_block(block_id, hash_block(b"", [token, token]))
+    pool.free([b, a])         # b used less recently than a
+    pool.free([d])            # no hash: handed out first
+    pool.free([c])
+    pool.touch([b])           # a hit takes b back out of the free queue
+    assert pool.num_free_blocks == 3 and pool.ref_counts[b] == 1
+    assert pool.allocate(2) == [d, a]
+    assert hash_block(b"", [1, 1]) not in pool.cached_blocks  # a was evicted
+    assert pool.cached_blocks == {hash_block(b"", [2, 2]): b, hash_block(b"", [3, 3]): c}
+
+
+def test_the_first_block_cached_for_a_prefix_stays_cached():
+    """Two sequences computed the same block at once: the second copy stays uncached."""
+    pool = BlockPool(6, block_size=2)
+    one, two = BlockTable(pool), BlockTable(pool)
+    for table in (one, two):
+        assert table.ensure(5)
+        table.cache_full_blocks([1, 2, 3, 4, 5], 4)
+    assert list(pool.cached_blocks.values()) == one.block_ids[:2]
+    assert two.block_hashes == one.block_hashes  # the chain goes on from either
+    first = one.block_ids[0]
+    one.release()
+    two.release()
+    assert pool.ref_counts == [0] * 6 and pool.num_free_blocks == 6
+    with pytest.raises(AssertionError, match="freed twice"):
+        pool.free([first])
+
+
+def test_block_hash_names_the_whole_prefix():
+    first = hash_block(b"", [1, 2])
+    assert hash_block(first, [3, 4]) != hash_block(hash_block(b"", [9, 2]), [3, 4])
+    assert hash_block(first, [3, 4]) == hash_block(hash_block(b"", [1, 2]), [3, 4])
+
+
+def test_prompt_logprobs_requests_compute_every_prompt_token():
+    """A request that asks for prompt logprobs does not read the cache: it needs them all."""
+    params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2)
+    results = []
+    for cache in (False, True):
+        engine = caching_engine(cache)
+        serve_steps(engine, {0: [("a", PREFIX, CACHE_GREEDY)]})
+        serve_steps(engine, {0: [("b", PREFIX, params)]}, seqs=(seqs := {}))
+        assert seqs["b"].num_cached_tokens == 0
+        results.append(seqs["b"].prompt_logprobs)
+    assert len(results[0]) == len(PREFIX) and results[0] == results[1]
+
+
+def test_prefix_caching_off_caches_nothing():
+    arrivals = {0: [(str(i), PREFIX + [i], CACHE_GREEDY) for i in range(3)],
+                5: [("3", PREFIX, CACHE_GREEDY)]}
+    engine = caching_engine(False)
+    serve_steps(engine, arrivals)
+    assert engine.stats.num_cached_tokens == 0 and not engine.block_pool.cached_blocks
+    assert engine.stats.num_prompt_tokens == 3 * 38 + 37
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -1266,9 +1515,27 @@ def test_trace_marks_a_preemption():
                                                       ignore_eos=True), str(i))
     run_to_end(llm.engine)
     rows = nanoserve.render_trace(llm.engine.step_records, ["0", "1", "2", "3"]).split("\n")
-    assert rows[2] == "      1 | .=oooox......=ooooooo*"  # preempted, then recomputed
+    assert rows[2] == "      1 | .=oooox......ooooooo*"  # preempted, back from the cache
     assert sum(len(r.preempted) for r in llm.engine.step_records) == \
         llm.engine.scheduler.num_preemptions == 2
+
+
+def test_trace_marks_prefix_cache_hits(capsys):
+    """Three prompts behind one 29-byte prefix, 16 tokens a step: the first computes it; each
+    other starts from its cached whole blocks (c) as soon as they are written."""
+    llm = tiny(max_num_seqs=4, max_num_batched_tokens=16, block_size=8)
+    prefix, params = "The same long system prompt. ", SamplingParams(max_tokens=5, temperature=0)
+    llm.generate([prefix + x for x in "abc"], params, trace=True)
+    rows = capsys.readouterr().err.split("\n")[1:4]
+    assert rows == ["      0 | =oooo*", "      1 | .coooo*", "      2 | ..coooo*"]
+    assert llm.engine.stats.num_cached_tokens == 16 + 24
+
+
+def test_cli_summary_gives_the_prefix_hit_rate_and_the_cache_turns_off(capsys):
+    args = ["--preset", "tiny", "--prompt", "y" * 40 + "a", "--prompt", "y" * 40 + "b",
+            "--max-tokens", "2", "--max-num-batched-tokens", "16"]
+    assert "prefix cache hits 39%]" in nanoserve_main(capsys, *args)[2]  # 32 of 82 tokens
+    assert "prefix cache hits 0%]" in nanoserve_main(capsys, *args, "--no-prefix-caching")[2]
 
 
 def test_cli_trace_needs_prompts_and_is_printed_after_the_summary(capsys):
@@ -1442,6 +1709,12 @@ def test_metrics_count_tokens_and_latencies(server):
     before = metric(server, "generation_tokens_total")
     http(server, "/v1/completions", dict(prompt="abc", max_tokens=3, ignore_eos=True))
     assert metric(server, "generation_tokens_total") == before + 3
+    hits, queries = metric(server, "prefix_cache_hits_total"), metric(
+        server, "prefix_cache_queries_total")
+    for _ in range(2):  # the second finds the first's 2 whole blocks of 16 in the prefix cache
+        http(server, "/v1/completions", dict(prompt="metrics " * 5, max_tokens=1))
+    assert (metric(server, "prefix_cache_hits_total") - hits,
+            metric(server, "prefix_cache_queries_total") - queries) == (32, 80)
     text = http(server, "/metrics")[1]
     for name in ("time_to_first_token_seconds", "time_per_output_token_seconds",
                  "e2e_request_latency_seconds"):
