@@ -33,7 +33,8 @@ MODES = {  # mode -> (table label, EngineConfig overrides); naive does not use t
     "static": ("static: request-level batching, paged", dict(policy="static")),
     "fcfs": ("continuous, fcfs", dict(policy="fcfs")),
     "sjf": ("continuous, sjf", dict(policy="sjf")),
-    "no-chunk": ("continuous, no chunked prefill", dict(enable_chunked_prefill=False))}
+    "no-chunk": ("continuous, no chunked prefill", dict(enable_chunked_prefill=False)),
+    "no-cache": ("continuous, fcfs, no prefix caching", dict(enable_prefix_caching=False))}
 
 
 @dataclass
@@ -45,7 +46,8 @@ class BenchConfig:
     online_requests: int = option(100, "requests in each online run")
     online_limit: int = option(128, "generation limit of the online runs")
     rates: tuple = option((8.0, 16.0, 32.0), "Poisson arrival rates (requests/s), online sweep")
-    modes: tuple = option(tuple(MODES), "modes to run", choices=list(MODES))
+    modes: tuple = option(tuple(MODES)[:-1], "modes to run", choices=list(MODES))
+    shared_prefix_len: int = option(0, "tokens of one prefix before every prompt", low=0)
     max_num_seqs: int = option(32, "batch size of every mode, naive included")
     max_num_batched_tokens: int = option(512, "tokens per step (no-chunk: >= prompt + limit)")
     kv_cache_tokens: int = option(0, "paged KV cache capacity in tokens; 0: the engine's default")
@@ -69,10 +71,11 @@ def parse_args(argv=None) -> BenchConfig:
                           for k, v in vars(p.parse_args(argv)).items()})
 
 
-def make_workload(cfg: BenchConfig, n: int, limit: int) -> tuple[list[list[int]], list[int]]:
-    """n prompts of prompt_len random ids, lengths capped at `limit`: same draws at any limit."""
-    rng = np.random.default_rng(cfg.seed)
-    prompts = rng.integers(0, 256, (n, cfg.prompt_len)).tolist()
+def make_workload(cfg: BenchConfig, n: int, limit: int, shared=False) -> tuple[list, list[int]]:
+    """n prompts: [the shared prefix +] prompt_len random ids; lengths capped at `limit`."""
+    rng, prefix = np.random.default_rng(cfg.seed), np.random.default_rng(cfg.seed + 2).integers(
+        0, 256, cfg.shared_prefix_len * shared).tolist()
+    prompts = [prefix + p for p in rng.integers(0, 256, (n, cfg.prompt_len)).tolist()]
     return prompts, list(map(int, np.ceil(rng.exponential(cfg.mean_output_len, n)).clip(1, limit)))
 
 
@@ -131,7 +134,8 @@ def make_engine(cfg: BenchConfig, mode: str = "fcfs", limit: int = 0, **override
                 kv_cache_tokens=cfg.kv_cache_tokens or None, max_num_seqs=cfg.max_num_seqs,
                 max_num_batched_tokens=cfg.max_num_batched_tokens) | MODES[mode][1] | overrides
     if not args.get("enable_chunked_prefill", True):  # as in vLLM: a whole recompute fits a step
-        args["max_num_batched_tokens"] = max(args["max_num_batched_tokens"], cfg.prompt_len + limit)
+        args["max_num_batched_tokens"] = max(args["max_num_batched_tokens"],
+                                             cfg.prompt_len + cfg.shared_prefix_len + limit)
     return Engine(EngineConfig(**args))
 
 
@@ -316,6 +320,12 @@ def targets(result: dict) -> list[dict]:
              for limit, goal in (("128", 2.0), ("512", 3.0))]
     found += [(f"static / naive, limit {limit}", ">", 1, mode(limit, "static").get("vs_naive"))
               for limit in off]
+    if result["config"]["shared_prefix_len"]:  # the prefix cache: on (fcfs) against off
+        found += [(f"fcfs / no prefix caching, tok/s, limit {limit}", ">=", 1.5, mode(
+            limit, "fcfs").get("vs_no-cache")) for limit in off]
+        found += [(f"no prefix caching / fcfs, mean TTFT, rate {rate}", ">=", 3, r["no-cache"][
+            "ttft"]["mean"] / r["fcfs"]["ttft"]["mean"]) for rate, r in result["online"].items()
+            if {"fcfs", "no-cache"} <= set(r)]
     found += [t for rate, r in result["online"].items() if "http" in r and "fcfs" in r for t in (
         (f"HTTP / in process, output tok/s, rate {rate}", ">=", 0.9,
          r["http"]["output_throughput"] / r["fcfs"]["output_throughput"]),
@@ -342,7 +352,7 @@ def report(result: dict) -> str:
     table = lambda title, header, rows: title + "".join(  # noqa: E731
         "\n| " + " | ".join(map(str, r)) + " |" for r in [header, ["---"] * len(header), *rows])
     ms = lambda s: " / ".join("-" if v is None else f"{v * 1e3:.0f}" for v in s.values())  # noqa
-    smp, kv, x = hw.get("sampling"), hw.get("tight_kv"), lambda r: "-" if r is None else f"{r:.2f}x"
+    x = lambda r: "-" if r is None else f"{r:.2f}x"  # noqa: E731
     return "\n\n".join(([] if not hw else [
         table("Offline throughput, useful output tokens/s (ratio to naive / to static)",
               ["mode"] + [f"limit {limit}" for limit in off],
@@ -365,16 +375,7 @@ def report(result: dict) -> str:
                 *(f"{d[k]:.2f}" for k in ("paged_step_ms", "forward_ms", "host_ms",
                                           "dense_step_ms")), f"{d['paging_overhead']:+.0%}",
                 f"{d['paged_gflops']:.1f}", f"{d['paged_gflops'] / hw['matmul_gflops']:.1%}"]
-               for d in hw["decode"] + hw["host_cost"]["rows"]]),
-        table("Sampling, and a KV cache that holds one request", ["measured", "value"], [
-            [f"sampling {smp['rows']} x {smp['vocab']} logits, T 0.8, top-p 0.95, seeded rows: "
-             "sampling_tensors + sample(); sample() alone",
-             f"{smp['sample_ms']:.3f}; {smp['sample_only_ms']:.3f} ms"],
-            [f"{kv['requests']} x {kv['prompt_len']} + {kv['max_tokens']} tokens, fcfs, "
-             f"{kv['kv_cache_tokens']}-token KV, budget {kv['max_num_batched_tokens']}: tokens "
-             "computed / needed, preemptions",
-             f"{kv['tokens_computed']} / {kv['tokens_needed']} = {kv['ratio']:.2f}x, "
-             f"{kv['preemptions']}"]])]) + [
+               for d in hw["decode"] + hw["host_cost"]["rows"]])]) + [
         table(f"Online, limit {cfg['online_limit']}, Poisson arrivals; mean / p50 / p99",
               ["rate req/s", "mode", "TTFT ms", "TPOT ms", "ITL ms", "E2E ms", "req/s", "tok/s"],
               [[rate, m, ms(r["ttft"]), ms(r["tpot"]), ms(r["itl"]), ms(r["e2e"]),
@@ -388,7 +389,7 @@ def report(result: dict) -> str:
 def main(argv=None) -> None:
     cfg = parse_args(argv)
     torch.set_num_threads(cfg.threads or torch.get_num_threads())
-    sweep = make_workload(cfg, cfg.online_requests, cfg.online_limit)  # the online requests
+    sweep = make_workload(cfg, cfg.online_requests, cfg.online_limit, shared=True)  # online
     result = dict(config=asdict(cfg), offline={}, online={}, online_lengths=sweep[1], versions=dict(
         python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
         device=cfg.device, threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
@@ -402,7 +403,7 @@ def main(argv=None) -> None:
         for mode in cfg.modes:  # warm-up, not timed
             run_offline(cfg, mode, *make_workload(cfg, cfg.max_num_seqs, 8), 8, model)
         for limit in cfg.limits:
-            prompts, lengths = make_workload(cfg, cfg.num_requests, limit)
+            prompts, lengths = make_workload(cfg, cfg.num_requests, limit, shared=True)
             runs, first = {}, None
             for mode in cfg.modes:
                 runs[mode], outputs = run_offline(cfg, mode, prompts, lengths, limit, model)
@@ -411,7 +412,7 @@ def main(argv=None) -> None:
                 progress(f"offline, limit {limit}, {mode}: {runs[mode]['tok_s']:.0f} tok/s")
             for r in runs.values():  # static steps / steps: the gain if every step cost the same
                 r |= {f"vs_{b}": r["tok_s"] / runs[b]["tok_s"] if b in runs else None
-                      for b in ("naive", "static")}
+                      for b in ("naive", "static", "no-cache")}
                 r["steps_vs_static"] = runs["static"]["steps"] / r["steps"] if "static" in runs \
                     else None
             result["offline"][str(limit)] = dict(lengths=lengths, modes=runs)

@@ -1813,7 +1813,7 @@ def test_bench_offline_and_online_figures_agree(bench_run):
     result, printed = bench_run
     cfg, P = result["config"], 16
     assert cfg["max_num_batched_tokens"] == 24 and cfg["host_output_lens"] == [4, 40]
-    assert list(result["offline"]) == ["8", "16"] and cfg["modes"] == list(bench.MODES)
+    assert list(result["offline"]) == ["8", "16"] and cfg["modes"] == list(bench.MODES)[:-1]
     for limit, runs in result["offline"].items():
         lengths = runs["lengths"]
         assert len(lengths) == 8 and all(1 <= n <= int(limit) for n in lengths)
@@ -1837,8 +1837,29 @@ def test_bench_offline_and_online_figures_agree(bench_run):
             assert r["requests"] == 6 and r["output_tokens"] == sum(result["online_lengths"])
             assert 0 < r["ttft"]["mean"] <= r["e2e"]["mean"]  # the first token, then the last
             assert r["tpot"]["mean"] > 0 and r["itl"]["p50"] >= 0
-    for title in ("Offline throughput", "Steps", "Online", "Decode step", "Sampling", "Targets"):
+    for title in ("Offline throughput", "Steps", "Online", "Decode step", "Targets"):
         assert title in printed
+
+
+def test_bench_shared_prefix_compares_the_prefix_cache_on_and_off(tmp_path):
+    """Every prompt behind one 32-token prefix: the same tokens with the cache on (fcfs) and off
+    (no-cache); only fcfs finds the prefix; the two prefix-cache targets cite the figures."""
+    out, threads = tmp_path / "bench.json", torch.get_num_threads()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            bench.main(TINY + ["--shared-prefix-len", "32", "--modes", "fcfs", "no-cache",
+                               "--limits", "8", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(out.read_text())
+    fcfs, off = (result["offline"]["8"]["modes"][m] for m in ("fcfs", "no-cache"))
+    assert fcfs["same_tokens"] == off["same_tokens"] == 1.0
+    assert fcfs["prefix_hit_rate"] > 0 == off["prefix_hit_rate"]
+    targets = {t["target"]: t["measured"] for t in result["targets"]}
+    assert targets["fcfs / no prefix caching, tok/s, limit 8"] == fcfs["tok_s"] / off["tok_s"]
+    online = result["online"]["inf"]
+    assert targets["no prefix caching / fcfs, mean TTFT, rate inf"] == pytest.approx(
+        online["no-cache"]["ttft"]["mean"] / online["fcfs"]["ttft"]["mean"])
 
 
 def test_bench_hardware_view_and_targets(bench_run):
