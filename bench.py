@@ -1,9 +1,8 @@
 """bench.py: what continuous batching buys, measured. The Anyscale/Orca experiment at this scale.
 
-The same requests (one prompt length, exponential output lengths capped at a limit, EOS ignored)
-on the same weights through each of the MODES: offline throughput, online latency under Poisson
-arrivals, what each step held, the hardware view; tables to stdout, all to JSON. --url: only the
-online sweep, over HTTP on any OpenAI-compatible server; --compare: in process too (same flags).
+The same requests (random prompts, exponential output lengths capped at a limit, EOS ignored) on
+the same weights through each of the MODES: offline throughput, online latency (Poisson arrivals),
+the steps, the hardware view; tables to stdout, all to JSON. --url: the online sweep over HTTP.
 
     python bench.py --out bench.json         # about 5 minutes on 2 CPU cores; .ci/gpu: on a GPU
     python nanoserve.py --serve --port 8000 --preset tiny --max-num-seqs 32 --threads 1 &
@@ -48,6 +47,7 @@ class BenchConfig:
     rates: tuple = option((8.0, 16.0, 32.0), "Poisson arrival rates (requests/s), online sweep")
     modes: tuple = option(tuple(MODES)[:-1], "modes to run", choices=list(MODES))
     shared_prefix_len: int = option(0, "tokens of one prefix before every prompt", low=0)
+    turns: int = option(1, "offline: turns a conversation (its last turn, answer, own tokens)")
     max_num_seqs: int = option(32, "batch size of every mode, naive included")
     max_num_batched_tokens: int = option(512, "tokens per step (no-chunk: >= prompt + limit)")
     kv_cache_tokens: int = option(0, "paged KV cache capacity in tokens; 0: the engine's default")
@@ -122,9 +122,8 @@ def naive_batch(model, prompts: list[list[int]], lengths: list[int], log: list) 
         mask = None if not pads.any() else valid[:, None, None, :P + t]
         tokens.append(dense_forward(model, tokens[-1][:, None], positions[:, -1:] + t, mask,
                                     caches, P + t - 1).argmax(-1))
-    for t in range(L):  # cached after step t: each prompt and the outputs fed back so far
-        real = sum(len(p) + min(t, n - 1) for p, n in zip(prompts, lengths))
-        log.append((B, B * P if t == 0 else B, real, B * (P + L)))
+    log += [(B, B * P if t == 0 else B, sum(len(p) + min(t, n - 1) for p, n in zip(  # cached
+        prompts, lengths)), B * (P + L)) for t in range(L)]  # after step t: prompts, outputs
     return [row[:n] for row, n in zip(torch.stack(tokens, 1).tolist(), lengths)]  # (B, L) rows
 
 
@@ -141,10 +140,10 @@ def make_engine(cfg: BenchConfig, mode: str = "fcfs", limit: int = 0, **override
 
 def run_offline(cfg: BenchConfig, mode: str, prompts, lengths, limit: int, model=None):
     """All requests queued at once, run to the end: (useful tokens/s, what steps held; outputs)."""
-    log, B = [], cfg.max_num_seqs
+    log, B, N = [], cfg.max_num_seqs, len(prompts)
     if mode == "naive":
         start, preemptions, hit_rate = time.perf_counter(), 0, 0.0
-        outputs = [out for i in range(0, len(prompts), B)
+        outputs = [out for i in range(0, N, B)
                    for out in naive_batch(model, prompts[i:i + B], lengths[i:i + B], log)]
     else:
         engine = make_engine(cfg, mode, limit)
@@ -154,9 +153,12 @@ def run_offline(cfg: BenchConfig, mode: str, prompts, lengths, limit: int, model
         while engine.has_unfinished():
             for o in engine.step():  # deltas: the tokens new since the request's last output
                 done.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
+                if o.finished and (k := int(o.request_id)) + N < N * cfg.turns:  # its next turn
+                    engine.add_request(o.prompt_token_ids + done[o.request_id] + prompts[k % N][
+                        -cfg.prompt_len:], greedy(lengths[k % N]), str(k + N))
         log = [(len(r.scheduled), sum(r.scheduled.values()), r.num_cached_tokens,  # as naive's
                 r.kv_blocks_used * engine.block_pool.block_size) for r in engine.step_records]
-        outputs = [done[str(i)] for i in range(len(prompts))]
+        outputs = [done[str(k)] for k in range(N * cfg.turns)]  # turn by turn
         preemptions = sum(len(r.preempted) for r in engine.step_records)
         hit_rate = engine.stats.num_cached_tokens / engine.stats.num_prompt_tokens  # prefix cache
     wall, num_tokens = time.perf_counter() - start, sum(map(len, outputs))
@@ -170,8 +172,7 @@ def run_offline(cfg: BenchConfig, mode: str, prompts, lengths, limit: int, model
 
 
 def run_online(cfg: BenchConfig, mode: str, prompts, lengths, rate: float) -> dict:
-    """Requests arrive by a Poisson process at `rate` requests/s. In process, the clock moves by
-    each iteration's wall time, skipping idle time; "http": a thread a request, the wall clock."""
+    """Poisson arrivals at `rate`/s: in process, a clock that skips idle time; "http": threads."""
     gaps = np.random.default_rng(cfg.seed + 1).exponential(1 / rate, len(prompts))
     arrivals = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
     if mode == "http":
@@ -249,9 +250,8 @@ def decode_step(cfg, model, batch: int, prompt_len=0, first=1, steps=16, rounds=
     for prompt in make_workload(replace(cfg, prompt_len=P), B, 1)[0]:
         engine.add_request(prompt, greedy(first + n + 1))
     seqs, spent, forward = engine.scheduler.running, [], engine.model.forward
-    engine.step()  # every prompt in one step, then decodes in step until `first` tokens each
-    while min(s.num_output_tokens for s in seqs) < first:
-        engine.step()
+    while not seqs or min(s.num_output_tokens for s in seqs) < first:  # all prompts in one step,
+        engine.step()                                                  # then decodes
 
     def timed_forward(*args):  # engine.model's forward, appending its seconds to spent
         hidden = []
@@ -303,12 +303,12 @@ def sampling_time(cfg: BenchConfig, rows: int = 64, reps: int = 50, rounds: int 
 def tight_kv(cfg: BenchConfig, num_requests: int = 16) -> dict:
     """Requests of P + P tokens (fcfs, P / 4 a step) on a KV cache for one: computed / needed."""
     P, kv = cfg.prompt_len, cdiv(2 * cfg.prompt_len - 1, cfg.block_size) * cfg.block_size
-    r = run_offline(replace(cfg, kv_cache_tokens=kv, max_num_batched_tokens=cdiv(P, 4)), "fcfs",
-                    make_workload(cfg, num_requests, 1)[0], [P] * num_requests, P)[0]
+    r = run_offline(replace(cfg, kv_cache_tokens=kv, max_num_batched_tokens=cdiv(P, 4), turns=1),
+                    "fcfs", make_workload(cfg, num_requests, 1)[0], [P] * num_requests, P)[0]
     needed = num_requests * (2 * P - 1)
     return dict(requests=num_requests, prompt_len=P, max_tokens=P, kv_cache_tokens=kv,
-                max_num_batched_tokens=cdiv(P, 4),
-                tokens_needed=needed, ratio=r["tokens_computed"] / needed, **{k: r[k] for k in (
+                max_num_batched_tokens=cdiv(P, 4), tokens_needed=needed,
+                ratio=r["tokens_computed"] / needed, **{k: r[k] for k in (
                     "tokens_computed", "preemptions", "output_tokens", "steps", "wall_s")})
 
 
@@ -320,17 +320,17 @@ def targets(result: dict) -> list[dict]:
              for limit, goal in (("128", 2.0), ("512", 3.0))]
     found += [(f"static / naive, limit {limit}", ">", 1, mode(limit, "static").get("vs_naive"))
               for limit in off]
-    if result["config"]["shared_prefix_len"]:  # the prefix cache: on (fcfs) against off
-        found += [(f"fcfs / no prefix caching, tok/s, limit {limit}", ">=", 1.5, mode(
-            limit, "fcfs").get("vs_no-cache")) for limit in off]
-        found += [(f"no prefix caching / fcfs, mean TTFT, rate {rate}", ">=", 3, r["no-cache"][
-            "ttft"]["mean"] / r["fcfs"]["ttft"]["mean"]) for rate, r in result["online"].items()
-            if {"fcfs", "no-cache"} <= set(r)]
-    found += [t for rate, r in result["online"].items() if "http" in r and "fcfs" in r for t in (
+    both = lambda a, b: [(rate, r[a], r[b]) for rate, r in result["online"].items()  # noqa
+                         if a in r and b in r]  # the online runs of modes a and b, by rate
+    found += [t for rate, h, f in both("http", "fcfs") for t in (
         (f"HTTP / in process, output tok/s, rate {rate}", ">=", 0.9,
-         r["http"]["output_throughput"] / r["fcfs"]["output_throughput"]),
+         h["output_throughput"] / f["output_throughput"]),
         (f"HTTP - in process, TTFT p50 ms, rate {rate}", "<=", 5,
-         (r["http"]["ttft"]["p50"] - r["fcfs"]["ttft"]["p50"]) * 1e3))]
+         (h["ttft"]["p50"] - f["ttft"]["p50"]) * 1e3))]
+    found += [(f"fcfs / no prefix caching, tok/s, limit {limit}", ">=", 1.5, mode(limit, "fcfs")
+               .get("vs_no-cache")) for limit in off if result["config"]["shared_prefix_len"]]
+    found += [(f"no prefix caching / fcfs, mean TTFT, rate {rate}", ">=", 3, n["ttft"]["mean"] /
+               f["ttft"]["mean"]) for rate, n, f in both("no-cache", "fcfs")]
     if hw:
         host, (short, long) = hw["host_cost"], hw["host_cost"]["rows"]
         found += [("paged / dense decode step", "<=", 1.15,

@@ -1842,18 +1842,21 @@ def test_bench_offline_and_online_figures_agree(bench_run):
 
 
 def test_bench_shared_prefix_compares_the_prefix_cache_on_and_off(tmp_path):
-    """Every prompt behind one 32-token prefix: the same tokens with the cache on (fcfs) and off
-    (no-cache); only fcfs finds the prefix; the two prefix-cache targets cite the figures."""
+    """Every prompt behind one 32-token prefix, two turns a conversation: the same tokens with
+    the cache on (fcfs) and off (no-cache); only fcfs finds the prefix; the two prefix-cache
+    targets cite the figures."""
     out, threads = tmp_path / "bench.json", torch.get_num_threads()
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             bench.main(TINY + ["--shared-prefix-len", "32", "--modes", "fcfs", "no-cache",
-                               "--limits", "8", "--out", str(out)])
+                               "--limits", "8", "--turns", "2", "--kv-cache-tokens", "256",
+                               "--out", str(out)])
     finally:
         torch.set_num_threads(threads)
     result = json.loads(out.read_text())
     fcfs, off = (result["offline"]["8"]["modes"][m] for m in ("fcfs", "no-cache"))
     assert fcfs["same_tokens"] == off["same_tokens"] == 1.0
+    assert fcfs["output_tokens"] == 2 * sum(result["offline"]["8"]["lengths"])  # both turns
     assert fcfs["prefix_hit_rate"] > 0 == off["prefix_hit_rate"]
     targets = {t["target"]: t["measured"] for t in result["targets"]}
     assert targets["fcfs / no prefix caching, tok/s, limit 8"] == fcfs["tok_s"] / off["tok_s"]
