@@ -1,10 +1,11 @@
-"""nanoserve: the engine, its offline API and its command line.
+"""nanoserve: the engine, its offline API, the command line, the REPL and the HTTP server.
 
 `Engine.step()` is the serving algorithm, one iteration at a time: schedule (which tokens of
 which sequences run now), execute (build the inputs, run the model once over all of them,
 sample a token for each sequence whose prompt is fully computed), update (advance, append,
-detokenize, finish and free). The rest loops over step(). The offline API has vLLM's shape and
-argument names, so moving to vLLM is an import away:
+detokenize, finish and free), and a StepRecord of what it did. The rest loops over step():
+`LLM.generate`, `--prompt`, the REPL, and the OpenAI-compatible server's EngineThread. The
+offline API has vLLM's shape and argument names, so moving to vLLM is an import away:
 
     from nanoserve import LLM, SamplingParams
     outputs = LLM().generate(["ROMEO:"], SamplingParams(max_tokens=64, temperature=0))
