@@ -156,7 +156,7 @@ def run_offline(cfg: BenchConfig, mode: str, prompts, lengths, limit: int, model
                 if o.finished and (k := int(o.request_id)) + N < N * cfg.turns:  # its next turn
                     engine.add_request(o.prompt_token_ids + done[o.request_id] + prompts[k % N][
                         -cfg.prompt_len:], greedy(lengths[k % N]), str(k + N))
-        log = [(len(r.scheduled), sum(r.scheduled.values()), r.num_cached_tokens,  # as naive's
+        log = [(len(r.scheduled), sum(r.scheduled.values()), r.num_kv_tokens,  # as naive's
                 r.kv_blocks_used * engine.block_pool.block_size) for r in engine.step_records]
         outputs = [done[str(k)] for k in range(N * cfg.turns)]  # turn by turn
         preemptions = sum(len(r.preempted) for r in engine.step_records)

@@ -209,7 +209,7 @@ class StepRecord:
     cached: dict[str, int]          # first admitted, with this many prompt tokens cached
     num_running: int
     num_waiting: int
-    num_cached_tokens: int          # tokens whose K/V the running sequences hold
+    num_kv_tokens: int              # tokens whose K/V the running sequences hold
     kv_blocks_used: int
 
 
@@ -430,7 +430,7 @@ class Engine:
             cached={seq.seq_id: seq.num_cached_tokens for seq in scheduled
                     if seq.seq_id not in self._admitted and seq.num_cached_tokens},
             num_running=len(s.running), num_waiting=len(s.waiting),
-            num_cached_tokens=sum(seq.num_computed_tokens for seq in s.running),
+            num_kv_tokens=sum(seq.num_computed_tokens for seq in s.running),
             kv_blocks_used=pool.num_blocks - pool.num_free_blocks)
         self._admitted |= {seq.seq_id for seq in scheduled}
         self._admitted -= set(self.last_step.finished)
