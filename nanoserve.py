@@ -983,7 +983,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.set_defaults(temperature=0.8, top_p=0.95)
     add_config_args(engine := p.add_argument_group("engine (EngineConfig)"), EngineConfig)
     engine.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                        help="the same as --no-enable-prefix-caching")
+                        default=argparse.SUPPRESS, help="the same as --no-enable-prefix-caching")
     return p.parse_args(argv)
 
 
