@@ -723,13 +723,13 @@ def parse_request(body: dict, engine: Engine, model_name: str, chat: bool) -> tu
     fields = {name: body[name] for name in ("max_tokens", "temperature", "top_p", "top_k", "seed",
                                             "ignore_eos") if body.get(name) is not None}
     fields["stop"], n = typed(body, "stop", [], str, list), typed(body, "n", 1, int)
-    if chat:
-        prompts = [render_chat(body.get("messages"))]
-        fields["stop"] = ([fields["stop"]] if isinstance(fields["stop"], str) else fields["stop"]
-                          ) + [CHAT_TURN_END]
-        left = engine.max_model_len - len(engine.tokenizer.encode(prompts[0]))  # the default
+    echo = typed(body, "echo", False, bool)
+    if chat:  # as token ids, encoded once and as the engine encodes text (special tokens too)
+        prompts = [engine.tokenizer.encode(render_chat(body.get("messages")),
+                                           allowed_special="all")]
         fields["max_tokens"] = next((body[k] for k in ("max_completion_tokens", "max_tokens")
-                                     if body.get(k) is not None), max(1, left))
+                                     if body.get(k) is not None),
+                                    max(1, engine.max_model_len - len(prompts[0])))
         fields["logprobs"] = typed(body, "top_logprobs", 0, int) \
             if typed(body, "logprobs", False, bool) else None
     else:
@@ -744,15 +744,16 @@ def parse_request(body: dict, engine: Engine, model_name: str, chat: bool) -> tu
         if (fields["logprobs"] or 0) > 5:  # OpenAI's limit for completions
             raise HTTPError(400, f"logprobs must be at most 5, got {fields['logprobs']}",
                             "logprobs")
-        fields["prompt_logprobs"] = fields["logprobs"] if typed(body, "echo", False, bool) else None
+        fields["prompt_logprobs"] = fields["logprobs"] if echo else None
     options = dict(stream=typed(body, "stream", False, bool), chat=chat, n=n,
-                   k=fields["logprobs"] or 0,
-                   echo=typed(body, "echo", False, bool), include_usage=typed(
+                   k=fields["logprobs"] or 0, echo=echo, include_usage=typed(
                        typed(body, "stream_options", {}, dict), "include_usage", False, bool))
     try:
         check_int("n", n, 1, MAX_N)
         check_int("top_logprobs", typed(body, "top_logprobs", 0, int), 0, MAX_LOGPROBS)
         params = SamplingParams(**fields)  # each sample of a seeded request: the next seed
+        if chat:  # the reply ends with its turn
+            params = dataclasses.replace(params, stop=params.stop + [CHAT_TURN_END])
         samples = [params if params.seed is None else dataclasses.replace(
             params, seed=(params.seed + i) % 2**64) for i in range(n)]
     except ValueError as e:

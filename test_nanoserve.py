@@ -1666,6 +1666,8 @@ def test_http_chat_uses_the_documented_template(server, offline):
     assert all(len(c["top_logprobs"]) == 2 for c in content)
     events = sse(server, "/v1/chat/completions", body | dict(stream=True))
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    special = dict(messages=[dict(role="user", content="<|endoftext|>")], max_tokens=2)
+    assert http(server, "/v1/chat/completions", special)[0] == 200  # encoded as the engine does
     assert "".join(e["choices"][0]["delta"]["content"] for e in events[:-1]) == want.text
 
 
