@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import bench
 import model as M
 from kernels import (AttentionMetadata, SamplingTensors, apply_top_k_top_p, paged_attention,
-                     paged_attention_ref, sample, store_kv)
+                     paged_attention_cpu, paged_attention_ref, sample, store_kv)
 import nanoserve
 from nanoserve import LLM, Engine, EngineConfig, SamplingParams, token_text
 from paged_cache import BlockPool, BlockTable, hash_block
@@ -245,6 +245,23 @@ def test_triton_kernel_matches_reference(block_size, head_dim, batch, width):
     assert out.shape == expected.shape and out.dtype == expected.dtype
     # fp32 throughout; only the order of the sums differs from the reference.
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+# More decodes than a DECODE_GROUP, of contexts that differ and tie, beside prefill chunks.
+MANY_DECODES = [(5 + 23 * i % 97, 1) for i in range(19)] + [(40, 40), (70, 9)]
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_cpu_attention_matches_reference_in_every_layer(block_size):
+    """paged_attention_cpu plans a step's decodes in its first layer and reuses the plan (and
+    its buffers) in the others: each layer, its own caches, must still get the reference."""
+    q, k_cache, v_cache, meta = make_batch(MANY_DECODES, block_size, 32, device="cpu")
+    layers = [(q, k_cache, v_cache), (q.flip(0), v_cache.flip(0), k_cache * 2)]
+    for q, k_cache, v_cache in layers:
+        out = paged_attention_cpu(q, k_cache, v_cache, meta, 0.2)
+        torch.testing.assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, 0.2),
+                                   atol=1e-6, rtol=1e-6)
+    assert len(meta.decode_plan.groups) == 3
 
 
 # Tolerances: a few roundings of the type (p cast for the P @ V dot, the output), |out| < 4.
