@@ -1,12 +1,11 @@
 """bench.py: what continuous batching buys, measured. The Anyscale/Orca experiment at this scale.
 
 The same requests (random prompts, exponential output lengths capped at a limit, EOS ignored) on
-the same weights through each of the MODES: offline throughput, online latency (Poisson arrivals),
-the steps, the hardware view; tables to stdout, all to JSON. --url: the online sweep over HTTP.
+the same weights through each of the MODES, at equal batch size and at equal KV memory: offline
+throughput, the steps, online latency (Poisson arrivals), the hardware view against a roofline;
+tables to stdout, all to JSON. --url URL: the online sweep against a server (README: Over HTTP).
 
     python bench.py --out bench.json         # about 5 minutes on 2 CPU cores; .ci/gpu: on a GPU
-    python nanoserve.py --serve --port 8000 --preset tiny --max-num-seqs 32 --threads 1 &
-    python bench.py --url http://127.0.0.1:8000 --compare --out bench-http.json
 """
 import argparse
 import json
@@ -25,7 +24,6 @@ import torch.nn.functional as F
 from model import PRESETS
 from kernels import sample
 from nanoserve import Engine, EngineConfig, SamplingParams, add_config_args, option
-from paged_cache import cdiv
 
 MODES = {  # mode -> (table label, EngineConfig overrides); naive does not use the engine
     "naive": ("naive: padded static batches, dense KV cache", None),
@@ -48,7 +46,9 @@ class BenchConfig:
     modes: tuple = option(tuple(MODES)[:-1], "modes to run", choices=list(MODES))
     shared_prefix_len: int = option(0, "tokens of one prefix before every prompt", low=0)
     turns: int = option(1, "offline: turns a conversation (its last turn, answer, own tokens)")
-    max_num_seqs: int = option(32, "batch size of every mode, naive included")
+    max_num_seqs: int = option(32, "equal batch: the batch size of every mode, naive included")
+    kv_budget: int = option(0, "equal memory: each mode's KV tokens; 0: 32 x (prompt + 128)", low=0)
+    memory_max_num_seqs: int = option(256, "equal memory: the paged modes' batch size limit")
     max_num_batched_tokens: int = option(512, "tokens per step (no-chunk: >= prompt + limit)")
     kv_cache_tokens: int = option(0, "paged KV cache capacity in tokens; 0: the engine's default")
     block_size: int = option(16, "tokens per KV block")
@@ -56,6 +56,8 @@ class BenchConfig:
     preset: str = option("tiny", "random weights of a shape: tiny 3.5M, gpt2 124M", choices=PRESETS)
     device: str = option("cpu", "cpu or cuda")
     threads: int = option(1, "torch CPU threads (0: torch's default); 1: steadier on shared cores")
+    hardware_preset: str = option("", "also the hardware view of this shape, batch 1/8/32/64, "
+                                  "torch's default threads", choices=["", *PRESETS])
     seed: int = option(0, "seeds the weights, prompts, lengths and arrivals")
     out: str = option("bench.json", "where to write every figure as JSON")
     url: str = option("", "an OpenAI-compatible server (http://host:port): the online sweep on it")
@@ -67,8 +69,13 @@ def parse_args(argv=None) -> BenchConfig:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_config_args(p, BenchConfig)
-    return BenchConfig(**{k: tuple(v) if isinstance(v, list) else v
-                          for k, v in vars(p.parse_args(argv)).items()})
+    cfg = BenchConfig(**{k: tuple(v) if isinstance(v, list) else v
+                         for k, v in vars(p.parse_args(argv)).items()})
+    prompt = cfg.prompt_len + cfg.shared_prefix_len
+    cfg = replace(cfg, kv_budget=cfg.kv_budget or 32 * (prompt + 128))
+    if cfg.kv_budget < prompt + max(cfg.limits):
+        p.error(f"--kv-budget {cfg.kv_budget} holds no sequence of prompt + largest limit tokens")
+    return cfg
 
 
 def make_workload(cfg: BenchConfig, n: int, limit: int, shared=False) -> tuple[list, list[int]]:
@@ -102,8 +109,8 @@ def dense_forward(model, idx, positions, mask, caches, start: int) -> torch.Tens
 
 
 def new_caches(model, batch: int, max_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    w, shape = model.lm_head.weight, (batch, model.config.n_head, max_len, model.config.head_dim)
-    return [(w.new_zeros(shape), w.new_zeros(shape)) for _ in range(model.config.n_layer)]
+    shape, c = (batch, model.config.n_head, max_len, model.config.head_dim), model.config
+    return [tuple(model.lm_head.weight.new_zeros(shape) for _ in "kv") for _ in range(c.n_layer)]
 
 
 @torch.inference_mode()
@@ -165,10 +172,9 @@ def run_offline(cfg: BenchConfig, mode: str, prompts, lengths, limit: int, model
     seqs, tokens, real, slots = np.array(log, dtype=np.float64).T
     return dict(output_tokens=num_tokens, wall_s=wall, tok_s=num_tokens / wall, steps=len(log),
                 ms_per_step=wall / len(log) * 1e3, tokens_computed=int(tokens.sum()),
-                seqs_per_step=seqs.mean(), tokens_per_step=tokens.mean(),
-                kv_slots_mean=slots.mean(), kv_slots_peak=int(slots.max()),
-                kv_real_share=real.sum() / slots.sum(), preemptions=preemptions,
-                prefix_hit_rate=hit_rate), outputs
+                seqs_per_step=seqs.mean(), seqs_peak=int(seqs.max()), tokens_per_step=tokens.mean(),
+                kv_slots_mean=slots.mean(), kv_slots_peak=int(slots.max()), kv_real_share=real.sum()
+                / slots.sum(), preemptions=preemptions, prefix_hit_rate=hit_rate), outputs
 
 
 def run_online(cfg: BenchConfig, mode: str, prompts, lengths, rate: float) -> dict:
@@ -229,15 +235,19 @@ def http_open(url: str, path: str, body: dict | None = None):
             e, "code") else f"cannot reach {url}: {getattr(e, 'reason', e)}") from None
 
 
+def synced_clock(device: str) -> float:
+    """time.perf_counter() once the device has done all it was given."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def per_call(fn, reps: int, device: str) -> float:
-    """Seconds per call of fn over reps calls, the device synchronised before and after."""
-    sync = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
-    sync()
-    start = time.perf_counter()
+    """Seconds per call of fn over reps calls."""
+    start = synced_clock(device)
     for _ in range(reps):
         fn()
-    sync()
-    return (time.perf_counter() - start) / reps
+    return (synced_clock(device) - start) / reps
 
 
 @torch.inference_mode()
@@ -249,15 +259,11 @@ def decode_step(cfg, model, batch: int, prompt_len=0, first=1, steps=16, rounds=
                          kv_cache_tokens=B * (P + first + n + cfg.block_size))
     for prompt in make_workload(replace(cfg, prompt_len=P), B, 1)[0]:
         engine.add_request(prompt, greedy(first + n + 1))
-    seqs, spent, forward = engine.scheduler.running, [], engine.model.forward
+    seqs, spent = engine.scheduler.running, []
     while not seqs or min(s.num_output_tokens for s in seqs) < first:  # all prompts in one step,
         engine.step()                                                  # then decodes
-
-    def timed_forward(*args):  # engine.model's forward, appending its seconds to spent
-        hidden = []
-        spent.append(per_call(lambda: hidden.append(forward(*args)), 1, dev))
-        return hidden[0]
-    engine.model.forward = timed_forward
+    clock = lambda sign: lambda *_: spent.append(sign * synced_clock(dev))  # noqa: E731 (None)
+    engine.model.register_forward_pre_hook(clock(-1)), engine.model.register_forward_hook(clock(1))
     C, out0 = len(seqs[0].token_ids) - 1, np.mean([s.num_output_tokens for s in seqs])  # cached
     caches = new_caches(model, B, C + n + 1)
     tokens = [torch.tensor([[s.token_ids[-1]] for s in seqs], device=dev)]
@@ -279,116 +285,159 @@ def decode_step(cfg, model, batch: int, prompt_len=0, first=1, steps=16, rounds=
     weights = sum(p.numel() for p in model.parameters()) - c.n_positions * c.n_embd
     flops = B * (2 * weights + 4 * c.n_layer * context * c.n_embd)
     return dict(batch=len(seqs), prompt_len=P, output_len=output_len, context=context,
+                flops=flops, weight_bytes=weights * model.lm_head.weight.element_size(),
                 paged_step_ms=paged_s * 1e3, forward_ms=np.median(forward_s) * 1e3,
                 host_ms=np.median(np.subtract(paged, forward_s)) * 1e3,
-                dense_step_ms=dense_s * 1e3, paging_overhead=paged_s / dense_s - 1,
-                paged_gflops=flops / paged_s / 1e9, dense_gflops=flops / dense_s / 1e9)
+                dense_step_ms=dense_s * 1e3, paging_overhead=paged_s / dense_s - 1)
+
+
+def hardware_view(cfg: BenchConfig, model, batches, steps=16, host_output_lens=()) -> dict:
+    """Decode steps at each batch size against a roofline measured in the same run: max(weight
+    bytes / copy bandwidth, FLOPs / matmul rate), what the step would cost if it only streamed
+    the weights or only multiplied at a big square matmul's rate. Host cost: at the largest
+    batch and one context (top + 16), a step at each output length n (centred on n)."""
+    w, x, y = (torch.randn(n, dtype=model.lm_head.weight.dtype, device=cfg.device)
+               for n in ((1024, 1024), 2 ** 25, 2 ** 25))  # x, y: 128 MiB each in fp32
+    matmul = 2 * 1024 ** 3 / min(per_call(lambda: w @ w, 10, cfg.device) for _ in range(3))
+    copy = 2 * x.nbytes / min(per_call(lambda: y.copy_(x), 3, cfg.device) for _ in range(3))
+    top = max(host_output_lens, default=0)  # copy: bytes read + written, as STREAM counts them
+    rows = [decode_step(cfg, model, b, steps=steps) for b in batches] + [decode_step(
+        cfg, model, batches[-1], top + 16 - n, max(1, n - 10), steps=4, rounds=5)
+        for n in host_output_lens]
+    for d in rows:
+        d["roofline_ms"] = max(d["weight_bytes"] / copy, d["flops"] / matmul) * 1e3
+    return dict(decode=rows[:len(batches)], host_cost=rows[len(batches):], preset=cfg.preset,
+                threads=torch.get_num_threads(), matmul_n=1024, matmul_gflops=matmul / 1e9,
+                copy_gb_s=copy / 1e9)
 
 
 @torch.inference_mode()
 def sampling_time(cfg: BenchConfig, rows: int = 64, reps: int = 50, rounds: int = 5) -> dict:
-    """Sampling `rows` seeded requests (T 0.8, top-p 0.95) as the engine does; sample() alone."""
+    """Sampling `rows` seeded requests (T 0.8, top-p 0.95) as the engine does, in ms."""
     engine = make_engine(cfg, max_num_seqs=rows, max_num_batched_tokens=rows,
                          kv_cache_tokens=rows * cfg.block_size)
     for i, prompt in enumerate(make_workload(cfg, rows, 1)[0]):
         engine.add_request(prompt[:1], SamplingParams(temperature=0.8, top_p=0.95, seed=i))
     out = engine.execute(engine.scheduler.schedule())  # one step's logits, not applied
-    seqs, logits, tensors = out.seqs, out.logits, engine.sampling_tensors(out.seqs)
-    ms = lambda fn: np.median([per_call(fn, reps, cfg.device) for _ in range(rounds)])  # noqa: E731
-    return dict(rows=len(seqs), vocab=logits.shape[1], sample_ms=1e3 * ms(lambda: sample(
-        logits, engine.sampling_tensors(seqs), engine.generator)),
-        sample_only_ms=1e3 * ms(lambda: sample(logits, tensors, engine.generator)))
-
-
-def tight_kv(cfg: BenchConfig, num_requests: int = 16) -> dict:
-    """Requests of P + P tokens (fcfs, P / 4 a step) on a KV cache for one: computed / needed."""
-    P, kv = cfg.prompt_len, cdiv(2 * cfg.prompt_len - 1, cfg.block_size) * cfg.block_size
-    r = run_offline(replace(cfg, kv_cache_tokens=kv, max_num_batched_tokens=cdiv(P, 4), turns=1),
-                    "fcfs", make_workload(cfg, num_requests, 1)[0], [P] * num_requests, P)[0]
-    needed = num_requests * (2 * P - 1)
-    return dict(requests=num_requests, prompt_len=P, max_tokens=P, kv_cache_tokens=kv,
-                max_num_batched_tokens=cdiv(P, 4), tokens_needed=needed,
-                ratio=r["tokens_computed"] / needed, **{k: r[k] for k in (
-                    "tokens_computed", "preemptions", "output_tokens", "steps", "wall_s")})
+    step = lambda: sample(out.logits, engine.sampling_tensors(out.seqs), engine.generator)  # noqa
+    return dict(rows=len(out.seqs), vocab=out.logits.shape[1], sample_ms=1e3 * np.median(
+        [per_call(step, reps, cfg.device) for _ in range(rounds)]))
 
 
 def targets(result: dict) -> list[dict]:
-    """The issue's targets, each against the measured figure it cites."""
-    off, hw = result["offline"], result.get("hardware")
-    mode = lambda limit, m: off.get(limit, {}).get("modes", {}).get(m, {})  # noqa: E731
-    found = [(f"fcfs / static, limit {limit}", ">=", goal, mode(limit, "fcfs").get("vs_static"))
-             for limit, goal in (("128", 2.0), ("512", 3.0))]
-    found += [(f"static / naive, limit {limit}", ">", 1, mode(limit, "static").get("vs_naive"))
-              for limit in off]
+    """The issues' targets, each against the measured figure it cites."""
+    off, mem, hw, big = (result.get(k) or {} for k in (
+        "offline", "equal_memory", "hardware", "hardware_big"))
+    get = lambda runs, limit, m, key: runs.get(limit, {}).get("modes", {}).get(m, {}).get(key)  # noqa
     both = lambda a, b: [(rate, r[a], r[b]) for rate, r in result["online"].items()  # noqa
                          if a in r and b in r]  # the online runs of modes a and b, by rate
-    found += [t for rate, h, f in both("http", "fcfs") for t in (
-        (f"HTTP / in process, output tok/s, rate {rate}", ">=", 0.9,
-         h["output_throughput"] / f["output_throughput"]),
-        (f"HTTP - in process, TTFT p50 ms, rate {rate}", "<=", 5,
-         (h["ttft"]["p50"] - f["ttft"]["p50"]) * 1e3))]
-    found += [(f"fcfs / no prefix caching, tok/s, limit {limit}", ">=", 1.5, mode(limit, "fcfs")
-               .get("vs_no-cache")) for limit in off if result["config"]["shared_prefix_len"]]
+    found = [(f"equal memory: fcfs / {b}, limit {limit}", ">=", goal, get(mem, limit, "fcfs", "vs_"
+              + b)) for b, limit, goal in (("static", "128", 2.5), ("static", "512", 3.6),
+                                           ("naive", "128", 3.7), ("naive", "512", 9.5))]
+    found += [(f"static / naive, limit {limit}", ">", 1, get(off, limit, "static", "vs_naive"))
+              for limit in off]
+    for rate, h, f in both("http", "fcfs"):
+        found += [(f"HTTP / in process, output tok/s, rate {rate}", ">=", 0.9,
+                   h["output_throughput"] / f["output_throughput"]),
+                  (f"HTTP - in process, TTFT p50 ms, rate {rate}", "<=", 5,
+                   (h["ttft"]["p50"] - f["ttft"]["p50"]) * 1e3)]
+    found += [(f"fcfs / no prefix caching, tok/s, limit {limit}", ">=", 1.5, get(
+        off, limit, "fcfs", "vs_no-cache")) for limit in list(off) * bool(
+        result["config"]["shared_prefix_len"])]
     found += [(f"no prefix caching / fcfs, mean TTFT, rate {rate}", ">=", 3, n["ttft"]["mean"] /
                f["ttft"]["mean"]) for rate, n, f in both("no-cache", "fcfs")]
+    for view in [v for v in (hw, big) if v]:  # at batch 32, or the largest below
+        d = [d for d in view["decode"] if d["batch"] <= 32][-1]
+        found += [(f"{view['preset']}, batch {d['batch']}: paged / dense decode step", "<=",
+                   1.15, 1 + d["paging_overhead"])] + [
+            (f"{view['preset']}, batch {d['batch']}: roofline / decode step", ">=", 0.5,
+             d["roofline_ms"] / d["paged_step_ms"])] * (view is big)
     if hw:
-        host, (short, long) = hw["host_cost"], hw["host_cost"]["rows"]
-        found += [("paged / dense decode step", "<=", 1.15,
-                   1 + hw["decode"][-1]["paging_overhead"]),
-                  (f"decode step, batch {long['batch']}, output {long['output_len']:.0f} / "
-                   f"{short['output_len']:.0f}, same context", "<=", 1.1, host["step_ratio"]),
-                  ("  its host part (step less model forward)", "<=", 1.1, host["host_ratio"]),
+        short, long = hw["host_cost"]
+        found += [(f"decode step, batch {long['batch']}, output {long['output_len']:.0f} / "
+                   f"{short['output_len']:.0f}, same context", "<=", 1.1,
+                   long["paged_step_ms"] / short["paged_step_ms"]),
+                  ("  its host part (step less model forward)", "<=", 1.1,
+                   long["host_ms"] / short["host_ms"]),
                   (f"sampling {hw['sampling']['rows']} rows (top-p, seeded), ms", "<", 1,
-                   hw["sampling"]["sample_ms"]),
-                  ("tight KV: tokens computed / needed", "<=", 1.5, hw["tight_kv"]["ratio"])]
-    return [dict(target=t, goal=f"{op} {goal}", measured=r,
-                 met=bool({">=": r >= goal, ">": r > goal, "<=": r <= goal, "<": r < goal}[op]))
-            for t, op, goal, r in found if r is not None]
+                   hw["sampling"]["sample_ms"])]
+    return [dict(target=t, goal=f"{op} {goal}", measured=r, met=bool(
+        {">=": r >= goal, ">": r > goal, "<=": r <= goal, "<": r < goal}[op]))
+        for t, op, goal, r in found if r is not None]
+
+
+def table(title: str, rows: list[dict], keys: str) -> str:
+    """A markdown table of rows' values at keys (also the JSON's keys), floats to 2 decimals."""
+    keys = keys.split()
+    cells = [keys, ["---"] * len(keys)] + [[
+        f"{r[k]:.2f}" if isinstance(r[k], float) else str(r[k]) for k in keys] for r in rows]
+    return title + "".join("\n| " + " | ".join(c) + " |" for c in cells)
 
 
 def report(result: dict) -> str:
     """Every table there are figures for (with --url: online and targets), in markdown."""
-    cfg, off, hw = result["config"], result["offline"], result.get("hardware", {})
-    table = lambda title, header, rows: title + "".join(  # noqa: E731
-        "\n| " + " | ".join(map(str, r)) + " |" for r in [header, ["---"] * len(header), *rows])
-    ms = lambda s: " / ".join("-" if v is None else f"{v * 1e3:.0f}" for v in s.values())  # noqa
-    x = lambda r: "-" if r is None else f"{r:.2f}x"  # noqa: E731
-    return "\n\n".join(([] if not hw else [
-        table("Offline throughput, useful output tokens/s (ratio to naive / to static)",
-              ["mode"] + [f"limit {limit}" for limit in off],
-              [[MODES[m][0]] + [f"{r['tok_s']:.0f} ({x(r['vs_naive'])} / {x(r['vs_static'])})"
-                                for r in (off[limit]["modes"][m] for limit in off)]
-               for m in cfg["modes"]]),
-        table("Steps (offline): what each held, what it cost, and KV slots holding real tokens",
-              ["limit", "mode", "steps", "static steps / steps", "ms/step", "seqs/step",
-               "tokens/step", "KV slots mean", "KV slots peak", "real share", "preemptions"],
-              [[limit, m, r["steps"], x(r["steps_vs_static"]), f"{r['ms_per_step']:.1f}",
-                f"{r['seqs_per_step']:.1f}", f"{r['tokens_per_step']:.1f}",
-                f"{r['kv_slots_mean']:.0f}", r["kv_slots_peak"], f"{r['kv_real_share']:.2f}",
-                r["preemptions"]] for limit in off for m, r in off[limit]["modes"].items()]),
-        table(f"Decode step: paged engine (its model forward; the rest is the host part) vs a "
-              f"dense contiguous cache. Last {len(hw['host_cost']['rows'])} rows: host cost by "
-              f"output length. A {hw['matmul_n']}^2 matmul runs at {hw['matmul_gflops']:.0f} "
-              "GFLOP/s", ["batch", "prompt + output", "paged ms", "forward ms", "host ms",
-                          "dense ms", "paging overhead", "paged GFLOP/s", "paged / matmul"],
-              [[d["batch"], f"{d['prompt_len']} + {d['output_len']:.0f}",
-                *(f"{d[k]:.2f}" for k in ("paged_step_ms", "forward_ms", "host_ms",
-                                          "dense_step_ms")), f"{d['paging_overhead']:+.0%}",
-                f"{d['paged_gflops']:.1f}", f"{d['paged_gflops'] / hw['matmul_gflops']:.1%}"]
-               for d in hw["decode"] + hw["host_cost"]["rows"]])]) + [
-        table(f"Online, limit {cfg['online_limit']}, Poisson arrivals; mean / p50 / p99",
-              ["rate req/s", "mode", "TTFT ms", "TPOT ms", "ITL ms", "E2E ms", "req/s", "tok/s"],
-              [[rate, m, ms(r["ttft"]), ms(r["tpot"]), ms(r["itl"]), ms(r["e2e"]),
-                f"{r['request_throughput']:.1f}", f"{r['output_throughput']:.0f}"]
-               for rate, runs in result["online"].items() for m, r in runs.items()])] + [
-        table("Targets", ["target", "goal", "measured", "met"],
-              [[t["target"], t["goal"], f"{t['measured']:.2f}", "yes" if t["met"] else "NO"]
-               for t in result["targets"]])] * bool(result["targets"]))
+    cfg, hw, big = result["config"], result.get("hardware"), result.get("hardware_big")
+    both = {"equal_batch": result["offline"], "equal_memory": result.get("equal_memory", {})}
+    decode = lambda hw, extra="": table(  # noqa: E731
+        f"Decode step, {hw['preset']}, {hw['threads']} threads (ms): the paged engine's (forward: "
+        "its model forward, host: the rest), a dense contiguous cache's, and the roofline: max("
+        f"weight bytes / {hw['copy_gb_s']:.1f} GB/s copied, FLOPs / {hw['matmul_gflops']:.0f} "
+        f"GFLOP/s of a {hw['matmul_n']}^2 matmul){extra}", [d | dict(
+            of_roofline=d["roofline_ms"] / d["paged_step_ms"]) for d in hw["decode"] + hw[
+            "host_cost"]], "batch prompt_len output_len paged_step_ms forward_ms host_ms "
+        "dense_step_ms paging_overhead roofline_ms of_roofline")
+    tables = [table(
+        f"Offline, at equal batch size ({cfg['max_num_seqs']}) and at equal KV memory ("
+        f"{cfg['kv_budget']} tokens): useful output tokens/s, ratios of throughput and of steps, "
+        "sequences a step, KV slots (mean, peak, share holding real tokens), preemptions", [
+            dict(experiment=e, limit=limit, mode=m) | r for e, runs in both.items()
+            for limit in runs for m, r in runs[limit]["modes"].items()],
+        "experiment limit mode tok_s vs_naive vs_static max_num_seqs steps steps_vs_static "
+        "ms_per_step seqs_per_step seqs_peak tokens_per_step kv_slots_mean kv_slots_peak "
+        "kv_real_share preemptions"), decode(hw, "; last %d rows: the host cost by output "
+                                             "length, at one context" % len(hw["host_cost"]))
+              ] if hw else []
+    return "\n\n".join(tables + [decode(v) for v in [big] if v] + [table(
+        f"Online, limit {cfg['online_limit']}, Poisson arrivals", [
+            dict(rate=rate, mode=m, **{f"{k}_{s}_ms": r[k][s] * 1e3 for k in (
+                "ttft", "tpot", "itl", "e2e") for s in ("mean", "p50", "p99")}) | r
+            for rate, runs in result["online"].items() for m, r in runs.items()],
+        "rate mode ttft_mean_ms ttft_p50_ms ttft_p99_ms tpot_mean_ms itl_p50_ms itl_p99_ms "
+        "e2e_mean_ms e2e_p50_ms request_throughput output_throughput")] + [table(
+            "Targets", ts, "target goal measured met") for ts in [result["targets"]] if ts])
+
+
+def offline(cfg: BenchConfig, model, memory: bool, progress) -> dict:
+    """Every mode on the same requests at each limit, at equal batch size (cfg.max_num_seqs) or,
+    with `memory`, on kv_budget tokens of KV memory each: naive and static reserve prompt + limit
+    a sequence up front (as Hugging Face and FasterTransformer did); the paged modes, as they go."""
+    found = {}
+    for limit in cfg.limits:
+        prompts, lengths = make_workload(cfg, cfg.num_requests, limit, shared=True)
+        runs, first = {}, None
+        for mode in cfg.modes:
+            batch = min(cfg.num_requests, cfg.kv_budget // (len(prompts[0]) + limit)) \
+                if mode in ("naive", "static") else cfg.memory_max_num_seqs
+            mode_cfg = replace(cfg, kv_cache_tokens=cfg.kv_budget, max_num_seqs=batch) \
+                if memory else cfg
+            runs[mode], outputs = run_offline(mode_cfg, mode, prompts, lengths, limit, model)
+            first = first or outputs  # greedy: every mode should produce the same tokens
+            runs[mode] |= dict(max_num_seqs=mode_cfg.max_num_seqs, same_tokens=float(np.mean(
+                [a == b for a, b in zip(outputs, first)])))
+            progress(f"offline, equal {('batch', 'memory')[memory]}, limit {limit}, {mode}: "
+                     f"{runs[mode]['tok_s']:.0f} tok/s")
+        for r in runs.values():  # static steps / steps: the gain if every step cost the same
+            r |= {f"vs_{b}": r["tok_s"] / runs[b]["tok_s"] if b in runs else None
+                  for b in ("naive", "static", "no-cache")}
+            r["steps_vs_static"] = runs["static"]["steps"] / r["steps"] if "static" in runs \
+                else None
+        found[str(limit)] = dict(lengths=lengths, modes=runs)
+    return found
 
 
 def main(argv=None) -> None:
-    cfg = parse_args(argv)
-    torch.set_num_threads(cfg.threads or torch.get_num_threads())
+    cfg, default_threads = parse_args(argv), torch.get_num_threads()
+    torch.set_num_threads(cfg.threads or default_threads)
     sweep = make_workload(cfg, cfg.online_requests, cfg.online_limit, shared=True)  # online
     result = dict(config=asdict(cfg), offline={}, online={}, online_lengths=sweep[1], versions=dict(
         python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
@@ -402,32 +451,12 @@ def main(argv=None) -> None:
         modes, model = [m for m in cfg.modes if m != "naive"], make_engine(cfg).model  # naive's
         for mode in cfg.modes:  # warm-up, not timed
             run_offline(cfg, mode, *make_workload(cfg, cfg.max_num_seqs, 8), 8, model)
-        for limit in cfg.limits:
-            prompts, lengths = make_workload(cfg, cfg.num_requests, limit, shared=True)
-            runs, first = {}, None
-            for mode in cfg.modes:
-                runs[mode], outputs = run_offline(cfg, mode, prompts, lengths, limit, model)
-                first = first or outputs  # greedy: every mode should produce the same tokens
-                runs[mode]["same_tokens"] = float(np.mean([a == b for a, b in zip(outputs, first)]))
-                progress(f"offline, limit {limit}, {mode}: {runs[mode]['tok_s']:.0f} tok/s")
-            for r in runs.values():  # static steps / steps: the gain if every step cost the same
-                r |= {f"vs_{b}": r["tok_s"] / runs[b]["tok_s"] if b in runs else None
-                      for b in ("naive", "static", "no-cache")}
-                r["steps_vs_static"] = runs["static"]["steps"] / r["steps"] if "static" in runs \
-                    else None
-            result["offline"][str(limit)] = dict(lengths=lengths, modes=runs)
+        result["offline"] = offline(cfg, model, False, progress)
+        result["equal_memory"] = offline(cfg, model, True, progress)
         B = cfg.max_num_seqs  # the decode sweep: powers of two, then the batch size itself
-        batches = [2 ** i for i in range(B.bit_length()) if 2 ** i < B] + [B]
-        w = torch.randn(1024, 1024, dtype=model.lm_head.weight.dtype, device=cfg.device)
-        matmul_s = min(per_call(lambda: w @ w, 10, cfg.device) for _ in range(3))  # the ceiling
-        hw = result["hardware"] = dict(decode=[decode_step(cfg, model, b) for b in batches],
-                                       matmul_n=1024, matmul_gflops=2 * 1024 ** 3 / matmul_s / 1e9)
-        top = max(cfg.host_output_lens)  # context top + 16 for every output length n, centred on n
-        rows = [decode_step(cfg, model, B, top + 16 - n, max(1, n - 10), steps=4, rounds=5)
-                for n in cfg.host_output_lens]
-        hw.update(host_cost=dict(rows=rows, host_ratio=rows[-1]["host_ms"] / rows[0]["host_ms"],
-                                 step_ratio=rows[-1]["paged_step_ms"] / rows[0]["paged_step_ms"]),
-                  sampling=sampling_time(cfg), tight_kv=tight_kv(cfg))
+        hw = result["hardware"] = hardware_view(cfg, model, [2 ** i for i in range(
+            B.bit_length()) if 2 ** i < B] + [B], host_output_lens=cfg.host_output_lens)
+        hw["sampling"] = sampling_time(cfg)
         progress("hardware view")
     try:
         for rate in cfg.rates:
@@ -439,6 +468,12 @@ def main(argv=None) -> None:
     except ConnectionError as e:  # the server at --url: one line, exit status 2
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    if cfg.hardware_preset and not cfg.url:  # the bigger shape, on all cores
+        torch.set_num_threads(default_threads)
+        big = replace(cfg, preset=cfg.hardware_preset, threads=0)
+        result["hardware_big"] = hardware_view(big, make_engine(
+            big, kv_cache_tokens=big.block_size).model, (1, 8, 32, 64), steps=8)
+        progress(f"hardware view, {cfg.hardware_preset}")
     result |= dict(targets=targets(result), wall_s=time.perf_counter() - start)
     result["versions"]["load_average_end"] = os.getloadavg()
     print(report(result))

@@ -1807,7 +1807,7 @@ def test_server_warns_when_bound_beyond_loopback():
 
 TINY = ("--num-requests 8 --prompt-len 16 --limits 8 16 --online-requests 6 --online-limit 12 "
         "--mean-output-len 6 --rates 40 inf --max-num-seqs 4 --max-num-batched-tokens 24 "
-        "--kv-cache-tokens 64 --host-output-lens 4 40").split()
+        "--kv-cache-tokens 64 --host-output-lens 4 40 --kv-budget 80").split()
 
 
 @pytest.fixture(scope="module")
@@ -1815,7 +1815,7 @@ def bench_run(tmp_path_factory) -> tuple[dict, str]:
     out, threads = tmp_path_factory.mktemp("bench") / "bench.json", torch.get_num_threads()
     try:
         with contextlib.redirect_stdout(io.StringIO()) as printed:
-            bench.main(TINY + ["--out", str(out)])  # sets torch's threads: put them back after
+            bench.main(TINY + ["--hardware-preset", "tiny", "--out", str(out)])  # sets threads
     finally:
         torch.set_num_threads(threads)
     return json.loads(out.read_text()), printed.getvalue()
@@ -1856,8 +1856,31 @@ def test_bench_offline_and_online_figures_agree(bench_run):
             assert r["requests"] == 6 and r["output_tokens"] == sum(result["online_lengths"])
             assert 0 < r["ttft"]["mean"] <= r["e2e"]["mean"]  # the first token, then the last
             assert r["tpot"]["mean"] > 0 and r["itl"]["p50"] >= 0
-    for title in ("Offline throughput", "Steps", "Online", "Decode step", "Targets"):
+    for title in ("Offline", "Online", "Decode step, tiny, 1 threads", "Targets"):
         assert title in printed
+
+
+def test_bench_equal_memory_holds_every_mode_to_the_kv_budget(bench_run):
+    """80 tokens of KV each: naive and static reserve prompt + limit a sequence (80 // 24 = 3 at
+    limit 8, 80 // 32 = 2 at 16); the paged modes hold what fits, preempting if they must."""
+    result, _ = bench_run
+    P, budget = 16, result["config"]["kv_budget"]
+    assert budget == 80 and list(result["equal_memory"]) == ["8", "16"]
+    for limit, runs in result["equal_memory"].items():
+        assert runs["lengths"] == result["offline"][limit]["lengths"]  # the same requests
+        contiguous = min(8, budget // (P + int(limit)))
+        for mode, r in runs["modes"].items():
+            assert r["kv_slots_peak"] <= budget, (limit, mode)
+            assert r["same_tokens"] == 1.0 and r["output_tokens"] == sum(runs["lengths"])
+            if mode in ("naive", "static"):
+                assert r["max_num_seqs"] == contiguous and r["seqs_peak"] <= contiguous
+            else:
+                assert r["max_num_seqs"] == 256
+        assert runs["modes"]["naive"]["seqs_peak"] == contiguous  # every row, every step
+    assert bench.parse_args(["--prompt-len", "100"]).kv_budget == 32 * (100 + 128)
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()) as err:
+        bench.parse_args(["--kv-budget", "600"])  # 128 + 512 tokens do not fit
+    assert "--kv-budget 600 holds no sequence" in err.getvalue()
 
 
 def test_bench_shared_prefix_compares_the_prefix_cache_on_and_off(tmp_path):
@@ -1886,37 +1909,43 @@ def test_bench_shared_prefix_compares_the_prefix_cache_on_and_off(tmp_path):
 
 def test_bench_hardware_view_and_targets(bench_run):
     result, _ = bench_run
-    hw, P = result["hardware"], 16
-    host = hw["host_cost"]["rows"]
-    for d in hw["decode"] + host:  # the forward is part of the step; the rest, the host's
+    hw, big = result["hardware"], result["hardware_big"]
+    host = hw["host_cost"]
+    for d in hw["decode"] + host + big["decode"]:  # the forward is part of the step
         assert d["paged_step_ms"] > d["forward_ms"] > 0 and d["host_ms"] > 0
-        assert d["dense_step_ms"] > 0
+        assert d["dense_step_ms"] > 0 and d["roofline_ms"] > 0
     assert [d["batch"] for d in hw["decode"]] == [1, 2, 4]  # the sequences the engine held
+    assert [d["batch"] for d in big["decode"]] == [1, 8, 32, 64] and big["preset"] == "tiny"
     assert all(d["output_len"] == 1 + 47 / 2 for d in hw["decode"])  # 16 steps x 3 rounds
+    # FLOPs grow with the batch; the weights read do not (3.5M parameters less wpe, fp32)
+    weights = {d["weight_bytes"] for d in hw["decode"] + big["decode"]}
+    assert weights == {4 * (sum(p.numel() for p in M.GPT(M.GPTConfig()).parameters())
+                            - 1024 * 256)}
+    one, many = big["decode"][0], big["decode"][-1]
+    assert many["flops"] > 64 * 2 * weights.pop() / 4 > one["flops"]
     # Host cost rows: batch 4, the same context (40 + 16) for output lengths 4 and 40: the
     # engine stepped until every sequence had max(1, n - 10) output tokens, then 20 steps timed
     assert [(d["batch"], d["prompt_len"], d["output_len"]) for d in host] == [
         (4, 52, 1 + 19 / 2), (4, 16, 30 + 19 / 2)]
     s = hw["sampling"]
-    assert (s["rows"], s["vocab"]) == (64, 257) and s["sample_ms"] > 0 < s["sample_only_ms"]
-    kv = hw["tight_kv"]  # 16 requests of 16 + 16 tokens; 31 cached at most: 2 blocks
-    assert (kv["requests"], kv["kv_cache_tokens"], kv["output_tokens"]) == (16, 32, 16 * 16)
-    assert kv["tokens_needed"] == 16 * (P + 16 - 1)
-    check_recompute(kv["tokens_computed"], kv["tokens_needed"], kv["preemptions"], 2 * P - 2)
+    assert (s["rows"], s["vocab"]) == (64, 257) and s["sample_ms"] > 0
     # Every target cites the figure it names, and "met" agrees with its goal.
     off = result["offline"]
     tok_s = lambda limit, mode: off[limit]["modes"][mode]["tok_s"]  # noqa: E731
     cited = {f"static / naive, limit {limit}": tok_s(limit, "static") / tok_s(limit, "naive")
              for limit in off}
-    cited |= {"paged / dense decode step":
+    b32 = big["decode"][2]
+    cited |= {"tiny, batch 4: paged / dense decode step":
               hw["decode"][-1]["paged_step_ms"] / hw["decode"][-1]["dense_step_ms"],
+              "tiny, batch 32: paged / dense decode step":
+              b32["paged_step_ms"] / b32["dense_step_ms"],
+              "tiny, batch 32: roofline / decode step": b32["roofline_ms"] / b32["paged_step_ms"],
               "decode step, batch 4, output 40 / 10, same context":
               host[1]["paged_step_ms"] / host[0]["paged_step_ms"],
               "  its host part (step less model forward)": host[1]["host_ms"] / host[0]["host_ms"],
-              "sampling 64 rows (top-p, seeded), ms": s["sample_ms"],
-              "tight KV: tokens computed / needed": kv["tokens_computed"] / kv["tokens_needed"]}
+              "sampling 64 rows (top-p, seeded), ms": s["sample_ms"]}
     targets = {t["target"]: t for t in result["targets"]}
-    assert set(targets) == set(cited)  # no fcfs / static target: limits 128 and 512 not run
+    assert set(targets) == set(cited)  # no equal-memory target: limits 128 and 512 not run
     ops = {">=": float.__ge__, ">": float.__gt__, "<=": float.__le__, "<": float.__lt__}
     for name, t in targets.items():
         assert t["measured"] == pytest.approx(cited[name]), name
