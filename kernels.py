@@ -1,25 +1,18 @@
-"""The step's device ops beside the model: paged attention, a PyTorch reference (the CPU path
-and the specification) and a Triton kernel with the same signature (the GPU path); the write
-of new K/V into their slots; and the batched sampler that turns logits into tokens.
+"""The step's device ops beside the model: paged attention, a PyTorch reference (the
+specification), a faster CPU path and a Triton kernel with the same signature (the GPU path);
+the write of new K/V into their slots; and the batched sampler that turns logits into tokens.
 
-One forward pass carries every scheduled token of every sequence in one flat batch:
-decode tokens (one query each) and prefill chunks (many queries). The new tokens' K/V are
-first written into the paged cache at `slot_mapping`; then each query attends to every
-cached token of its own sequence up to and including its own position (causal within
-the chunk, full over what earlier steps cached).
+One forward pass carries every scheduled token of every sequence in one flat batch: decode
+tokens (one query each) and prefill chunks (many queries). The new tokens' K/V are first
+written into the paged cache at `slot_mapping`; then each query attends to every cached token
+of its own sequence up to and including its own position (causal within the chunk, full over
+what earlier steps cached). Shape legend: N tokens in the flat batch, S sequences, H heads,
+D head dim, NB blocks in the cache, BS block size (tokens per block), MB max blocks a sequence.
 
-Shape legend: N tokens in the flat batch, S sequences, H heads, D head dim,
-NB blocks in the cache, BS block size (tokens per block), MB max blocks per sequence.
-
-Left out on purpose: sliding windows, ALiBi, GQA, fp8 caches, split-K decode.
-
-Checked on a CPU (test_nanoserve.py): the kernel against the reference in Triton's interpreter
-(fp32, and fp16 against an fp32 reference); its compilation for sm_80 and sm_90 in fp16, bf16
-and fp32 with the specialisation (signature, 16-byte alignment, unit strides) that
-paged_attention's launch binds, found by Triton's own JITFunction.run; in fp16 and bf16, ptxas
-counts at most 128 registers and no spills, under 64 KB of shared memory, and K/V arrive by
-cp.async with the next tile's copies in flight. Not checked: speed, or results, on a GPU.
-"""
+Left out on purpose: sliding windows, ALiBi, GQA, fp8 caches, split-K decode. Checked on a CPU
+only (test_nanoserve.py): the kernel against the reference in Triton's interpreter, and its
+sm_80/sm_90 build as launched (fp16/bf16: <= 128 registers, no spills, < 64 KB of shared
+memory, K/V by pipelined cp.async). Not checked: speed, or results, on a GPU."""
 import contextlib
 import ctypes
 import os
@@ -28,11 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-# Triton runs on CPU tensors only in its interpreter, which must be chosen before import.
-if not torch.cuda.is_available():
+if not torch.cuda.is_available():  # CPU tensors need Triton's interpreter, set before import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+
+DECODE_GROUP = 8  # decodes attended together by paged_attention_cpu
 
 
 @dataclass
@@ -50,22 +44,18 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor) -> None:
     """Write new keys/values (N, H, D) into the caches (NB, BS, H, D) at their flat slots (N,):
     one indexed copy, a slot being a row of the cache viewed as (NB * BS, H, D)."""
-    num_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_heads, head_dim).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
 
-# ----------------------------------------------------------------------------- reference
 def keep_freed_memory() -> None:
     """Let glibc reuse freed memory rather than return large blocks to the OS, which made every
     large temporary (K/V gathers above all) pay a page fault per 4 KiB: a batch-32 decode step
     went from 34 ms to 11 ms. (vLLM's CPU backend asks for tcmalloc for the same reason.)"""
-    try:
+    with contextlib.suppress(OSError):  # not glibc (macOS, musl): nothing to do
         libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (macOS, musl): nothing to do
-        return
-    libc.mallopt(-3, 32 << 20)   # M_MMAP_THRESHOLD: blocks up to 32 MiB come from the heap
-    libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD: keep up to 256 MiB of freed heap
+        libc.mallopt(-3, 32 << 20)   # M_MMAP_THRESHOLD: blocks up to 32 MiB come from the heap
+        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD: keep up to 256 MiB of freed heap
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -75,8 +65,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Returns (N, H, D). Query j of sequence s (of q_len queries, context_len cached tokens)
     sits at position context_len - q_len + j and sees cached positions 0..that position.
     The specification of paged_attention (Triton) and paged_attention_cpu: one sequence at a
-    time, its blocks gathered in the order of its block table.
-    """
+    time, its blocks gathered in the order of its block table."""
     out, starts = torch.empty_like(q), meta.query_start_loc.tolist()
     for s in range(len(starts) - 1):
         rows = slice(starts[s], starts[s + 1])
@@ -84,24 +73,19 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
-def _attend(q, k_cache, v_cache, meta, seqs, scale, buffers=(None, None)):
+def _attend(q, k_cache, v_cache, meta, seqs, scale):
     """Causal attention for sequences `seqs` with equal query counts; q is (len(seqs), L, H, D).
-    Each is padded to the longest context of `seqs` (masked); K/V gathered into `buffers`."""
+    Each is padded to the longest context of `seqs` (masked)."""
     ctx_lens = meta.context_lens[seqs]                                     # (s,)
     num_blocks = -(-int(ctx_lens.max()) // k_cache.shape[1])
     blocks = meta.block_tables[seqs, :num_blocks].flatten()                # (s * nb,)
-    # index_select, not k_cache[tables]: the same gather, about twice as fast on CPU
-    k, v = (torch.index_select(c, 0, blocks, out=None if b is None else b[:len(blocks)])
-            .view(len(seqs), -1, *c.shape[2:]) for c, b in zip((k_cache, v_cache), buffers))
+    k, v = (torch.index_select(c, 0, blocks).view(len(seqs), -1, *c.shape[2:])
+            for c in (k_cache, v_cache))  # index_select, not k_cache[blocks]: 2x as fast on CPU
     q_pos = ctx_lens[:, None] - q.shape[1] + torch.arange(q.shape[1], device=q.device)  # (s, L)
     visible = torch.arange(k.shape[1], device=q.device) <= q_pos[:, :, None]  # (s, L, T)
-    y = torch.nn.functional.scaled_dot_product_attention(
+    return torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=visible[:, None], scale=scale)                          # (s, H, L, D)
-    return y.transpose(1, 2)
-
-
-DECODE_GROUP = 8  # decodes attended together by paged_attention_cpu
+        attn_mask=visible[:, None], scale=scale).transpose(1, 2)         # (s, L, H, D)
 
 
 @dataclass
@@ -130,14 +114,12 @@ def plan_decodes(meta: AttentionMetadata, decode: list, k_cache: torch.Tensor) -
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """paged_attention_ref's result, faster on a CPU: same arguments. Prefill chunks go one
-    sequence at a time, as there; decodes DECODE_GROUP at a time, as a DecodePlan made once a
-    step says. Every group of every layer gathers its K/V into the same two buffers, small
-    enough to stay in the CPU's caches while attention reads them: each cached K/V is read
-    once from memory, where a fresh gather per group wrote then re-read it (38% of a batch-32
-    decode step on a 2-core AVX2 EPYC), and the small ops of a plan are not paid per layer."""
-    starts = meta.query_start_loc.tolist()
+    sequence at a time, as there; decodes DECODE_GROUP at a time, by a DecodePlan made once a step,
+    not per layer. Every group of every layer gathers K/V into the same two buffers, which stay in
+    the CPU's caches while attention reads them: each cached K/V is read once from memory, where a
+    fresh gather per group wrote then re-read it (38% of a batch-32 decode step, 2-core EPYC)."""
+    out, starts = torch.empty_like(q), meta.query_start_loc.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:])]
-    out = torch.empty_like(q)
     for s in (s for s, n in enumerate(q_lens) if n > 1):
         chunk = slice(starts[s], starts[s + 1])
         out[chunk] = _attend(q[chunk][None], k_cache, v_cache, meta, [s], scale)[0]
@@ -145,65 +127,50 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return out
     if meta.decode_plan is None:
         meta.decode_plan = plan_decodes(meta, [s for s, n in enumerate(q_lens) if n == 1], k_cache)
-    plan, ys = meta.decode_plan, []
-    q_sorted, (k_buffer, v_buffer) = q[plan.rows, :, None], plan.buffers  # (n, H, 1, D)
-    for blocks, mask in plan.groups:
-        g = len(ys) * DECODE_GROUP
+    plan = meta.decode_plan
+    for rows, (blocks, mask) in zip(plan.rows.split(DECODE_GROUP), plan.groups):
         k, v = (torch.index_select(cache, 0, blocks, out=buffer[:len(blocks)])
                 .view(len(mask), -1, *cache.shape[2:]).transpose(1, 2)
-                for cache, buffer in ((k_cache, k_buffer), (v_cache, v_buffer)))
-        ys.append(torch.nn.functional.scaled_dot_product_attention(
-            q_sorted[g:g + len(mask)], k, v, attn_mask=mask, scale=scale))
-    out[plan.rows] = torch.cat(ys)[:, :, 0]
+                for cache, buffer in zip((k_cache, v_cache), plan.buffers))
+        out[rows] = torch.nn.functional.scaled_dot_product_attention(
+            q[rows, :, None], k, v, attn_mask=mask, scale=scale)[:, :, 0]  # (g, H, D)
     return out
 
 
-# ----------------------------------------------------------------------------- Triton
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
-    sm_scale,
+    block_tables_ptr, context_lens_ptr, query_start_loc_ptr, sm_scale,
     stride_qn, stride_qh, stride_qd,             # q (N, H, D)
     stride_kb, stride_kt, stride_kh, stride_kd,  # k_cache (NB, BS, H, D)
     stride_vb, stride_vt, stride_vh, stride_vd,  # v_cache (NB, BS, H, D)
-    stride_on, stride_oh, stride_od,             # out (N, H, D)
-    stride_bts,                                  # block_tables (S, MB), blocks contiguous
-    HEAD_DIM: tl.constexpr,          # D, any size
-    BLOCK_D: tl.constexpr,           # D padded to a power of two >= 16 (tl.dot minimum)
-    CACHE_BLOCK_SIZE: tl.constexpr,  # BS, tokens per cache block
-    BLOCK_M: tl.constexpr,           # queries per program
-    BLOCK_N: tl.constexpr,           # keys per loop step, independent of CACHE_BLOCK_SIZE
+    stride_on, stride_oh, stride_od, stride_bts,  # out (N, H, D); block_tables (S, MB), rows dense
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  # D; D padded to a power of 2 >= 16 (tl.dot)
+    CACHE_BLOCK_SIZE: tl.constexpr,                 # BS, tokens per cache block
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,   # queries per program; keys per step (any BS)
 ):
     """FlashAttention-style forward over a paged cache; one program per (sequence, head, q tile).
 
     The tile's BLOCK_M queries are loaded once; keys and values stream past BLOCK_N tokens at a
     time, each token's row gathered through the block table, with an online softmax (m_i, l_i,
-    acc) in fp32. Keys stop at the last position the tile's last query can see. What is
-    checked without a GPU, and what is not: the module docstring.
-    """
+    acc) in fp32. Keys stop at the last position the tile's last query can see."""
     seq, head, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if pid_m * BLOCK_M >= q_len:  # this sequence has fewer query tiles than the longest one
         return
     context_len = tl.load(context_lens_ptr + seq)
-
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the sequence
     offs_d = tl.arange(0, BLOCK_D)
     mask_m, mask_d = offs_m < q_len, offs_d < HEAD_DIM
     q_pos = context_len - q_len + offs_m  # absolute position of each query
-
-    # q tile (BLOCK_M, BLOCK_D): masked past the sequence's last query and past the real head dim.
     rows = q_start + offs_m  # rows of the flat batch
-    mask_md = mask_m[:, None] & mask_d[None, :]
+    mask_md = mask_m[:, None] & mask_d[None, :]  # past the last query or the real head dim
     q_offs = rows[:, None] * stride_qn + head * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptr + q_offs, mask=mask_md, other=0.0)
-
+    q = tl.load(q_ptr + q_offs, mask=mask_md, other=0.0)  # (BLOCK_M, BLOCK_D)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max of the scores
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                # running softmax denominator
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)       # running unnormalized output
-    # Exclusive end of the keys: one past the position of the tile's last real query.
     kv_end = context_len - q_len + tl.minimum(q_len, (pid_m + 1) * BLOCK_M)
     for start_n in range(0, kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)  # token positions in this step
@@ -220,10 +187,9 @@ def _paged_attention_kernel(
         scores = tl.dot(q, k, input_precision="ieee") * sm_scale  # (BLOCK_M, BLOCK_N) fp32
         visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]  # causal + tail
         scores = tl.where(visible, scores, float("-inf"))
-
         # Online softmax: every row sees position 0 in the first step, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)  # rescales what was summed under the old max
+        alpha, m_i = tl.exp(m_i - m_new), m_new  # alpha rescales what was summed under the old max
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         # V tile (BLOCK_N, BLOCK_D): masked like K; masked rows give 0 and have p == 0 anyway.
@@ -231,16 +197,11 @@ def _paged_attention_kernel(
             + offs_d[None, :] * stride_vd
         v = tl.load(v_cache_ptr + v_offs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
-
-    acc = acc / l_i[:, None]
-    # out tile (BLOCK_M, BLOCK_D): masked like the q tile, so padding rows and columns are dropped.
     o_offs = rows[:, None] * stride_on + head * stride_oh + offs_d[None, :] * stride_od
-    tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=mask_md)
+    tl.store(out_ptr + o_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_md)
 
 
-# Tiles: BLOCK_M 16 (tl.dot's minimum; a decode fills 1 row of it), BLOCK_N 64 keys per step.
-BLOCK_M, BLOCK_N = 16, 64
+BLOCK_M, BLOCK_N = 16, 64  # BLOCK_M: tl.dot's minimum (a decode fills 1 row of it)
 # K/V addresses come from a block-id load, so Triton's pipeliner needs 5 stages to keep step
 # n+1's K/V copies in flight during step n's math (at 3 it waits for every copy): 37 KB of
 # shared memory in fp16/bf16. fp32 tiles are twice that, so fp32 keeps 3 stages (41 KB).
@@ -252,29 +213,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Triton twin of paged_attention_ref: same arguments, same result. The launch reads no
     tensor's value (so never waits for the GPU) and runs on q's device, current or not."""
     num_tokens, num_heads, head_dim = q.shape
-    num_seqs = meta.context_lens.shape[0]
     tables, lens, starts = meta.block_tables, meta.context_lens, meta.query_start_loc
-    assert q.dtype == k_cache.dtype == v_cache.dtype, f"dtypes {q.dtype}, {k_cache.dtype}"
     assert all(t.device == q.device for t in (k_cache, v_cache, tables, lens, starts)), \
         "q, caches and metadata must share one device"
-    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_heads, head_dim) \
-        and k_cache.is_contiguous() and v_cache.is_contiguous(), f"caches {k_cache.shape}"
+    assert q.dtype == k_cache.dtype == v_cache.dtype and k_cache.shape == v_cache.shape \
+        and k_cache.shape[2:] == (num_heads, head_dim) and k_cache.is_contiguous() \
+        and v_cache.is_contiguous(), f"q {q.dtype} vs caches {k_cache.dtype} {k_cache.shape}"
     # Triton's interpreter multiplies bf16 bit patterns in tl.dot (triton issue #11584).
     assert not (triton.knobs.runtime.interpret and q.dtype == torch.bfloat16), "bf16 needs a GPU"
     assert q.stride(-1) == 1, "q's head dim must be contiguous"  # rows may be qkv-strided
     assert tables.dtype == lens.dtype == starts.dtype == torch.int32, "metadata must be int32"
-    assert tables.stride(1) == 1 and starts.shape == (num_seqs + 1,), "bad block_tables/starts"
+    assert tables.stride(1) == 1 and starts.shape == (len(lens) + 1,), "bad block_tables/starts"
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    # Grid: one program per sequence, head and BLOCK_M-query tile of the longest query run.
-    grid = (num_seqs, num_heads, triton.cdiv(meta.max_query_len, BLOCK_M))
+    grid = (len(lens), num_heads, triton.cdiv(meta.max_query_len, BLOCK_M))
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, tables, lens, starts, scale,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), tables.stride(0),
             HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             CACHE_BLOCK_SIZE=k_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES[q.element_size()],
-        )
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES[q.element_size()])
     return out
 
 
@@ -295,7 +253,6 @@ def select_attention(name: str, device: str):
     return ATTENTION_BACKENDS[name]
 
 
-# ----------------------------------------------------------------------------- sampling
 @dataclass
 class SamplingTensors:
     """The sampling parameters of a step's rows that sample, on the device: one entry a row."""
@@ -325,8 +282,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors, generator: torch.Generator)
     for row, gen in enumerate(t.generators):
         if gen is not None:
             uniform[row].uniform_(generator=gen)
-    # E = -log U ~ Exponential(1), in (0, inf]: never 0, so probs / E is never NaN
-    drawn = (probs / uniform.log_().neg_()).argmax(dim=-1)
+    drawn = (probs / uniform.log_().neg_()).argmax(dim=-1)  # E = -log U ~ Exp(1) > 0: no NaN
     return torch.where(t.greedy, greedy, drawn)
 
 
