@@ -36,7 +36,7 @@ MODES = {  # mode -> (table label, EngineConfig overrides); naive does not use t
 
 @dataclass
 class BenchConfig:
-    num_requests: int = option(200, "requests in each offline run")
+    num_requests: int = option(160, "requests in each offline run")
     prompt_len: int = option(128, "tokens in every prompt (random ids)")
     mean_output_len: float = option(128.0, "mean of the exponential output lengths, uncapped")
     limits: tuple = option((32, 128, 512), "generation limits: output lengths are capped at each")
@@ -57,7 +57,7 @@ class BenchConfig:
     device: str = option("cpu", "cpu or cuda")
     threads: int = option(1, "torch CPU threads (0: torch's default); 1: steadier on shared cores")
     hardware_preset: str = option("", "also the hardware view of this shape, batch 1/8/32/64, "
-                                  "torch's default threads", choices=["", *PRESETS])
+                                  "torch's default threads (gpt2: ~1 min)", choices=["", *PRESETS])
     seed: int = option(0, "seeds the weights, prompts, lengths and arrivals")
     out: str = option("bench.json", "where to write every figure as JSON")
     url: str = option("", "an OpenAI-compatible server (http://host:port): the online sweep on it")
