@@ -26,7 +26,7 @@ if not torch.cuda.is_available():  # CPU tensors need Triton's interpreter, set 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-DECODE_GROUP = 8  # decodes attended together by paged_attention_cpu
+DECODE_GROUP, DECODE_BYTES = 8, 8 << 20  # paged_attention_cpu's most decodes, K/V bytes a group
 
 
 @dataclass
@@ -91,32 +91,32 @@ def _attend(q, k_cache, v_cache, meta, seqs, scale):
 @dataclass
 class DecodePlan:
     """How paged_attention_cpu attends a step's decodes, made by its first layer for all."""
-    rows: torch.Tensor     # (n,) the decodes' rows in the flat batch, by context length
-    groups: list           # per group: flat block ids (g * nb,), mask (g, 1, 1, T) -inf past
-    buffers: tuple         # K and V gathered for one group: (DECODE_GROUP * nb, BS, H, D) each
+    groups: list    # by context length: rows (g,), flat block ids (g * nb,), mask (g, 1, 1, T)
+    buffers: tuple  # K and V gathered for one group: (g * nb, BS, H, D) each
 
 
 def plan_decodes(meta: AttentionMetadata, decode: list, k_cache: torch.Tensor) -> DecodePlan:
-    """Decodes sorted by context length, so each pads only to its group's longest context."""
+    """Decodes sorted by context length, so each pads only to its group's longest context; as few
+    a group as keep its K/V under DECODE_BYTES, to stay in the CPU's caches while attended."""
     lens, size = meta.context_lens.tolist(), k_cache.shape[1]
     decode, dev, groups = sorted(decode, key=lens.__getitem__), k_cache.device, []
-    for group in (decode[i:i + DECODE_GROUP] for i in range(0, len(decode), DECODE_GROUP)):
+    g = max(1, min(DECODE_GROUP, DECODE_BYTES // (2 * lens[decode[-1]] * k_cache[0, 0].nbytes)))
+    for group in (decode[i:i + g] for i in range(0, len(decode), g)):
         num_blocks = -(-lens[group[-1]] // size)
         past = torch.arange(num_blocks * size, device=dev) >= meta.context_lens[group, None]
         mask = torch.zeros(past.shape, device=dev).masked_fill_(past, float("-inf"))  # (g, T)
-        groups.append((meta.block_tables[group, :num_blocks].flatten().to(torch.int64),
-                       mask.to(k_cache.dtype)[:, None, None]))
-    buffer = (min(len(decode), DECODE_GROUP) * -(-lens[decode[-1]] // size), *k_cache.shape[1:])
-    rows = meta.query_start_loc[decode].to(torch.int64)
-    return DecodePlan(rows, groups, (k_cache.new_empty(buffer), k_cache.new_empty(buffer)))
+        groups.append((meta.query_start_loc[group].to(torch.int64), meta.block_tables[
+            group, :num_blocks].flatten().to(torch.int64), mask.to(k_cache.dtype)[:, None, None]))
+    buffer = (min(len(decode), g) * -(-lens[decode[-1]] // size), *k_cache.shape[1:])
+    return DecodePlan(groups, (k_cache.new_empty(buffer), k_cache.new_empty(buffer)))
 
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """paged_attention_ref's result, faster on a CPU: same arguments. Prefill chunks go one
-    sequence at a time, as there; decodes DECODE_GROUP at a time, by a DecodePlan made once a step,
-    not per layer. Every group of every layer gathers K/V into the same two buffers, which stay in
-    the CPU's caches while attention reads them: each cached K/V is read once from memory, where a
+    sequence at a time, as there; decodes a group at a time, by a DecodePlan made once a step, not
+    per layer. Every group of every layer gathers K/V into the same two buffers, which stay in the
+    CPU's caches while attention reads them: each cached K/V is read once from memory, where a
     fresh gather per group wrote then re-read it (38% of a batch-32 decode step, 2-core EPYC)."""
     out, starts = torch.empty_like(q), meta.query_start_loc.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:])]
@@ -128,7 +128,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if meta.decode_plan is None:
         meta.decode_plan = plan_decodes(meta, [s for s, n in enumerate(q_lens) if n == 1], k_cache)
     plan = meta.decode_plan
-    for rows, (blocks, mask) in zip(plan.rows.split(DECODE_GROUP), plan.groups):
+    for rows, blocks, mask in plan.groups:
         k, v = (torch.index_select(cache, 0, blocks, out=buffer[:len(blocks)])
                 .view(len(mask), -1, *cache.shape[2:]).transpose(1, 2)
                 for cache, buffer in zip((k_cache, v_cache), plan.buffers))

@@ -251,17 +251,21 @@ def test_triton_kernel_matches_reference(block_size, head_dim, batch, width):
 MANY_DECODES = [(5 + 23 * i % 97, 1) for i in range(19)] + [(40, 40), (70, 9)]
 
 
+@pytest.mark.parametrize("decode_bytes, num_groups", [(8 << 20, 3), (1, 19)])
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_cpu_attention_matches_reference_in_every_layer(block_size):
+def test_cpu_attention_matches_reference_in_every_layer(block_size, decode_bytes, num_groups,
+                                                        monkeypatch):
     """paged_attention_cpu plans a step's decodes in its first layer and reuses the plan (and
-    its buffers) in the others: each layer, its own caches, must still get the reference."""
+    its buffers) in the others: each layer, its own caches, must still get the reference,
+    whether the decodes go DECODE_GROUP together or one by one (K/V past DECODE_BYTES)."""
+    monkeypatch.setattr("kernels.DECODE_BYTES", decode_bytes)
     q, k_cache, v_cache, meta = make_batch(MANY_DECODES, block_size, 32, device="cpu")
     layers = [(q, k_cache, v_cache), (q.flip(0), v_cache.flip(0), k_cache * 2)]
     for q, k_cache, v_cache in layers:
         out = paged_attention_cpu(q, k_cache, v_cache, meta, 0.2)
         torch.testing.assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, 0.2),
                                    atol=1e-6, rtol=1e-6)
-    assert len(meta.decode_plan.groups) == 3
+    assert len(meta.decode_plan.groups) == num_groups
 
 
 # Tolerances: a few roundings of the type (p cast for the P @ V dot, the output), |out| < 4.
