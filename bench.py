@@ -25,7 +25,7 @@ from model import PRESETS
 from kernels import sample
 from nanoserve import Engine, EngineConfig, SamplingParams, add_config_args, option
 
-MODES = {  # mode -> (table label, EngineConfig overrides); naive does not use the engine
+MODES = {  # mode -> (what it is, EngineConfig overrides); naive does not use the engine
     "naive": ("naive: padded static batches, dense KV cache", None),
     "static": ("static: request-level batching, paged", dict(policy="static")),
     "fcfs": ("continuous, fcfs", dict(policy="fcfs")),
