@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from model import PRESETS
 from kernels import sample
-from nanoserve import Engine, EngineConfig, SamplingParams, add_config_args, option
+from nanoserve import Engine, EngineConfig, SamplingParams, add_config_args, check_fields, option
 
 MODES = {  # mode -> (what it is, EngineConfig overrides); naive does not use the engine
     "naive": ("naive: padded static batches, dense KV cache", None),
@@ -50,15 +50,17 @@ class BenchConfig:
     kv_budget: int = option(0, "equal memory: each mode's KV tokens; 0: 32 x (prompt + 128)", low=0)
     memory_max_num_seqs: int = option(256, "equal memory: the paged modes' batch size limit")
     max_num_batched_tokens: int = option(512, "tokens per step (no-chunk: >= prompt + limit)")
-    kv_cache_tokens: int = option(0, "paged KV cache capacity in tokens; 0: the engine's default")
+    kv_cache_tokens: int = option(0, "paged KV cache capacity in tokens; 0: the engine's default",
+                                  low=0)
     block_size: int = option(16, "tokens per KV block")
     host_output_lens: tuple = option((10, 900), "host cost: output lengths, timed at one context")
     preset: str = option("tiny", "random weights of a shape: tiny 3.5M, gpt2 124M", choices=PRESETS)
     device: str = option("cpu", "cpu or cuda")
-    threads: int = option(1, "torch CPU threads (0: torch's default); 1: steadier on shared cores")
+    threads: int = option(1, "torch CPU threads (0: torch's default); 1: steadier on shared cores",
+                          low=0)
     hardware_preset: str = option("", "also the hardware view of this shape, batch 1/8/32/64, "
                                   "torch's default threads (gpt2: ~1 min)", choices=["", *PRESETS])
-    seed: int = option(0, "seeds the weights, prompts, lengths and arrivals")
+    seed: int = option(0, "seeds the weights, prompts, lengths and arrivals", low=0)
     out: str = option("bench.json", "where to write every figure as JSON")
     url: str = option("", "an OpenAI-compatible server (http://host:port): the online sweep on it")
     compare: bool = option(False, "with --url: the online sweep in process too (fcfs)")
@@ -73,6 +75,12 @@ def parse_args(argv=None) -> BenchConfig:
                          for k, v in vars(p.parse_args(argv)).items()})
     prompt = cfg.prompt_len + cfg.shared_prefix_len
     cfg = replace(cfg, kv_budget=cfg.kv_budget or 32 * (prompt + 128))
+    try:  # ranges, as the engine checks its own (argparse checked each mode)
+        check_fields(replace(cfg, modes=cfg.modes[0]))
+    except ValueError as e:
+        p.error(str(e))
+    if min(cfg.limits + cfg.host_output_lens) < 1 or not all(r > 0 for r in cfg.rates):
+        p.error("--limits and --host-output-lens must be >= 1, --rates > 0")
     if cfg.kv_budget < prompt + max(cfg.limits):
         p.error(f"--kv-budget {cfg.kv_budget} holds no sequence of prompt + largest limit tokens")
     return cfg

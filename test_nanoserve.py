@@ -1973,7 +1973,9 @@ def test_bench_flags_come_from_its_config():
                             "--rates", "1", "inf"])
     assert cfg.max_num_batched_tokens == 7
     assert (cfg.modes, cfg.rates) == (("fcfs", "sjf"), (1.0, math.inf))
-    for bad in (["--token-budget", "7"], ["--modes", "fifo"], ["--preset", "huge"]):
+    for bad in (["--token-budget", "7"], ["--modes", "fifo"], ["--preset", "huge"],
+                ["--max-num-seqs", "0"], ["--kv-budget", "-5"], ["--threads", "-1"],
+                ["--limits", "0"], ["--rates", "nan"], ["--mean-output-len", "inf"]):
         with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
             bench.parse_args(bad)
 
