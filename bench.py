@@ -117,8 +117,8 @@ def dense_forward(model, idx, positions, mask, caches, start: int) -> torch.Tens
 
 
 def new_caches(model, batch: int, max_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape, c = (batch, model.config.n_head, max_len, model.config.head_dim), model.config
-    return [tuple(model.lm_head.weight.new_zeros(shape) for _ in "kv") for _ in range(c.n_layer)]
+    w, shape = model.lm_head.weight, (batch, model.config.n_head, max_len, model.config.head_dim)
+    return [(w.new_zeros(shape), w.new_zeros(shape)) for _ in range(model.config.n_layer)]
 
 
 @torch.inference_mode()
@@ -181,8 +181,9 @@ def run_offline(cfg: BenchConfig, mode: str, prompts, lengths, limit: int, model
     return dict(output_tokens=num_tokens, wall_s=wall, tok_s=num_tokens / wall, steps=len(log),
                 ms_per_step=wall / len(log) * 1e3, tokens_computed=int(tokens.sum()),
                 seqs_per_step=seqs.mean(), seqs_peak=int(seqs.max()), tokens_per_step=tokens.mean(),
-                kv_slots_mean=slots.mean(), kv_slots_peak=int(slots.max()), kv_real_share=real.sum()
-                / slots.sum(), preemptions=preemptions, prefix_hit_rate=hit_rate), outputs
+                kv_slots_mean=slots.mean(), kv_slots_peak=int(slots.max()),
+                kv_real_share=real.sum() / slots.sum(), preemptions=preemptions,
+                prefix_hit_rate=hit_rate), outputs
 
 
 def run_online(cfg: BenchConfig, mode: str, prompts, lengths, rate: float) -> dict:
