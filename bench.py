@@ -262,7 +262,8 @@ def per_call(fn, reps: int, device: str) -> float:
 @torch.inference_mode()
 def decode_step(cfg, model, batch: int, prompt_len=0, first=1, steps=16, rounds=3) -> dict:
     """Decode steps of `batch` sequences of prompt_len tokens from output `first` on: the paged
-    step, its forward (the rest: host part), a dense-cache forward; median of alternate rounds."""
+    step, its forward and logits (the rest: host part), a dense-cache forward with its logits;
+    median of alternate rounds."""
     B, P, n, dev = batch, prompt_len or cfg.prompt_len, rounds * steps, cfg.device
     engine = make_engine(cfg, max_num_seqs=B, max_num_batched_tokens=B * P,
                          kv_cache_tokens=B * (P + first + n + cfg.block_size))
@@ -272,7 +273,8 @@ def decode_step(cfg, model, batch: int, prompt_len=0, first=1, steps=16, rounds=
     while not seqs or min(s.num_output_tokens for s in seqs) < first:  # all prompts in one step,
         engine.step()                                                  # then decodes
     clock = lambda sign: lambda *_: spent.append(sign * synced_clock(dev))  # noqa: E731 (None)
-    engine.model.register_forward_pre_hook(clock(-1)), engine.model.register_forward_hook(clock(1))
+    for module in (engine.model, engine.model.lm_head):  # the forward, then the logits
+        module.register_forward_pre_hook(clock(-1)), module.register_forward_hook(clock(1))
     C, out0 = len(seqs[0].token_ids) - 1, np.mean([s.num_output_tokens for s in seqs])  # cached
     caches = new_caches(model, B, C + n + 1)
     tokens = [torch.tensor([[s.token_ids[-1]] for s in seqs], device=dev)]
