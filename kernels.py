@@ -69,23 +69,21 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out, starts = torch.empty_like(q), meta.query_start_loc.tolist()
     for s in range(len(starts) - 1):
         rows = slice(starts[s], starts[s + 1])
-        out[rows] = _attend(q[rows][None], k_cache, v_cache, meta, [s], scale)[0]
+        out[rows] = _attend(q[rows], k_cache, v_cache, meta, s, scale)
     return out
 
 
-def _attend(q, k_cache, v_cache, meta, seqs, scale):
-    """Causal attention for sequences `seqs` with equal query counts; q is (len(seqs), L, H, D).
-    Each is padded to the longest context of `seqs` (masked)."""
-    ctx_lens = meta.context_lens[seqs]                                     # (s,)
-    num_blocks = -(-int(ctx_lens.max()) // k_cache.shape[1])
-    blocks = meta.block_tables[seqs, :num_blocks].flatten()                # (s * nb,)
-    k, v = (torch.index_select(c, 0, blocks).view(len(seqs), -1, *c.shape[2:])
+def _attend(q, k_cache, v_cache, meta, s, scale):
+    """Causal attention of sequence s's queries q (L, H, D) over its cached tokens: (L, H, D)."""
+    ctx_len = int(meta.context_lens[s])
+    blocks = meta.block_tables[s, :-(-ctx_len // k_cache.shape[1])]        # (nb,)
+    k, v = (torch.index_select(c, 0, blocks).flatten(0, 1)[:ctx_len]       # (T, H, D)
             for c in (k_cache, v_cache))  # index_select, not k_cache[blocks]: 2x as fast on CPU
-    q_pos = ctx_lens[:, None] - q.shape[1] + torch.arange(q.shape[1], device=q.device)  # (s, L)
-    visible = torch.arange(k.shape[1], device=q.device) <= q_pos[:, :, None]  # (s, L, T)
+    q_pos = ctx_len - len(q) + torch.arange(len(q), device=q.device)      # (L,)
+    visible = torch.arange(ctx_len, device=q.device) <= q_pos[:, None]    # (L, T)
     return torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=visible[:, None], scale=scale).transpose(1, 2)         # (s, L, H, D)
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        attn_mask=visible, scale=scale).transpose(0, 1)
 
 
 @dataclass
@@ -104,9 +102,9 @@ def plan_decodes(meta: AttentionMetadata, decode: list, k_cache: torch.Tensor) -
     for group in (decode[i:i + g] for i in range(0, len(decode), g)):
         num_blocks = -(-lens[group[-1]] // size)
         past = torch.arange(num_blocks * size, device=dev) >= meta.context_lens[group, None]
-        mask = torch.zeros(past.shape, device=dev).masked_fill_(past, float("-inf"))  # (g, T)
+        mask = k_cache.new_zeros(past.shape).masked_fill_(past, float("-inf"))  # (g, T)
         groups.append((meta.query_start_loc[group].to(torch.int64), meta.block_tables[
-            group, :num_blocks].flatten().to(torch.int64), mask.to(k_cache.dtype)[:, None, None]))
+            group, :num_blocks].flatten().to(torch.int64), mask[:, None, None]))
     buffer = (min(len(decode), g) * -(-lens[decode[-1]] // size), *k_cache.shape[1:])
     return DecodePlan(groups, (k_cache.new_empty(buffer), k_cache.new_empty(buffer)))
 
@@ -122,7 +120,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     q_lens = [b - a for a, b in zip(starts, starts[1:])]
     for s in (s for s, n in enumerate(q_lens) if n > 1):
         chunk = slice(starts[s], starts[s + 1])
-        out[chunk] = _attend(q[chunk][None], k_cache, v_cache, meta, [s], scale)[0]
+        out[chunk] = _attend(q[chunk], k_cache, v_cache, meta, s, scale)
     if 1 not in q_lens:
         return out
     if meta.decode_plan is None:
