@@ -4,10 +4,17 @@ the write of new K/V into their slots; and the batched sampler that turns logits
 
 One forward pass carries every scheduled token of every sequence in one flat batch: decode
 tokens (one query each) and prefill chunks (many queries). The new tokens' K/V are first
-written into the paged cache at `slot_mapping`; then each query attends to every cached token
-of its own sequence up to and including its own position (causal within the chunk, full over
-what earlier steps cached). Shape legend: N tokens in the flat batch, S sequences, H heads,
-D head dim, NB blocks in the cache, BS block size (tokens per block), MB max blocks a sequence.
+written into the paged cache at `slot_mapping`; then each query attends to every token of its
+own sequence that has K/V in the cache, up to and including its own position (causal within
+the chunk, full over what earlier steps computed). Shape legend: N tokens in the flat batch,
+S sequences, H heads, D head dim, NB blocks in the cache, BS block size (tokens per block),
+MB max blocks a sequence.
+
+In this file, in order: AttentionMetadata and store_kv; paged_attention_ref (the spec), then
+paged_attention_cpu (the CPU default) and the Triton kernel with its launcher paged_attention
+(the CUDA default), all with one signature; select_attention; then sampling (SamplingTensors,
+sample, apply_top_k_top_p). model.py calls the attention function it is given; the engine
+(nanoserve.py) builds the metadata and calls sample().
 
 Left out on purpose: sliding windows, ALiBi, GQA, fp8 caches, split-K decode. Checked on a CPU
 only (test_nanoserve.py): the kernel against the reference in Triton's interpreter, and its
@@ -26,7 +33,10 @@ if not torch.cuda.is_available():  # CPU tensors need Triton's interpreter, set 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-DECODE_GROUP, DECODE_BYTES = 8, 8 << 20  # paged_attention_cpu's most decodes, K/V bytes a group
+from paged_cache import cdiv  # noqa: E402
+
+DECODE_GROUP = 8         # paged_attention_cpu: the most decodes in one group
+DECODE_BYTES = 8 << 20   # paged_attention_cpu: the most K/V bytes one group gathers
 
 
 @dataclass
@@ -34,7 +44,7 @@ class AttentionMetadata:
     """Where each sequence's queries sit in the flat batch and where its K/V sit in the cache."""
     slot_mapping: torch.Tensor      # (N,) int64: cache slot (block_id * BS + offset) per new token
     block_tables: torch.Tensor      # (S, MB) int32: physical block ids, padded with 0 past the end
-    context_lens: torch.Tensor      # (S,) int32: cached tokens per sequence, this step's included
+    context_lens: torch.Tensor      # (S,) int32: tokens with K/V per sequence, this step's included
     query_start_loc: torch.Tensor   # (S + 1,) int32: sequence s owns rows [start[s], start[s+1])
     max_query_len: int              # longest query run in the batch (1 for a decode-only batch)
     decode_plan: object = None      # paged_attention_cpu's, made by its step's first layer
@@ -66,7 +76,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     sits at position context_len - q_len + j and sees cached positions 0..that position.
     The specification of paged_attention (Triton) and paged_attention_cpu: one sequence at a
     time, its blocks gathered in the order of its block table."""
-    out, starts = torch.empty_like(q), meta.query_start_loc.tolist()
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc.tolist()
     for s in range(len(starts) - 1):
         rows = slice(starts[s], starts[s + 1])
         out[rows] = _attend(q[rows], k_cache, v_cache, meta, s, scale)
@@ -74,11 +85,13 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def _attend(q, k_cache, v_cache, meta, s, scale):
-    """Causal attention of sequence s's queries q (L, H, D) over its cached tokens: (L, H, D)."""
+    """Causal attention of sequence s's queries q (L, H, D) over its T tokens with K/V in the
+    cache: (L, H, D)."""
     ctx_len = int(meta.context_lens[s])
-    blocks = meta.block_tables[s, :-(-ctx_len // k_cache.shape[1])]        # (nb,)
-    k, v = (torch.index_select(c, 0, blocks).flatten(0, 1)[:ctx_len]       # (T, H, D)
-            for c in (k_cache, v_cache))  # index_select, not k_cache[blocks]: 2x as fast on CPU
+    blocks = meta.block_tables[s, :cdiv(ctx_len, k_cache.shape[1])]       # (nb,)
+    # index_select, not k_cache[blocks]: twice as fast on a CPU
+    k = torch.index_select(k_cache, 0, blocks).flatten(0, 1)[:ctx_len]    # (T, H, D)
+    v = torch.index_select(v_cache, 0, blocks).flatten(0, 1)[:ctx_len]    # (T, H, D)
     q_pos = ctx_len - len(q) + torch.arange(len(q), device=q.device)      # (L,)
     visible = torch.arange(ctx_len, device=q.device) <= q_pos[:, None]    # (L, T)
     return torch.nn.functional.scaled_dot_product_attention(
@@ -96,17 +109,25 @@ class DecodePlan:
 def plan_decodes(meta: AttentionMetadata, decode: list, k_cache: torch.Tensor) -> DecodePlan:
     """Decodes sorted by context length, so each pads only to its group's longest context; as few
     a group as keep its K/V under DECODE_BYTES, to stay in the CPU's caches while attended."""
-    lens, size = meta.context_lens.tolist(), k_cache.shape[1]
-    decode, dev, groups = sorted(decode, key=lens.__getitem__), k_cache.device, []
-    g = max(1, min(DECODE_GROUP, DECODE_BYTES // (2 * lens[decode[-1]] * k_cache[0, 0].nbytes)))
-    for group in (decode[i:i + g] for i in range(0, len(decode), g)):
-        num_blocks = -(-lens[group[-1]] // size)
-        past = torch.arange(num_blocks * size, device=dev) >= meta.context_lens[group, None]
-        mask = k_cache.new_zeros(past.shape).masked_fill_(past, float("-inf"))  # (g, T)
-        groups.append((meta.query_start_loc[group].to(torch.int64), meta.block_tables[
-            group, :num_blocks].flatten().to(torch.int64), mask[:, None, None]))
-    buffer = (min(len(decode), g) * -(-lens[decode[-1]] // size), *k_cache.shape[1:])
-    return DecodePlan(groups, (k_cache.new_empty(buffer), k_cache.new_empty(buffer)))
+    lens = meta.context_lens.tolist()
+    block_size = k_cache.shape[1]
+    decode = sorted(decode, key=lens.__getitem__)
+    longest = lens[decode[-1]]
+    bytes_per_decode = 2 * longest * k_cache[0, 0].nbytes  # its K and V, at the longest context
+    group_size = max(1, min(DECODE_GROUP, DECODE_BYTES // bytes_per_decode))
+    groups = []
+    for i in range(0, len(decode), group_size):
+        group = decode[i:i + group_size]
+        num_blocks = cdiv(lens[group[-1]], block_size)
+        positions = torch.arange(num_blocks * block_size, device=k_cache.device)
+        past_end = positions >= meta.context_lens[group, None]                   # (g, T)
+        mask = k_cache.new_zeros(past_end.shape).masked_fill_(past_end, float("-inf"))
+        rows = meta.query_start_loc[group].to(torch.int64)                       # (g,)
+        blocks = meta.block_tables[group, :num_blocks].flatten().to(torch.int64)  # (g * nb,)
+        groups.append((rows, blocks, mask[:, None, None]))                       # mask (g,1,1,T)
+    buffer_shape = (min(len(decode), group_size) * cdiv(longest, block_size), *k_cache.shape[1:])
+    buffers = (k_cache.new_empty(buffer_shape), k_cache.new_empty(buffer_shape))
+    return DecodePlan(groups, buffers)
 
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -116,23 +137,32 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     per layer. Every group of every layer gathers K/V into the same two buffers, which stay in the
     CPU's caches while attention reads them: each cached K/V is read once from memory, where a
     fresh gather per group wrote then re-read it (38% of a batch-32 decode step, 2-core EPYC)."""
-    out, starts = torch.empty_like(q), meta.query_start_loc.tolist()
-    q_lens = [b - a for a, b in zip(starts, starts[1:])]
-    for s in (s for s, n in enumerate(q_lens) if n > 1):
-        chunk = slice(starts[s], starts[s + 1])
-        out[chunk] = _attend(q[chunk], k_cache, v_cache, meta, s, scale)
-    if 1 not in q_lens:
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc.tolist()
+    q_lens = [end - start for start, end in zip(starts, starts[1:])]
+    decodes = [s for s, q_len in enumerate(q_lens) if q_len == 1]
+    for s, q_len in enumerate(q_lens):
+        if q_len > 1:  # a prefill chunk
+            chunk = slice(starts[s], starts[s + 1])
+            out[chunk] = _attend(q[chunk], k_cache, v_cache, meta, s, scale)
+    if not decodes:
         return out
     if meta.decode_plan is None:
-        meta.decode_plan = plan_decodes(meta, [s for s, n in enumerate(q_lens) if n == 1], k_cache)
-    plan = meta.decode_plan
-    for rows, blocks, mask in plan.groups:
-        k, v = (torch.index_select(cache, 0, blocks, out=buffer[:len(blocks)])
-                .view(len(mask), -1, *cache.shape[2:]).transpose(1, 2)
-                for cache, buffer in zip((k_cache, v_cache), plan.buffers))
+        meta.decode_plan = plan_decodes(meta, decodes, k_cache)
+    k_buffer, v_buffer = meta.decode_plan.buffers
+    for rows, blocks, mask in meta.decode_plan.groups:
+        k = _gather_blocks(k_cache, blocks, k_buffer, len(rows))  # (g, H, T, D)
+        v = _gather_blocks(v_cache, blocks, v_buffer, len(rows))  # (g, H, T, D)
         out[rows] = torch.nn.functional.scaled_dot_product_attention(
             q[rows, :, None], k, v, attn_mask=mask, scale=scale)[:, :, 0]  # (g, H, D)
     return out
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, buffer: torch.Tensor,
+                   num_seqs: int) -> torch.Tensor:
+    """A group's blocks (g * nb,) of cache (NB, BS, H, D) gathered into buffer: (g, H, T, D)."""
+    gathered = torch.index_select(cache, 0, blocks, out=buffer[:len(blocks)])  # (g * nb, BS, H, D)
+    return gathered.view(num_seqs, -1, *cache.shape[2:]).transpose(1, 2)
 
 
 @triton.jit
@@ -152,7 +182,9 @@ def _paged_attention_kernel(
     The tile's BLOCK_M queries are loaded once; keys and values stream past BLOCK_N tokens at a
     time, each token's row gathered through the block table, with an online softmax (m_i, l_i,
     acc) in fp32. Keys stop at the last position the tile's last query can see."""
-    seq, head, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    pid_m = tl.program_id(2)  # which tile of BLOCK_M queries
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if pid_m * BLOCK_M >= q_len:  # this sequence has fewer query tiles than the longest one
@@ -160,7 +192,8 @@ def _paged_attention_kernel(
     context_len = tl.load(context_lens_ptr + seq)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the sequence
     offs_d = tl.arange(0, BLOCK_D)
-    mask_m, mask_d = offs_m < q_len, offs_d < HEAD_DIM
+    mask_m = offs_m < q_len       # past the sequence's last query
+    mask_d = offs_d < HEAD_DIM    # past the real head dim
     q_pos = context_len - q_len + offs_m  # absolute position of each query
     rows = q_start + offs_m  # rows of the flat batch
     mask_md = mask_m[:, None] & mask_d[None, :]  # past the last query or the real head dim
@@ -176,9 +209,9 @@ def _paged_attention_kernel(
         # Block ids (BLOCK_N,) of these tokens: masked past kv_end, where the table may be padding.
         block_ids = tl.load(block_tables_ptr + seq * stride_bts + offs_n // CACHE_BLOCK_SIZE,
                             mask=mask_n, other=0).to(tl.int64)  # int64: big caches pass 2**31
-        slots = offs_n % CACHE_BLOCK_SIZE
+        offs_in_block = offs_n % CACHE_BLOCK_SIZE
         # K tile, loaded transposed (BLOCK_D, BLOCK_N): masked past kv_end and the real head dim.
-        k_offs = (block_ids * stride_kb + slots * stride_kt)[None, :] + head * stride_kh \
+        k_offs = (block_ids * stride_kb + offs_in_block * stride_kt)[None, :] + head * stride_kh \
             + offs_d[:, None] * stride_kd
         k = tl.load(k_cache_ptr + k_offs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
         # ieee: keep fp32 inputs out of TF32 so fp32 matches the reference (no-op for fp16/bf16).
@@ -187,11 +220,12 @@ def _paged_attention_kernel(
         scores = tl.where(visible, scores, float("-inf"))
         # Online softmax: every row sees position 0 in the first step, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha, m_i = tl.exp(m_i - m_new), m_new  # alpha rescales what was summed under the old max
+        alpha = tl.exp(m_i - m_new)  # rescales what was summed under the old max
+        m_i = m_new
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         # V tile (BLOCK_N, BLOCK_D): masked like K; masked rows give 0 and have p == 0 anyway.
-        v_offs = (block_ids * stride_vb + slots * stride_vt)[:, None] + head * stride_vh \
+        v_offs = (block_ids * stride_vb + offs_in_block * stride_vt)[:, None] + head * stride_vh \
             + offs_d[None, :] * stride_vd
         v = tl.load(v_cache_ptr + v_offs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -199,11 +233,13 @@ def _paged_attention_kernel(
     tl.store(out_ptr + o_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_md)
 
 
-BLOCK_M, BLOCK_N = 16, 64  # BLOCK_M: tl.dot's minimum (a decode fills 1 row of it)
+BLOCK_M = 16  # queries per program: tl.dot's minimum (a decode fills 1 row of it)
+BLOCK_N = 64  # keys per inner step
 # K/V addresses come from a block-id load, so Triton's pipeliner needs 5 stages to keep step
 # n+1's K/V copies in flight during step n's math (at 3 it waits for every copy): 37 KB of
 # shared memory in fp16/bf16. fp32 tiles are twice that, so fp32 keeps 3 stages (41 KB).
-NUM_WARPS, NUM_STAGES = 4, {2: 5, 4: 3}  # stages by element size in bytes
+NUM_WARPS = 4
+NUM_STAGES = {2: 5, 4: 3}  # pipeline stages by element size in bytes
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -211,7 +247,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Triton twin of paged_attention_ref: same arguments, same result. The launch reads no
     tensor's value (so never waits for the GPU) and runs on q's device, current or not."""
     num_tokens, num_heads, head_dim = q.shape
-    tables, lens, starts = meta.block_tables, meta.context_lens, meta.query_start_loc
+    tables = meta.block_tables
+    lens = meta.context_lens
+    starts = meta.query_start_loc
     assert all(t.device == q.device for t in (k_cache, v_cache, tables, lens, starts)), \
         "q, caches and metadata must share one device"
     assert q.dtype == k_cache.dtype == v_cache.dtype and k_cache.shape == v_cache.shape \
@@ -223,7 +261,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert tables.dtype == lens.dtype == starts.dtype == torch.int32, "metadata must be int32"
     assert tables.stride(1) == 1 and starts.shape == (len(lens) + 1,), "bad block_tables/starts"
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    grid = (len(lens), num_heads, triton.cdiv(meta.max_query_len, BLOCK_M))
+    grid = (len(lens), num_heads, cdiv(meta.max_query_len, BLOCK_M))
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, tables, lens, starts, scale,

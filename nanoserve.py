@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
@@ -30,8 +31,8 @@ import torch
 from kernels import (AttentionMetadata, SamplingTensors, keep_freed_memory, sample,
                      select_attention)
 from model import PRESETS, Detokenizer, load_model
-from paged_cache import BlockTable, allocate_kv_cache, cdiv
-from scheduler import POLICIES, Scheduler, Sequence, SequenceStatus
+from paged_cache import BlockTable, allocate_kv_cache, cdiv, kv_bytes_per_token
+from scheduler import POLICIES, Scheduler, SchedulerOutput, Sequence, SequenceStatus
 
 KV_CACHE_BYTES = 1 << 30  # the default KV cache's memory budget: 1 GiB
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -41,11 +42,26 @@ MAX_LOGPROBS = 20         # top log-probabilities per token at most (vLLM's max_
 
 # ----------------------------------------------------------------------------- configuration
 
-def check_int(name: str, value, low: int, high=2**64 - 1) -> None:
+MAX_UINT64 = 2**64 - 1  # the largest integer a field takes (a seed, say)
+
+
+def check_int(name: str, value, low: int, high: int = MAX_UINT64) -> None:
     """ValueError naming `name` unless value is an int (a bool is not) in [low, high]."""
-    if type(value) is not int or not low <= value <= high:
-        bounds = f">= {low}" if high == 2**64 - 1 else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be an integer {bounds}, got {value!r}")
+    if type(value) is int and low <= value <= high:
+        return
+    bounds = f">= {low}" if high == MAX_UINT64 else f"in [{low}, {high}]"
+    raise ValueError(f"{name} must be an integer {bounds}, got {value!r}")
+
+
+def check_float(name: str, value, low: float, high: float, open_low: bool) -> None:
+    """ValueError naming `name` unless value is a finite number (a bool is not) in [low, high],
+    or in (low, high] if open_low."""
+    is_number = type(value) in (int, float) and math.isfinite(value)
+    above_low = is_number and (value > low if open_low else value >= low)
+    if above_low and value <= high:
+        return
+    opening = "(" if open_low else "["
+    raise ValueError(f"{name} must be a number in {opening}{low}, {high}], got {value!r}")
 
 
 def option(default, help: str, low=1, high=math.inf, open_low=False, **argparse_kwargs):
@@ -58,7 +74,8 @@ def check_fields(config) -> None:
     """ValueError naming the first option() field out of its choices, type or range (a bool
     is not a number; NaN and inf are never in range)."""
     for f in dataclasses.fields(config):
-        value, meta = getattr(config, f.name), f.metadata
+        value = getattr(config, f.name)
+        meta = f.metadata
         kind = meta.get("type") or type(f.default)
         if value is None and f.default is None:
             continue
@@ -67,15 +84,26 @@ def check_fields(config) -> None:
                 raise ValueError(f"unknown {f.name} {value!r}; choose one of "
                                  f"{', '.join(map(str, meta['choices']))}")
         elif kind is int:
-            check_int(f.name, value, meta["low"], min(meta["high"], 2**64 - 1))
+            check_int(f.name, value, meta["low"], min(meta["high"], MAX_UINT64))
         elif kind is float:
-            low, high, open_low = meta["low"], meta["high"], meta["open_low"]
-            number = type(value) in (int, float) and math.isfinite(value)
-            if not (number and (value > low if open_low else value >= low) and value <= high):
-                raise ValueError(f"{f.name} must be a number in {'(' if open_low else '['}{low}, "
-                                 f"{high}], got {value!r}")
+            check_float(f.name, value, meta["low"], meta["high"], meta["open_low"])
         elif type(value) is not kind:
             raise ValueError(f"{f.name} must be a {kind.__name__}, got {value!r}")
+
+
+def add_config_args(parser, cls, skip=()) -> None:
+    """One flag per option() field of the dataclass `cls`, all of it from the field."""
+    for f in dataclasses.fields(cls):
+        if f.name in skip or "help" not in f.metadata:
+            continue
+        kwargs = {k: v for k, v in f.metadata.items() if k not in ("low", "high", "open_low")}
+        if isinstance(f.default, bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif isinstance(f.default, tuple):
+            kwargs |= dict(nargs="+", type=type(f.default[0]))
+        elif "type" not in kwargs and "choices" not in kwargs:
+            kwargs["type"] = type(f.default)
+        parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, **kwargs)
 
 
 @dataclass
@@ -133,9 +161,6 @@ class EngineConfig:
         check_fields(self)
         if self.model is not None and self.preset is not None:
             raise ValueError("give a model or a preset, not both")
-        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
-            raise ValueError(f"block_size ({self.block_size} tokens) is larger than the KV "
-                             f"cache (kv_cache_tokens={self.kv_cache_tokens})")
         try:
             device = torch.device(self.device)
         except RuntimeError:
@@ -178,24 +203,26 @@ class RequestOutput:
 
 @dataclass
 class Batch:
-    """One step's model inputs, flattened over the scheduled sequences."""
-    input_ids: torch.Tensor         # (N,)
-    positions: torch.Tensor         # (N,)
-    meta: AttentionMetadata
-    sample_rows: torch.Tensor       # (n,): the last row of each sequence that samples
-    sample_seqs: list[Sequence]     # the sequences whose prompt is now fully computed
-    prompt_rows: torch.Tensor       # (m,): rows whose next token is a prompt token to score
-    prompt_targets: torch.Tensor    # (m,): those next tokens
-    prompt_seqs: list[Sequence]     # (m,): their sequences
+    """One step's model inputs, flattened over the scheduled sequences (see _prepare_inputs)."""
+    input_ids: torch.Tensor         # (N,) the new tokens of every scheduled sequence
+    positions: torch.Tensor         # (N,) each token's position in its sequence
+    attn_metadata: AttentionMetadata
+    sample_rows: torch.Tensor       # (n,) the last row of each sequence that samples
+    sample_seqs: list[Sequence]     # (n,) the sequences whose prompt is now fully computed
+    prompt_rows: torch.Tensor       # (m,) rows whose next token is a prompt token to score
+    prompt_targets: torch.Tensor    # (m,) those next tokens
+    prompt_seqs: list[Sequence]     # (m,) their sequences
 
 
 @dataclass
-class ModelOutput:  # execute(): one sampled token per sequence whose prompt is fully computed
-    seqs: list[Sequence]
-    logits: torch.Tensor            # (len(seqs), vocab) fp32
-    token_ids: list[int]
-    logprobs: list[dict | None] = field(default_factory=list)        # per seq, if it asked
-    prompt_logprobs: list[tuple[Sequence, dict]] = field(default_factory=list)
+class ModelOutput:
+    """What execute() gives update(): the token sampled for each sequence whose prompt is now
+    fully computed, the log-probabilities asked for, and the sequences that failed."""
+    sampled_token_ids: dict[Sequence, int] = field(default_factory=dict)
+    logits: torch.Tensor | None = None  # (len(sampled_token_ids), vocab) fp32, in that order
+    logprobs: dict[Sequence, dict[int, float]] = field(default_factory=dict)  # sampled token's
+    prompt_logprobs: dict[Sequence, list[dict]] = field(default_factory=dict)  # scored this step
+    failed: dict[Sequence, str] = field(default_factory=dict)  # failed alone -> the error
 
 
 @dataclass
@@ -206,7 +233,7 @@ class StepRecord:
     sampled: list[str]              # got a token
     finished: list[str]             # ended in this step, or were aborted since the last one
     preempted: list[str]            # sent back to waiting, their blocks freed
-    cached: dict[str, int]          # first admitted, with this many prompt tokens cached
+    num_cached_tokens: dict[str, int]  # first admitted, with this many prefix-cache hits (> 0)
     num_running: int
     num_waiting: int
     num_kv_tokens: int              # tokens whose K/V the running sequences hold
@@ -217,7 +244,7 @@ class StepRecord:
 class EngineStats:
     num_steps: int = 0
     num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0      # prompt tokens found in the prefix cache
+    num_cached_tokens: int = 0      # prompt tokens the prefix cache supplied
     num_generated_tokens: int = 0
     num_batched_seqs: int = 0       # summed over steps: divide by num_steps for the mean
     num_batched_tokens: int = 0     # tokens computed, recomputation after preemption included
@@ -227,7 +254,7 @@ class EngineStats:
         if not step.scheduled:  # only aborts since the last step
             return
         self.num_steps += 1
-        self.num_cached_tokens += sum(step.cached.values())
+        self.num_cached_tokens += sum(step.num_cached_tokens.values())
         self.num_generated_tokens += len(step.sampled)
         self.num_batched_seqs += len(step.scheduled)
         self.num_batched_tokens += sum(step.scheduled.values())
@@ -242,55 +269,124 @@ class Engine:
         self.config = config = config or EngineConfig()
         if config.device.startswith("cpu"):
             keep_freed_memory()
+        dtype = DTYPES[config.dtype]
         model, self.tokenizer = load_model(config.model, config.preset, config.seed)
-        self.model = model.to(config.device, DTYPES[config.dtype]).eval()
+        self.model = model.to(config.device, dtype).eval()
         c = self.model.config
         self.max_model_len = config.max_model_len or c.n_positions
         if self.max_model_len > c.n_positions:
             raise ValueError(f"max_model_len {self.max_model_len} > the context {c.n_positions}")
         self.attention = select_attention(config.attention, config.device)
-        bytes_per_token = 2 * c.n_layer * c.n_embd * DTYPES[config.dtype].itemsize  # K and V
-        kv_cache_tokens = config.kv_cache_tokens or min(
-            config.max_num_seqs * self.max_model_len, KV_CACHE_BYTES // bytes_per_token)
+        kv_cache_tokens = config.kv_cache_tokens
+        if kv_cache_tokens is None:  # a full context for every sequence, within 1 GiB
+            bytes_per_token = kv_bytes_per_token(c.n_layer, c.n_head, c.head_dim, dtype)
+            kv_cache_tokens = min(config.max_num_seqs * self.max_model_len,
+                                  KV_CACHE_BYTES // bytes_per_token)
         self.k_cache, self.v_cache, self.block_pool = allocate_kv_cache(
             c.n_layer, c.n_head, c.head_dim, kv_cache_tokens, config.block_size, config.device,
-            DTYPES[config.dtype], config.enable_prefix_caching)
+            dtype, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_pool, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
                                    config.policy, self.tokenizer.eot_token)
         self.generator = torch.Generator(config.device).manual_seed(config.seed)
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
-        self.last_step: StepRecord | None = None         # the newest step's record
+        self.last_step: StepRecord | None = None           # the newest step's record
         self.step_records: list[StepRecord] | None = None  # every record, once made a list
         self._ids = itertools.count()
         self._lock = threading.Lock()  # abort() from other threads against step()
-        self._admitted: set[str] = set()  # the unfinished requests admitted once
-        self._final_outputs: list[RequestOutput] = []  # aborted or failed, for the next step()
+        self._aborted_outputs: list[RequestOutput] = []  # for the next step() to return
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """One iteration of continuous batching: schedule, execute, update, record. Returns a
+        delta output for every request that got a token, and the last output of each one
+        aborted or failed since the last step."""
+        with self._lock:
+            outputs = self._aborted_outputs
+            self._aborted_outputs = []
+            scheduler_output = self.scheduler.schedule()
+            model_output = self.execute(scheduler_output)
+            outputs += self.update(scheduler_output, model_output)
+            self.record(scheduler_output, model_output, outputs)
+            return outputs
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        """Run the model once over every scheduled token and sample. If the batch fails, run
+        each sequence alone: the ones that fail alone are the ones that fail."""
+        num_scheduled_tokens = scheduler_output.num_scheduled_tokens
+        if not num_scheduled_tokens:
+            return ModelOutput()
+        try:
+            return self.run_batch(num_scheduled_tokens)
+        except Exception:  # noqa: BLE001 (find the request that fails; it alone fails)
+            return self._run_one_at_a_time(num_scheduled_tokens)
+
+    def update(self, scheduler_output: SchedulerOutput, model_output: ModelOutput
+               ) -> list[RequestOutput]:
+        """Apply a step's results: failed sequences abort; the scheduler advances the others
+        and appends their tokens; each sampled sequence detokenizes and makes its output."""
+        outputs = [self._abort(seq, error) for seq, error in model_output.failed.items()]
+        ran = {seq: num_new for seq, num_new in scheduler_output.num_scheduled_tokens.items()
+               if seq not in model_output.failed}
+        self.scheduler.update(ran, model_output.sampled_token_ids)
+        for seq, entries in model_output.prompt_logprobs.items():
+            seq.prompt_logprobs += entries
+        for seq, entry in model_output.logprobs.items():
+            seq.logprobs.append(entry)
+        for seq in model_output.sampled_token_ids:
+            outputs.append(self._detokenize(seq))
+        return outputs
+
+    def record(self, scheduler_output: SchedulerOutput, model_output: ModelOutput,
+               outputs: list[RequestOutput]) -> None:
+        """Make the step's StepRecord (an idle step without outputs makes none) and count it."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        if not scheduled and not outputs:
+            return
+        self.last_step = StepRecord(
+            scheduled={seq.seq_id: num_new for seq, num_new in scheduled.items()},
+            sampled=[seq.seq_id for seq in model_output.sampled_token_ids],
+            finished=[output.request_id for output in outputs if output.finished],
+            preempted=[seq.seq_id for seq in scheduler_output.preempted],
+            num_cached_tokens={seq.seq_id: num_cached for seq, num_cached
+                               in scheduler_output.newly_admitted.items() if num_cached > 0},
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_tokens=sum(seq.num_computed_tokens for seq in self.scheduler.running),
+            kv_blocks_used=self.block_pool.num_blocks - self.block_pool.num_free_blocks)
+        self.stats.record(self.last_step)
+        if self.step_records is not None:
+            self.step_records.append(self.last_step)
 
     def add_request(self, prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a prompt (a string, a list of token ids, {"prompt": str} or
         {"prompt_token_ids": [...]}) with a copy of params; ValueError if it can never run."""
-        if not isinstance(params := params or SamplingParams(), SamplingParams):
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)  # a copy, validated again
-        text, token_ids = self._parse_prompt(prompt)
+        text, token_ids = self.parse_prompt(prompt)
         if request_id is None:  # the next free number: never a caller's id
             request_id = next(i for i in map(str, self._ids) if i not in self.seqs)
         self._validate(token_ids, params, request_id)
-        generator = None if params.seed is None else \
-            torch.Generator(self.config.device).manual_seed(params.seed)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(self.config.device).manual_seed(params.seed)
         seq = Sequence(request_id, text, token_ids, params, BlockTable(self.block_pool),
                        generator, Detokenizer(self.tokenizer, params.stop))
-        seq.prompt_logprobs = [None] if params.prompt_logprobs is not None else []
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]  # the first prompt token has no log-probability
         with self._lock:  # abort() may run on another thread
             self.seqs[request_id] = seq
             self.scheduler.add(seq)
         self.stats.num_prompt_tokens += len(token_ids)
         return request_id
 
-    def _parse_prompt(self, prompt) -> tuple[str | None, list[int]]:  # (text, token ids)
+    def parse_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        """A prompt in any form add_request takes -> (its text, its token ids); the text is
+        None for a prompt given as token ids, as in vLLM."""
         if isinstance(prompt, dict) and set(prompt) in ({"prompt"}, {"prompt_token_ids"}):
             prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
         if isinstance(prompt, str):
@@ -298,213 +394,249 @@ class Engine:
         if not isinstance(prompt, list):
             raise ValueError("a prompt is a string, a list of token ids, {'prompt': str} or "
                              f"{{'prompt_token_ids': [int, ...]}}; got {type(prompt).__name__}")
-        vocab = self.model.config.vocab_size
-        if not all(type(t) is int and 0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        return None, list(prompt)  # as vLLM: no prompt text for a prompt given as token ids
+        vocab_size = self.model.config.vocab_size
+        if not all(type(t) is int and 0 <= t < vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+        return None, list(prompt)
 
     def _validate(self, token_ids: list[int], params: SamplingParams, request_id: str) -> None:
-        n, limit, budget = len(token_ids), self.max_model_len, self.config.max_num_batched_tokens
-        cached = n + params.max_tokens - 1  # the last sampled token is never written
-        blocks = cdiv(cached, self.config.block_size)
+        num_tokens = len(token_ids) + params.max_tokens
+        num_kv_tokens = num_tokens - 1  # the last sampled token's K/V are never computed
+        num_blocks = cdiv(num_kv_tokens, self.block_pool.block_size)
+        budget = self.config.max_num_batched_tokens
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}")
-        if n == 0:
+        if not token_ids:
             raise ValueError("prompt is empty: it needs at least one token")
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if n + params.max_tokens > limit:
-            raise ValueError(f"prompt has {n} tokens and max_tokens is {params.max_tokens}: "
-                             f"{n + params.max_tokens} tokens; the model's context is {limit}")
-        if blocks > self.block_pool.num_blocks:
-            raise ValueError(f"request needs {blocks} KV blocks ({cached} tokens) but the cache "
-                             f"has {self.block_pool.num_blocks}; raise kv_cache_tokens")
-        if not self.config.enable_chunked_prefill and cached > budget:
-            raise ValueError(f"request may need to prefill {cached} tokens in one step, but "
-                             f"max_num_batched_tokens is {budget} and chunked prefill is off")
+        if num_tokens > self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens and max_tokens is "
+                             f"{params.max_tokens}: {num_tokens} tokens; the model's context "
+                             f"is {self.max_model_len}")
+        if num_blocks > self.block_pool.num_blocks:
+            raise ValueError(f"request needs {num_blocks} KV blocks ({num_kv_tokens} tokens) but "
+                             f"the cache has {self.block_pool.num_blocks}; raise kv_cache_tokens")
+        if not self.config.enable_chunked_prefill and num_kv_tokens > budget:
+            raise ValueError(f"request may need to prefill {num_kv_tokens} tokens in one step, "
+                             f"but max_num_batched_tokens is {budget} and chunked prefill is off")
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Stop a request and free its blocks now (after any step in flight); its last output
         (finish_reason "abort", stop_reason `reason`) comes from the next step()."""
         with self._lock:
             if request_id in self.seqs:
-                self._abort(self.seqs[request_id], reason)
+                self._aborted_outputs.append(self._abort(self.seqs[request_id], reason))
 
-    def _abort(self, seq: Sequence, reason: str) -> None:
+    def _abort(self, seq: Sequence, reason: str) -> RequestOutput:
         self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         seq.stop_reason = reason
-        self._final_outputs.append(self._output(seq))
+        return self._output(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._final_outputs)
+        return self.scheduler.has_unfinished() or bool(self._aborted_outputs)
 
-    @torch.inference_mode()
-    def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, execute, update. Returns a delta output for every request
-        that got a token, and the last output of each one aborted or failed since."""
-        with self._lock:
-            outputs, self._final_outputs = self._final_outputs, []
-            running = list(self.scheduler.running)  # to see which are preempted
-            scheduled, sampled = self.scheduler.schedule(), []
-            if scheduled:
-                try:
-                    model_output = self.execute(scheduled)
-                except Exception:  # noqa: BLE001 (find the request that fails; it alone fails)
-                    model_output = self._execute_one_at_a_time(scheduled)
-                outputs += self._update(scheduled, model_output)
-                sampled = model_output.seqs
-            if scheduled or outputs:
-                self._record(scheduled, sampled, running, outputs)
-            return outputs
+    def run_batch(self, num_scheduled_tokens: dict[Sequence, int]) -> ModelOutput:
+        """Build the inputs, run the model over every scheduled token, sample a token for each
+        sequence whose prompt is now fully computed, gather the log-probabilities asked for."""
+        batch = self._prepare_inputs(num_scheduled_tokens)
+        hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata,
+                            self.k_cache, self.v_cache, self.attention)    # (N, C)
+        logits = self.model.compute_logits(hidden[batch.sample_rows])      # (n, vocab) fp32
+        output = ModelOutput(logits=logits)
+        if not batch.sample_seqs and not batch.prompt_seqs:
+            return output
+        token_ids = batch.prompt_targets[:0]  # none sampled: an empty id tensor, on the device
+        if batch.sample_seqs:
+            token_ids = sample(logits, self.sampling_tensors(batch.sample_seqs), self.generator)
+        if any(seq.params.logprobs is not None for seq in batch.sample_seqs) or batch.prompt_seqs:
+            self._gather_logprobs(batch, hidden, logits, token_ids, output)
+        # The step's one wait for the device (log-probabilities, if asked for, were read above).
+        output.sampled_token_ids = dict(zip(batch.sample_seqs, token_ids.tolist()))
+        return output
 
-    def execute(self, scheduled: dict[Sequence, int]) -> ModelOutput:
-        """Build the inputs, run the model over every scheduled token, sample."""
-        batch = self._prepare(scheduled)
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.k_cache,
-                            self.v_cache, self.attention)
-        logits = self.model.compute_logits(hidden[batch.sample_rows])
-        token_ids = sample(logits, self.sampling_tensors(batch.sample_seqs), self.generator) \
-            if batch.sample_seqs else batch.prompt_targets[:0]
-        seqs = batch.sample_seqs + batch.prompt_seqs
-        wants = [(s.params.logprobs if i < len(logits) else s.params.prompt_logprobs)
-                 for i, s in enumerate(seqs)]
-        if all(k is None for k in wants):
-            return ModelOutput(seqs, logits, token_ids.tolist(), [None] * len(seqs))  # the sync
-        # the model's own log-softmax (before temperature, top-k, top-p), as vLLM returns it
-        logprobs = torch.cat([logits, self.model.compute_logits(hidden[batch.prompt_rows])]
-                             ).log_softmax(dim=-1)
-        targets = torch.cat([token_ids, batch.prompt_targets])[:, None]
-        top = logprobs.topk(k := max(k or 0 for k in wants), dim=-1)
-        rows = torch.cat([targets.float(), logprobs.gather(1, targets), top.values,
-                          top.indices.float()], dim=1).tolist()  # the step's one sync
-        entries = [None if want is None else {int(r[0]): r[1]} | dict(
-                   zip(map(int, r[2 + k:2 + k + want]), r[2:2 + want]))
-                   for r, want in zip(rows, wants)]
-        n = len(batch.sample_seqs)
-        return ModelOutput(batch.sample_seqs, logits, [int(r[0]) for r in rows[:n]],
-                           entries[:n], list(zip(batch.prompt_seqs, entries[n:])))
-
-    def _execute_one_at_a_time(self, scheduled: dict[Sequence, int]) -> ModelOutput:
-        """The batch failed: run each sequence alone; abort those that fail alone."""
-        outs = []
-        for seq, num_new in list(scheduled.items()):
+    def _run_one_at_a_time(self, num_scheduled_tokens: dict[Sequence, int]) -> ModelOutput:
+        """The batch failed: run each sequence alone; those that fail alone fail."""
+        merged = ModelOutput()
+        logits = []
+        for seq, num_new in num_scheduled_tokens.items():
             try:
-                outs.append(self.execute({seq: num_new}))
+                alone = self.run_batch({seq: num_new})
             except Exception as e:  # noqa: BLE001
-                del scheduled[seq]
-                self._abort(seq, f"error: {type(e).__name__}: {e}")
-        cat = lambda name: [x for o in outs for x in getattr(o, name)]  # noqa: E731
-        return ModelOutput(cat("seqs"), torch.cat([o.logits for o in outs]) if outs else None,
-                           cat("token_ids"), cat("logprobs"), cat("prompt_logprobs"))
+                merged.failed[seq] = f"error: {type(e).__name__}: {e}"
+                continue
+            merged.sampled_token_ids |= alone.sampled_token_ids
+            merged.logprobs |= alone.logprobs
+            merged.prompt_logprobs |= alone.prompt_logprobs
+            logits.append(alone.logits)
+        if logits:
+            merged.logits = torch.cat(logits)
+        return merged
 
-    def _update(self, scheduled: dict[Sequence, int], out: ModelOutput) -> list[RequestOutput]:
-        """The scheduler advances and appends; then detokenize, stop strings, outputs."""
-        self.scheduler.update(scheduled, dict(zip(out.seqs, out.token_ids)))
-        for seq, entry in out.prompt_logprobs:
-            seq.prompt_logprobs.append(entry)
-        for seq, entry in zip(out.seqs, out.logprobs):
-            seq.logprobs += [entry] if entry is not None else []
-        outputs = []
-        for seq in out.seqs:
-            try:
-                if (stop := seq.detokenizer.append(seq.token_ids[-1])) is not None:
-                    seq.stop_reason = stop
-                    self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
-                elif seq.is_finished:
-                    seq.detokenizer.flush()
-                outputs.append(self._output(seq))
-            except Exception as e:  # noqa: BLE001 (this request alone fails)
-                seq.detokenizer = Detokenizer(self.tokenizer, [])  # not the one that failed
-                self._abort(seq, f"error: {type(e).__name__}: {e}")
-                outputs.append(self._final_outputs.pop())
-        return outputs
+    def _gather_logprobs(self, batch: Batch, hidden: torch.Tensor, logits: torch.Tensor,
+                         token_ids: torch.Tensor, output: ModelOutput) -> None:
+        """Fill output.logprobs (each sampled token's) and output.prompt_logprobs (each prompt
+        token scored this step): the token's own log-probability and the top k of its row,
+        from the model's log-softmax (before temperature, top-k and top-p, as vLLM returns
+        them). One topk over all rows; token ids and values are read in one copy each."""
+        wants = [seq.params.logprobs for seq in batch.sample_seqs]
+        wants += [seq.params.prompt_logprobs for seq in batch.prompt_seqs]
+        prompt_logits = self.model.compute_logits(hidden[batch.prompt_rows])  # (m, vocab)
+        logprobs = torch.cat([logits, prompt_logits]).log_softmax(dim=-1)    # (n + m, vocab)
+        targets = torch.cat([token_ids, batch.prompt_targets])[:, None]      # (n + m, 1)
+        top_k = max(want or 0 for want in wants)
+        top = logprobs.topk(top_k, dim=-1)
+        ids = torch.cat([targets, top.indices], dim=1).tolist()                # (n + m, 1 + k)
+        values = torch.cat([logprobs.gather(1, targets), top.values], dim=1).tolist()
+        num_sampled = len(batch.sample_seqs)
+        for row, seq in enumerate(batch.sample_seqs + batch.prompt_seqs):
+            want = wants[row]
+            if want is None:
+                continue
+            entry = {ids[row][0]: values[row][0]}  # the token itself, then the top `want`
+            entry |= dict(zip(ids[row][1:1 + want], values[row][1:1 + want]))
+            if row < num_sampled:
+                output.logprobs[seq] = entry
+            else:
+                output.prompt_logprobs.setdefault(seq, []).append(entry)
 
-    def _record(self, scheduled: dict[Sequence, int], sampled: list[Sequence],
-                running: list[Sequence], outputs: list[RequestOutput]) -> None:
-        s, pool = self.scheduler, self.block_pool
-        self.last_step = StepRecord(
-            scheduled={seq.seq_id: n for seq, n in scheduled.items()},
-            sampled=[seq.seq_id for seq in sampled],
-            finished=[o.request_id for o in outputs if o.finished],
-            preempted=[seq.seq_id for seq in running if seq.status == SequenceStatus.WAITING],
-            cached={seq.seq_id: seq.num_cached_tokens for seq in scheduled
-                    if seq.seq_id not in self._admitted and seq.num_cached_tokens},
-            num_running=len(s.running), num_waiting=len(s.waiting),
-            num_kv_tokens=sum(seq.num_computed_tokens for seq in s.running),
-            kv_blocks_used=pool.num_blocks - pool.num_free_blocks)
-        self._admitted |= {seq.seq_id for seq in scheduled}
-        self._admitted -= set(self.last_step.finished)
-        self.stats.record(self.last_step)
-        if self.step_records is not None:
-            self.step_records.append(self.last_step)
+    def _detokenize(self, seq: Sequence) -> RequestOutput:
+        """Add seq's new token to its text, finish it at a stop string, make its output; an
+        error here fails this request alone."""
+        try:
+            stop = seq.detokenizer.append(seq.token_ids[-1])
+            if stop is not None:
+                seq.stop_reason = stop
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+            elif seq.is_finished:
+                seq.detokenizer.flush()
+            return self._output(seq)
+        except Exception as e:  # noqa: BLE001 (this request alone fails)
+            seq.detokenizer = Detokenizer(self.tokenizer, [])  # not the one that failed
+            return self._abort(seq, f"error: {type(e).__name__}: {e}")
 
     def _output(self, seq: Sequence) -> RequestOutput:
         """The request's delta since its last output; a finished request leaves the engine."""
         finished = seq.is_finished
-        first, sent = seq.num_sent_tokens == 0, seq.num_sent_tokens
-        new_token_ids = seq.token_ids[len(seq.prompt_token_ids) + sent:]
+        num_sent = seq.num_sent_tokens
+        is_first_output = num_sent == 0
+        new_token_ids = seq.token_ids[len(seq.prompt_token_ids) + num_sent:]
         seq.num_sent_tokens = seq.num_output_tokens
-        completion = CompletionOutput(0, seq.detokenizer.new_text(finished), new_token_ids,
-                                      seq.status.value if finished else None, seq.stop_reason,
-                                      None if seq.params.logprobs is None else seq.logprobs[sent:])
+        new_logprobs = None
+        if seq.params.logprobs is not None:
+            new_logprobs = seq.logprobs[num_sent:]
+        completion = CompletionOutput(
+            index=0, text=seq.detokenizer.new_text(finished), token_ids=new_token_ids,
+            finish_reason=seq.status.value if finished else None, stop_reason=seq.stop_reason,
+            logprobs=new_logprobs)
+        prompt_logprobs = None
+        if is_first_output and seq.prompt_logprobs:
+            prompt_logprobs = list(seq.prompt_logprobs)
         if finished:
             self.seqs.pop(seq.seq_id, None)
         return RequestOutput(seq.seq_id, seq.prompt, list(seq.prompt_token_ids), [completion],
-                             finished, list(seq.prompt_logprobs) if first and seq.prompt_logprobs
-                             else None)
+                             finished, prompt_logprobs)
 
-    def _prepare(self, scheduled: dict[Sequence, int]) -> Batch:
-        """The step's inputs, sent to the device in one pinned, non-blocking copy; block tables
-        are cdiv(max_model_len, block_size) wide, so the kernel is specialised only once."""
-        input_ids, positions, slots, starts, tables, context_lens = [], [], [], [0], [], []
-        sample_rows, sample_seqs, prompt_rows, prompt_targets, prompt_seqs = [], [], [], [], []
-        width = cdiv(self.max_model_len, self.config.block_size)
-        for seq, num_new in scheduled.items():
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slots += seq.block_table.slots(start, end)
-            starts.append(starts[-1] + num_new)
-            tables += seq.block_table.block_ids + [0] * (width - len(seq.block_table.block_ids))
-            context_lens.append(end)
-            if end == len(seq.token_ids):  # the whole prompt is in: sample the next token
-                sample_rows.append(starts[-1] - 1)
+    def _prepare_inputs(self, num_scheduled_tokens: dict[Sequence, int]) -> Batch:
+        """The step's inputs, flattened over the scheduled sequences and sent to the device in
+        one pinned, non-blocking copy. Example, block_size 4, three sequences:
+
+            A  decode: 6 tokens computed, 1 new     block table [3, 7]
+            B  prompt chunk: 10-token prompt, 4 computed, 3 new     block table [5, 2]
+            C  decode: 2 tokens computed, 1 new     block table [1]
+
+            input_ids        [a6, b4, b5, b6, c2]     (token t of A written a6)
+            positions        [ 6,  4,  5,  6,  2]
+            slot_mapping     [30,  8,  9, 10,  6]     (A's 6: block 7 * 4 + 2 = 30)
+            query_start_loc  [0, 1, 4, 5]             (B owns rows 1..3)
+            context_lens     [7, 7, 3]
+            block_tables     [[3, 7, 0], [5, 2, 0], [1, 0, 0]]   (padded with 0)
+            sample_rows      [0, 4]                   (B's prompt is not done: no sample)
+
+        Block tables are cdiv(max_model_len, block_size) wide whatever the batch, so the
+        Triton kernel is specialised only once."""
+        block_size = self.block_pool.block_size
+        width = cdiv(self.max_model_len, block_size)
+        ints = dict(input_ids=[], positions=[], slot_mapping=[], block_tables=[],
+                    context_lens=[], query_start_loc=[0], sample_rows=[], prompt_rows=[],
+                    prompt_targets=[])
+        sample_seqs, prompt_seqs = [], []
+        for seq, num_new in num_scheduled_tokens.items():
+            start = seq.num_computed_tokens
+            end = start + num_new
+            first_row = ints["query_start_loc"][-1]
+            block_ids = seq.block_table.block_ids
+            ints["input_ids"] += seq.token_ids[start:end]
+            ints["positions"] += range(start, end)
+            ints["slot_mapping"] += seq.block_table.slot_mapping(start, end)
+            ints["block_tables"] += block_ids + [0] * (width - len(block_ids))
+            ints["context_lens"].append(end)
+            ints["query_start_loc"].append(first_row + num_new)
+            if end == len(seq.token_ids):  # no uncomputed token left: sample the next one
+                ints["sample_rows"].append(first_row + num_new - 1)
                 sample_seqs.append(seq)
-            if seq.params.prompt_logprobs is not None:  # the prompt tokens not yet scored
-                scored = range(max(start, len(seq.prompt_logprobs) - 1),
-                               min(end, len(seq.prompt_token_ids) - 1))
-                prompt_rows += [starts[-2] + p - start for p in scored]
-                prompt_targets += [seq.token_ids[p + 1] for p in scored]
-                prompt_seqs += [seq] * len(scored)
-        ints = self._upload([input_ids, positions, slots, tables, context_lens, starts,
-                             sample_rows, prompt_rows, prompt_targets], torch.int64)
-        int32 = lambda t: t.to(torch.int32)  # noqa: E731
-        meta = AttentionMetadata(
-            slot_mapping=ints[2], block_tables=int32(ints[3]).view(len(scheduled), width),
-            context_lens=int32(ints[4]), query_start_loc=int32(ints[5]),
-            max_query_len=max(scheduled.values()))
-        return Batch(ints[0], ints[1], meta, ints[6], sample_seqs, ints[7], ints[8], prompt_seqs)
+            if seq.params.prompt_logprobs is not None:
+                for position in self._prompt_positions_to_score(seq, start, end):
+                    ints["prompt_rows"].append(first_row + position - start)
+                    ints["prompt_targets"].append(seq.token_ids[position + 1])
+                    prompt_seqs.append(seq)
+        tensors = self._upload(ints, torch.int64)
+        attn_metadata = AttentionMetadata(
+            slot_mapping=tensors["slot_mapping"],
+            block_tables=tensors["block_tables"].to(torch.int32).view(-1, width),
+            context_lens=tensors["context_lens"].to(torch.int32),
+            query_start_loc=tensors["query_start_loc"].to(torch.int32),
+            max_query_len=max(num_scheduled_tokens.values()))
+        return Batch(input_ids=tensors["input_ids"], positions=tensors["positions"],
+                     attn_metadata=attn_metadata, sample_rows=tensors["sample_rows"],
+                     sample_seqs=sample_seqs, prompt_rows=tensors["prompt_rows"],
+                     prompt_targets=tensors["prompt_targets"], prompt_seqs=prompt_seqs)
+
+    @staticmethod
+    def _prompt_positions_to_score(seq: Sequence, start: int, end: int) -> range:
+        """The positions among start..end-1 whose next token is a prompt token not scored yet
+        (a recomputation after preemption scores nothing twice)."""
+        first_unscored = len(seq.prompt_logprobs) - 1
+        last_prompt_position = len(seq.prompt_token_ids) - 1
+        return range(max(start, first_unscored), min(end, last_prompt_position))
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
-        """The sampling parameters of the rows that sample, as device tensors (one copy)."""
-        params, vocab = [seq.params for seq in seqs], self.model.config.vocab_size
-        greedy = [p.temperature < GREEDY_BELOW for p in params]
-        top_k = [p.top_k or vocab for p in params]
-        temperature = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
-        floats = self._upload([temperature, [p.top_p for p in params], greedy, top_k],
-                              torch.float32)  # exact: top_k <= vocab < 2**24
+        """The sampling parameters of the rows that sample, as device tensors."""
+        vocab_size = self.model.config.vocab_size
+        greedy = [seq.params.temperature < GREEDY_BELOW for seq in seqs]
+        temperature = [1.0 if g else seq.params.temperature for g, seq in zip(greedy, seqs)]
+        top_k = [seq.params.top_k or vocab_size for seq in seqs]
+        top_p = [seq.params.top_p for seq in seqs]
+        floats = self._upload(dict(temperature=temperature, top_p=top_p), torch.float32)
+        ints = self._upload(dict(top_k=top_k, greedy=greedy), torch.int64)
+        any_top_k_top_p = any(k < vocab_size or p < 1 for k, p in zip(top_k, top_p))
         return SamplingTensors(
-            temperature=floats[0], top_p=floats[1], greedy=floats[2].bool(),
-            top_k=floats[3].long(), generators=[seq.generator for seq in seqs],
-            all_greedy=all(greedy),
-            any_top_k_top_p=any(k < vocab or p.top_p < 1 for k, p in zip(top_k, params)))
+            temperature=floats["temperature"], top_p=floats["top_p"],
+            greedy=ints["greedy"].bool(), top_k=ints["top_k"],
+            generators=[seq.generator for seq in seqs], all_greedy=all(greedy),
+            any_top_k_top_p=any_top_k_top_p)
 
-    def _upload(self, lists: list[list], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Host lists -> device tensors: one pinned buffer, one non-blocking copy (on CUDA)."""
-        host = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=dtype,
-                            pin_memory=self.config.device.startswith("cuda"))
+    def _upload(self, host_lists: dict[str, list], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Named host lists -> device tensors of one dtype, by the same names: one pinned
+        buffer, one non-blocking copy (on CUDA)."""
+        flat = list(itertools.chain.from_iterable(host_lists.values()))
+        pin = self.config.device.startswith("cuda")
+        host = torch.tensor(flat, dtype=dtype, pin_memory=pin)
         device = host.to(self.config.device, non_blocking=True)
-        return list(device.split([len(x) for x in lists]))
+        sizes = [len(values) for values in host_lists.values()]
+        return dict(zip(host_lists, device.split(sizes)))
+
+
+def as_prompt_list(prompts) -> list:
+    """One prompt (a string, a list of token ids, or a dict add_request takes) or a list of
+    them -> a list of prompts; ValueError for anything else."""
+    is_token_ids = isinstance(prompts, list) and bool(prompts) and type(prompts[0]) is int
+    if isinstance(prompts, (str, dict)) or is_token_ids:
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError("prompts must be a string, a list of token ids, or a list of those; "
+                         f"got {prompts!r}")
+    return list(prompts)
 
 
 class LLM:
@@ -517,20 +649,17 @@ class LLM:
                  trace: bool = False) -> list[RequestOutput]:
         """Serve all prompts (any form add_request takes) as one batch; whole outputs, in order.
         trace: print the step-by-step timeline to stderr at the end."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and type(prompts[0]) is int):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a prompt or a list of them, got {prompts!r}")
+        prompts = as_prompt_list(prompts)
         if not isinstance(params, (list, tuple)):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        ids, whole = [], {}
+        ids = []
+        whole = {}
         self.engine.step_records = [] if trace else None
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p))
+            for prompt, prompt_params in zip(prompts, params):
+                ids.append(self.engine.add_request(prompt, prompt_params))
             while any(i not in whole or not whole[i].finished for i in ids):
                 for delta in self.engine.step():
                     accumulate(whole, delta)
@@ -547,20 +676,40 @@ class LLM:
 TRACE_LEGEND = "= prompt chunk  o generated token  * end  x preempted  . waiting  c cache hit"
 
 
+def trace_mark(request_id: str, record: StepRecord) -> str:
+    """What one step did for one request, as the trace draws it (TRACE_LEGEND)."""
+    if request_id in record.preempted:
+        return "x"
+    if request_id in record.finished:
+        return "*"
+    if request_id in record.num_cached_tokens:
+        return "c"
+    if request_id in record.sampled:
+        return "o"
+    if request_id in record.scheduled:
+        return "="
+    return "."
+
+
 def render_trace(records: list[StepRecord], request_ids: list[str]) -> str:
     """The timeline that continuous-batching diagrams draw: a row per request, a column per
-    step (the requests are taken to have arrived before the first step)."""
+    step (the requests are taken to have arrived before the first step), a step number
+    every ten columns."""
     width = max(len(i) for i in [*request_ids, "request"])
-    rows = [f"{'request':>{width}} | " + "".join(f"{n // 10 % 10}" if n % 10 == 0 else " "
-                                                 for n in range(len(records))).rstrip()]
-    for i in request_ids:
-        marks, ended = "", False
-        for r in records:
-            marks += " " if ended else "x" if i in r.preempted else "*" if i in r.finished \
-                else "c" if i in r.cached else "o" if i in r.sampled else "=" if i in r.scheduled \
-                else "."
-            ended = ended or i in r.finished
-        rows.append(f"{i:>{width}} | {marks.rstrip()}")
+    ruler = ""
+    for n in range(len(records)):
+        if n % 10 == 0:
+            ruler += str(n // 10 % 10)
+        else:
+            ruler += " "
+    rows = [f"{'request':>{width}} | {ruler.rstrip()}"]
+    for request_id in request_ids:
+        marks = ""
+        for record in records:
+            marks += trace_mark(request_id, record)
+            if request_id in record.finished:
+                break
+        rows.append(f"{request_id:>{width}} | {marks}")
     return "\n".join(rows + ["", TRACE_LEGEND])
 
 
@@ -569,11 +718,14 @@ def accumulate(whole: dict[str, RequestOutput], delta: RequestOutput) -> None:
     if delta.request_id not in whole:
         whole[delta.request_id] = delta
         return
-    out, new = whole[delta.request_id].outputs[0], delta.outputs[0]
-    out.text, out.token_ids = out.text + new.text, out.token_ids + new.token_ids
-    if out.logprobs is not None:
-        out.logprobs = out.logprobs + new.logprobs
-    out.finish_reason, out.stop_reason = new.finish_reason, new.stop_reason
+    so_far = whole[delta.request_id].outputs[0]
+    new = delta.outputs[0]
+    so_far.text += new.text
+    so_far.token_ids = so_far.token_ids + new.token_ids  # a copy: the delta's list stays its own
+    if so_far.logprobs is not None:
+        so_far.logprobs = so_far.logprobs + new.logprobs
+    so_far.finish_reason = new.finish_reason
+    so_far.stop_reason = new.stop_reason
     whole[delta.request_id].finished = delta.finished
 
 
@@ -583,7 +735,10 @@ MAX_BODY_BYTES = 1 << 20  # a larger request body is refused (413)
 MAX_N = 64                # samples of one prompt in one request at most
 CHAT_TURN_END = "\n\n"    # the chat template ends every turn with a blank line
 FIELDS = {"model", "n", "stream", "stream_options", "user", "max_tokens", "temperature", "top_p",
-          "top_k", "seed", "stop", "ignore_eos", "logprobs"}
+          "top_k", "seed", "stop", "ignore_eos", "logprobs"}  # both endpoints serve these
+CHAT_FIELDS = {"messages", "top_logprobs", "max_completion_tokens"}
+COMPLETION_FIELDS = {"prompt", "echo"}
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
 NEUTRAL = dict(frequency_penalty=0, presence_penalty=0, repetition_penalty=1, min_tokens=0,
                best_of=1, logit_bias={}, suffix="")  # accepted at these values only
 BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
@@ -597,20 +752,40 @@ class HTTPError(Exception):
         self.status, self.param = status, param
 
 
+def zero_bucket_counts() -> list[int]:
+    return [0] * len(BUCKETS)
+
+
 @dataclass
-class Histogram:  # Prometheus': cumulative counts of the observations <= each bucket's bound
-    counts: list = field(default_factory=lambda: [0] * len(BUCKETS))
+class Histogram:
+    """Prometheus' histogram: for each bucket's bound, how many observations were <= it."""
+    counts: list[int] = field(default_factory=zero_bucket_counts)
     sum: float = 0.0
     count: int = 0
 
     def observe(self, x: float) -> None:
-        self.counts = [c + (x <= le) for c, le in zip(self.counts, BUCKETS)]
-        self.sum, self.count = self.sum + x, self.count + 1
+        for i, upper_bound in enumerate(BUCKETS):
+            if x <= upper_bound:
+                self.counts[i] += 1
+        self.sum += x
+        self.count += 1
 
     def lines(self, name: str) -> list[str]:
-        return [f"# TYPE {name} histogram"] + [f'{name}_bucket{{le="{le}"}} {c}' for le, c in zip(
-            [*BUCKETS, "+Inf"], [*self.counts, self.count])] + [f"{name}_sum {self.sum}",
-                                                                f"{name}_count {self.count}"]
+        lines = [f"# TYPE {name} histogram"]
+        for upper_bound, count in zip(BUCKETS, self.counts):
+            lines.append(f'{name}_bucket{{le="{upper_bound}"}} {count}')
+        lines.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
+        lines.append(f"{name}_sum {self.sum}")
+        lines.append(f"{name}_count {self.count}")
+        return lines
+
+
+@dataclass
+class RequestTimes:
+    """When a request arrived and got its first token, and how many tokens it got so far."""
+    arrival: float
+    first_token: float | None = None
+    num_tokens: int = 0
 
 
 class EngineThread(threading.Thread):
@@ -620,33 +795,50 @@ class EngineThread(threading.Thread):
 
     def __init__(self, engine: Engine):
         super().__init__(daemon=True)
-        self.engine, self.inbox, self.replies, self.times = engine, queue.Queue(), {}, {}
-        self.histograms = {name: Histogram() for name in ("time_to_first_token_seconds",
-                           "time_per_output_token_seconds", "e2e_request_latency_seconds")}
+        self.engine = engine
+        self.inbox: queue.Queue = queue.Queue()       # calls to run between steps
+        self.replies: dict[str, queue.Queue] = {}     # request id -> its handler's queue
+        self.times: dict[str, RequestTimes] = {}      # request id -> its latency so far
+        self.histograms = {name: Histogram() for name in (
+            "time_to_first_token_seconds", "time_per_output_token_seconds",
+            "e2e_request_latency_seconds")}
 
     def run(self) -> None:
         while True:
-            try:
-                self.inbox.get(block=not self.engine.has_unfinished())()
-                while True:
-                    self.inbox.get_nowait()()
-            except queue.Empty:
-                pass
+            self._run_inbox()
             for out in self.engine.step():
                 self._observe(out)
-                (self.replies.pop if out.finished else self.replies.get)(out.request_id).put(out)
+                if out.finished:
+                    reply = self.replies.pop(out.request_id)
+                else:
+                    reply = self.replies[out.request_id]
+                reply.put(out)
+
+    def _run_inbox(self) -> None:
+        """Run the calls waiting in the inbox; with no work in the engine, wait for one."""
+        try:
+            call = self.inbox.get(block=not self.engine.has_unfinished())
+            call()
+            while True:
+                call = self.inbox.get_nowait()
+                call()
+        except queue.Empty:
+            return
 
     def add(self, requests: list, arrival: float, reply: queue.Queue) -> None:
         """All of one HTTP request's sequences, or none of them; reply gets the ids or the error."""
         ids = []
         try:
             for prompt, params in requests:
-                ids.append(self.engine.add_request(prompt, params))
-                self.replies[ids[-1]], self.times[ids[-1]] = reply, [arrival, None, 0]
+                request_id = self.engine.add_request(prompt, params)
+                ids.append(request_id)
+                self.replies[request_id] = reply
+                self.times[request_id] = RequestTimes(arrival)
         except ValueError as e:
             for request_id in ids:
                 self.engine.abort(request_id)
-            return reply.put(e)
+            reply.put(e)
+            return
         reply.put(ids)
 
     def abort(self, ids: list[str]) -> None:
@@ -655,32 +847,44 @@ class EngineThread(threading.Thread):
 
     def _observe(self, out: RequestOutput) -> None:
         """Per request: time to first token, time per output token after it, end to end."""
-        times, now, c = self.times[out.request_id], time.perf_counter(), out.outputs[0]
-        if times[1] is None and c.token_ids:
-            times[1] = now
-            self.histograms["time_to_first_token_seconds"].observe(now - times[0])
-        times[2] += len(c.token_ids)
-        if out.finished and self.times.pop(out.request_id) and c.finish_reason != "abort":
-            self.histograms["e2e_request_latency_seconds"].observe(now - times[0])
-            if times[2] > 1:
-                self.histograms["time_per_output_token_seconds"].observe(
-                    (now - times[1]) / (times[2] - 1))
+        times = self.times[out.request_id]
+        now = time.perf_counter()
+        completion = out.outputs[0]
+        if times.first_token is None and completion.token_ids:
+            times.first_token = now
+            self.histograms["time_to_first_token_seconds"].observe(now - times.arrival)
+        times.num_tokens += len(completion.token_ids)
+        if not out.finished:
+            return
+        del self.times[out.request_id]
+        if completion.finish_reason == "abort":
+            return
+        self.histograms["e2e_request_latency_seconds"].observe(now - times.arrival)
+        if times.num_tokens > 1:
+            time_per_token = (now - times.first_token) / (times.num_tokens - 1)
+            self.histograms["time_per_output_token_seconds"].observe(time_per_token)
 
     def metrics(self) -> str:
         """Prometheus' text format: vLLM's metric names, with a nanoserve: prefix; the gauges
         as the newest step's record left them."""
-        e, step = self.engine, self.engine.last_step or StepRecord({}, [], [], [], {}, 0, 0, 0, 0)
-        values = [("num_requests_running", "gauge", step.num_running),
-                  ("num_requests_waiting", "gauge", step.num_waiting),
-                  ("kv_blocks_used", "gauge", step.kv_blocks_used),
-                  ("kv_blocks_free", "gauge", e.block_pool.num_blocks - step.kv_blocks_used),
-                  ("prompt_tokens_total", "counter", e.stats.num_prompt_tokens),
-                  ("generation_tokens_total", "counter", e.stats.num_generated_tokens),
-                  ("prefix_cache_queries_total", "counter", e.stats.num_prompt_tokens),
-                  ("prefix_cache_hits_total", "counter", e.stats.num_cached_tokens),
-                  ("num_preemptions_total", "counter", e.scheduler.num_preemptions)]
-        lines = [f"# TYPE nanoserve:{name} {kind}\nnanoserve:{name} {v}"
-                 for name, kind, v in values]
+        engine = self.engine
+        step = engine.last_step
+        num_running = step.num_running if step else 0
+        num_waiting = step.num_waiting if step else 0
+        kv_blocks_used = step.kv_blocks_used if step else 0
+        values = [("num_requests_running", "gauge", num_running),
+                  ("num_requests_waiting", "gauge", num_waiting),
+                  ("kv_blocks_used", "gauge", kv_blocks_used),
+                  ("kv_blocks_free", "gauge", engine.block_pool.num_blocks - kv_blocks_used),
+                  ("prompt_tokens_total", "counter", engine.stats.num_prompt_tokens),
+                  ("generation_tokens_total", "counter", engine.stats.num_generated_tokens),
+                  ("prefix_cache_queries_total", "counter", engine.stats.num_prompt_tokens),
+                  ("prefix_cache_hits_total", "counter", engine.stats.num_cached_tokens),
+                  ("num_preemptions_total", "counter", engine.scheduler.num_preemptions)]
+        lines = []
+        for name, kind, value in values:
+            lines.append(f"# TYPE nanoserve:{name} {kind}")
+            lines.append(f"nanoserve:{name} {value}")
         for name, histogram in self.histograms.items():
             lines += histogram.lines("nanoserve:" + name)
         return "\n".join(lines) + "\n"
@@ -711,55 +915,84 @@ def render_chat(messages) -> str:
 def parse_request(body: dict, engine: Engine, model_name: str, chat: bool) -> tuple[list, dict]:
     """An OpenAI request -> its sequences [(prompt, SamplingParams)], n for each prompt, and
     how to answer (stream, include_usage, echo, logprobs k); HTTPError 400 if anything is off."""
-    known = FIELDS | ({"messages", "top_logprobs", "max_completion_tokens"} if chat else
-                      {"prompt", "echo"})
-    for name, value in body.items():
-        if name not in known and (name not in NEUTRAL or value not in (None, NEUTRAL[name])):
-            raise HTTPError(400, f"{name} is not supported" + (
-                f" (only {NEUTRAL[name]!r})" if name in NEUTRAL else ""), name)
+    check_known_fields(body, chat)
     if typed(body, "model", model_name, str) != model_name:
         raise HTTPError(400, f"model {body['model']!r} is not served here; /v1/models lists "
                         f"{model_name!r}", "model")
-    fields = {name: body[name] for name in ("max_tokens", "temperature", "top_p", "top_k", "seed",
-                                            "ignore_eos") if body.get(name) is not None}
-    fields["stop"], n = typed(body, "stop", [], str, list), typed(body, "n", 1, int)
+    fields = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    fields["stop"] = typed(body, "stop", [], str, list)
+    n = typed(body, "n", 1, int)
     echo = typed(body, "echo", False, bool)
     if chat:  # as token ids, encoded once and as the engine encodes text (special tokens too)
         prompts = [engine.tokenizer.encode(render_chat(body.get("messages")),
                                            allowed_special="all")]
-        fields["max_tokens"] = next((body[k] for k in ("max_completion_tokens", "max_tokens")
-                                     if body.get(k) is not None),
-                                    max(1, engine.max_model_len - len(prompts[0])))
-        fields["logprobs"] = typed(body, "top_logprobs", 0, int) \
-            if typed(body, "logprobs", False, bool) else None
+        fields["max_tokens"] = chat_max_tokens(body, engine.max_model_len - len(prompts[0]))
+        fields["logprobs"] = None
+        if typed(body, "logprobs", False, bool):
+            fields["logprobs"] = typed(body, "top_logprobs", 0, int)
     else:
-        prompts = body.get("prompt")
-        if isinstance(prompts, str) or isinstance(prompts, list) and prompts \
-                and type(prompts[0]) is int:
-            prompts = [prompts]
-        if not isinstance(prompts, list) or not prompts:
-            raise HTTPError(400, "prompt must be a string, a list of token ids, or a non-empty "
-                            "list of those", "prompt")
+        prompts = completion_prompts(body)
         fields["logprobs"] = typed(body, "logprobs", None, int)
         if (fields["logprobs"] or 0) > 5:  # OpenAI's limit for completions
             raise HTTPError(400, f"logprobs must be at most 5, got {fields['logprobs']}",
                             "logprobs")
         fields["prompt_logprobs"] = fields["logprobs"] if echo else None
+    stream_options = typed(body, "stream_options", {}, dict)
     options = dict(stream=typed(body, "stream", False, bool), chat=chat, n=n,
-                   k=fields["logprobs"] or 0, echo=echo, include_usage=typed(
-                       typed(body, "stream_options", {}, dict), "include_usage", False, bool))
+                   k=fields["logprobs"] or 0, echo=echo,
+                   include_usage=typed(stream_options, "include_usage", False, bool))
+    samples = sample_params(fields, n, chat, typed(body, "top_logprobs", 0, int))
+    return [(prompt, params) for prompt in prompts for params in samples], options
+
+
+def check_known_fields(body: dict, chat: bool) -> None:
+    """HTTPError 400 naming the first field this endpoint does not serve (a NEUTRAL one is
+    accepted at its neutral value)."""
+    known = FIELDS | (CHAT_FIELDS if chat else COMPLETION_FIELDS)
+    for name, value in body.items():
+        if name in known:
+            continue
+        if name not in NEUTRAL:
+            raise HTTPError(400, f"{name} is not supported", name)
+        if value not in (None, NEUTRAL[name]):
+            raise HTTPError(400, f"{name} is not supported (only {NEUTRAL[name]!r})", name)
+
+
+def chat_max_tokens(body: dict, room_left: int) -> int:
+    """max_completion_tokens, else max_tokens, else what the context has left (at least 1:
+    a prompt too long then says why)."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        if body.get(name) is not None:
+            return body[name]
+    return max(1, room_left)
+
+
+def completion_prompts(body: dict) -> list:
+    """The completions endpoint's prompt field as a non-empty list of prompts."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, (str, list)):
+        prompts = as_prompt_list(prompt)
+        if prompts:
+            return prompts
+    raise HTTPError(400, "prompt must be a string, a list of token ids, or a non-empty list of "
+                    "those", "prompt")
+
+
+def sample_params(fields: dict, n: int, chat: bool, top_logprobs: int) -> list[SamplingParams]:
+    """The SamplingParams of each of the n samples: a seeded request's sample i gets seed + i;
+    a chat reply also stops at the end of its turn. HTTPError 400 naming a bad field."""
     try:
         check_int("n", n, 1, MAX_N)
-        check_int("top_logprobs", typed(body, "top_logprobs", 0, int), 0, MAX_LOGPROBS)
-        params = SamplingParams(**fields)  # each sample of a seeded request: the next seed
-        if chat:  # the reply ends with its turn
-            params = dataclasses.replace(params, stop=params.stop + [CHAT_TURN_END])
-        samples = [params if params.seed is None else dataclasses.replace(
-            params, seed=(params.seed + i) % 2**64) for i in range(n)]
+        check_int("top_logprobs", top_logprobs, 0, MAX_LOGPROBS)
+        params = SamplingParams(**fields)
     except ValueError as e:
-        raise HTTPError(400, str(e), next((f for f in [*fields, "n", "top_logprobs"]
-                                           if str(e).startswith(f)), None)) from None
-    return [(prompt, p) for prompt in prompts for p in samples], options
+        bad_field = next((f for f in [*fields, "n", "top_logprobs"] if str(e).startswith(f)), None)
+        raise HTTPError(400, str(e), bad_field) from None
+    if chat:
+        params = dataclasses.replace(params, stop=params.stop + [CHAT_TURN_END])
+    if params.seed is None:
+        return [params] * n
+    return [dataclasses.replace(params, seed=(params.seed + i) % 2**64) for i in range(n)]
 
 
 def token_text(tokenizer, token_id: int) -> str:
@@ -771,22 +1004,46 @@ def token_text(tokenizer, token_id: int) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
+def logprob_value(item: tuple[int, float]) -> float:
+    return item[1]
+
+
 def logprobs_json(tokenizer, token_ids: list[int], entries: list, k: int, chat: bool,
                   offset: int = 0) -> dict:
     """Each token's log-probability and the top k, in OpenAI's completions or chat shape (text
-    offsets start at `offset`: the characters that earlier chunks of the choice held)."""
-    text = lambda t: token_text(tokenizer, t)  # noqa: E731
-    top = [None if e is None else sorted(e.items(), key=lambda x: -x[1])[:k] for e in entries]
+    offsets start at `offset`: the characters that earlier chunks of the choice held). An
+    entry is {token id: log-probability}; the first prompt token's is None."""
+    tops = []
+    for entry in entries:
+        if entry is None:
+            tops.append(None)
+        else:
+            tops.append(sorted(entry.items(), key=logprob_value, reverse=True)[:k])
     if chat:
-        item = lambda t, lp: dict(token=text(t), logprob=lp,  # noqa: E731
-                                  bytes=list(tokenizer.decode_single_token_bytes(t)))
-        return dict(content=[item(t, e[t]) | dict(top_logprobs=[item(*x) for x in best])
-                             for t, e, best in zip(token_ids, entries, top)])
-    return dict(tokens=[text(t) for t in token_ids],
-                token_logprobs=[e and e[t] for t, e in zip(token_ids, entries)],
-                top_logprobs=[best and {text(t): lp for t, lp in best} for best in top],
-                text_offset=[offset + len(tokenizer.decode(token_ids[:i]))
-                             for i in range(len(entries))])
+        content = []
+        for token_id, entry, top in zip(token_ids, entries, tops):
+            item = chat_logprob_item(tokenizer, token_id, entry[token_id])
+            item["top_logprobs"] = [chat_logprob_item(tokenizer, t, lp) for t, lp in top]
+            content.append(item)
+        return dict(content=content)
+    token_logprobs = []
+    top_logprobs = []
+    for token_id, entry, top in zip(token_ids, entries, tops):
+        if entry is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+        else:
+            token_logprobs.append(entry[token_id])
+            top_logprobs.append({token_text(tokenizer, t): lp for t, lp in top})
+    text_offset = [offset + len(tokenizer.decode(token_ids[:i])) for i in range(len(entries))]
+    return dict(tokens=[token_text(tokenizer, t) for t in token_ids],
+                token_logprobs=token_logprobs, top_logprobs=top_logprobs,
+                text_offset=text_offset)
+
+
+def chat_logprob_item(tokenizer, token_id: int, logprob: float) -> dict:
+    return dict(token=token_text(tokenizer, token_id), logprob=logprob,
+                bytes=list(tokenizer.decode_single_token_bytes(token_id)))
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -832,7 +1089,8 @@ class Handler(BaseHTTPRequestHandler):
             owned_by="nanoserve", max_model_len=self.server.engine_thread.engine.max_model_len)]))
 
     def metrics(self) -> None:
-        reply, engine_thread = queue.Queue(), self.server.engine_thread
+        reply = queue.Queue()
+        engine_thread = self.server.engine_thread
         engine_thread.inbox.put(lambda: reply.put(engine_thread.metrics()))
         self.send(200, reply.get(), "text/plain; version=0.0.4")
 
@@ -854,22 +1112,30 @@ class Handler(BaseHTTPRequestHandler):
             raise HTTPError(400, f"the body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise HTTPError(400, "the body must be a JSON object")
-        engine_thread, reply, arrival = self.server.engine_thread, queue.Queue(), \
-            time.perf_counter()
+        engine_thread = self.server.engine_thread
+        reply = queue.Queue()
+        arrival = time.perf_counter()
         requests, options = parse_request(body, engine_thread.engine, self.server.model_name, chat)
         engine_thread.inbox.put(lambda: engine_thread.add(requests, arrival, reply))
-        if isinstance(ids := reply.get(), ValueError):
+        ids = reply.get()
+        if isinstance(ids, ValueError):
             raise HTTPError(400, str(ids), "messages" if chat else "prompt")
-        head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{ids[0]}", created=int(time.time()),
-                    model=self.server.model_name, object="text_completion" if not chat else
-                    "chat.completion.chunk" if options["stream"] else "chat.completion")
+        if not chat:
+            head = dict(id=f"cmpl-{ids[0]}", object="text_completion")
+        elif options["stream"]:
+            head = dict(id=f"chatcmpl-{ids[0]}", object="chat.completion.chunk")
+        else:
+            head = dict(id=f"chatcmpl-{ids[0]}", object="chat.completion")
+        head |= dict(created=int(time.time()), model=self.server.model_name)
         self.respond(ids, reply, head, options)
 
     def respond(self, ids: list[str], reply: queue.Queue, head: dict, options: dict) -> None:
         """Whole, or streamed as server-sent events (a chunk per delta, the usage if asked,
         then [DONE]). A client that goes away mid-stream aborts its sequences: blocks freed."""
-        stream, index, whole, sent = options["stream"], {i: n for n, i in enumerate(ids)}, {}, {}
-        event = lambda obj: self.wfile.write(b"data: %s\n\n" % json.dumps(obj).encode())  # noqa
+        stream = options["stream"]
+        index = {request_id: n for n, request_id in enumerate(ids)}  # the choice's index
+        whole = {}     # request id -> its whole output so far
+        num_sent = {}  # request id -> the characters of its choice streamed so far
         if stream:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
@@ -877,47 +1143,70 @@ class Handler(BaseHTTPRequestHandler):
         try:
             while not all(i in whole and whole[i].finished for i in ids):
                 out = reply.get()
-                if stream:  # sent: the characters of each choice streamed so far
-                    chunk = self.choice(index[out.request_id], out, options, out.request_id
-                                        not in whole, sent.get(out.request_id, 0))
-                    sent[out.request_id] = sent.get(out.request_id, 0) + len(chunk.get("text", ""))
-                    event(head | dict(choices=[chunk]))
+                if stream:
+                    is_first = out.request_id not in whole
+                    offset = num_sent.get(out.request_id, 0)
+                    chunk = self.choice(index[out.request_id], out, options, is_first, offset)
+                    num_sent[out.request_id] = offset + len(chunk.get("text", ""))
+                    self.event(head | dict(choices=[chunk]))
                 accumulate(whole, out)
-            prompt_tokens = sum(len(whole[i].prompt_token_ids) for i in ids[::options["n"]])
-            completion_tokens = sum(len(whole[i].outputs[0].token_ids) for i in ids)
-            usage = dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                         total_tokens=prompt_tokens + completion_tokens)
+            usage = usage_of(ids, whole, options["n"])
             if stream and options["include_usage"]:
-                event(head | dict(choices=[], usage=usage))
+                self.event(head | dict(choices=[], usage=usage))
             if stream:
-                return self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.write(b"data: [DONE]\n\n")
+                return
         except ConnectionError:
             engine_thread = self.server.engine_thread
-            return engine_thread.inbox.put(lambda: engine_thread.abort(ids))
-        if failed := [o.outputs[0].stop_reason for o in whole.values()
-                      if o.outputs[0].finish_reason == "abort"]:
+            engine_thread.inbox.put(lambda: engine_thread.abort(ids))
+            return
+        failed = [o.outputs[0].stop_reason for o in whole.values()
+                  if o.outputs[0].finish_reason == "abort"]
+        if failed:
             raise HTTPError(500, failed[0])
-        self.send(200, head | dict(choices=[self.choice(index[i], whole[i], options, True)
-                                            for i in ids], usage=usage))
+        choices = [self.choice(index[i], whole[i], options, True) for i in ids]
+        self.send(200, head | dict(choices=choices, usage=usage))
+
+    def event(self, obj: dict) -> None:
+        """One server-sent event."""
+        self.wfile.write(b"data: %s\n\n" % json.dumps(obj).encode())
 
     def choice(self, index: int, out: RequestOutput, options: dict, first: bool, offset=0
                ) -> dict:
         """One choice of a response, or of a stream's chunk (then from a delta, `offset`
         characters into the choice's text)."""
-        c, tokenizer = out.outputs[0], self.server.engine_thread.engine.tokenizer
-        token_ids, entries, text = c.token_ids, c.logprobs, c.text
+        completion = out.outputs[0]
+        tokenizer = self.server.engine_thread.engine.tokenizer
+        token_ids = completion.token_ids
+        entries = completion.logprobs
+        text = completion.text
         if first and options["echo"]:  # the prompt (and its log-probabilities) first
             token_ids = out.prompt_token_ids + token_ids
             text = (out.prompt or tokenizer.decode(out.prompt_token_ids)) + text
-            entries = None if entries is None else out.prompt_logprobs + entries
-        logprobs = None if entries is None else logprobs_json(
-            tokenizer, token_ids, entries, options["k"], options["chat"], offset)
+            if entries is not None:
+                entries = out.prompt_logprobs + entries
+        logprobs = None
+        if entries is not None:
+            logprobs = logprobs_json(tokenizer, token_ids, entries, options["k"],
+                                     options["chat"], offset)
         if not options["chat"]:
-            return dict(index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason)
-        message = dict(role="assistant", content=text) if first else dict(content=text)
-        return {"index": index, "delta" if options["stream"] else "message": message,
-                "logprobs": logprobs, "finish_reason": c.finish_reason}
+            return dict(index=index, text=text, logprobs=logprobs,
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason)
+        message = dict(content=text)
+        if first:
+            message = dict(role="assistant", content=text)
+        message_key = "delta" if options["stream"] else "message"
+        return {"index": index, message_key: message, "logprobs": logprobs,
+                "finish_reason": completion.finish_reason}
+
+
+def usage_of(ids: list[str], whole: dict[str, RequestOutput], n: int) -> dict:
+    """OpenAI's usage of one request: each prompt counted once (ids hold n samples of each)."""
+    prompt_tokens = sum(len(whole[i].prompt_token_ids) for i in ids[::n])
+    completion_tokens = sum(len(whole[i].outputs[0].token_ids) for i in ids)
+    return dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens)
 
 
 def serve(engine: Engine, args: argparse.Namespace) -> None:
@@ -945,25 +1234,10 @@ def serve(engine: Engine, args: argparse.Namespace) -> None:
 
 # ----------------------------------------------------------------------------- command line
 
-def add_config_args(parser, cls, skip=()) -> None:
-    """One flag per option() field of the dataclass `cls`, all of it from the field."""
-    for f in dataclasses.fields(cls):
-        if f.name in skip or "help" not in f.metadata:
-            continue
-        kwargs = {k: v for k, v in f.metadata.items() if k not in ("low", "high", "open_low")}
-        if isinstance(f.default, bool):
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif isinstance(f.default, tuple):
-            kwargs |= dict(nargs="+", type=type(f.default[0]))
-        elif "type" not in kwargs and "choices" not in kwargs:
-            kwargs["type"] = type(f.default)
-        parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, **kwargs)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="nanoserve: continuous batching over a paged KV "
                                 "cache", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.error = lambda message: p.exit(2, f"error: {message}\n")  # one line, no usage dump
+    p.error = partial(argparse_error, p)  # one line, no usage dump
     p.add_argument("--prompt", action="append", help="a prompt; repeat it to serve several "
                    "together as one batch; none: prompts from stdin (at a terminal, a REPL)")
     p.add_argument("--jsonl", action="store_true", help="stdin and stdout: a JSON object a "
@@ -975,51 +1249,51 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000, help="--serve: the port (0: any free one)")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                    help="torch CPU threads: half the cores, so a busy core does not stall steps")
-    g = p.add_argument_group("sampling (SamplingParams, with the command line's own defaults)")
-    g.add_argument("--max-tokens", type=int, default=argparse.SUPPRESS,
-                   help="default: 200, or what the context has left")
-    g.add_argument("--stop", action="append", help="stop before this string (repeatable)")
-    add_config_args(g, SamplingParams,
+    sampling = p.add_argument_group("sampling (SamplingParams, with the command line's own "
+                                    "defaults)")
+    sampling.add_argument("--max-tokens", type=int, default=argparse.SUPPRESS,
+                          help="default: 200, or what the context has left")
+    sampling.add_argument("--stop", action="append", help="stop before this string (repeatable)")
+    add_config_args(sampling, SamplingParams,
                     skip=("max_tokens", "stop", "seed", "logprobs", "prompt_logprobs"))
     p.set_defaults(temperature=0.8, top_p=0.95)
-    add_config_args(engine := p.add_argument_group("engine (EngineConfig)"), EngineConfig)
+    engine = p.add_argument_group("engine (EngineConfig)")
+    add_config_args(engine, EngineConfig)
+    # vLLM's spelling of --no-enable-prefix-caching, accepted but not listed twice in --help
     engine.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                        default=argparse.SUPPRESS, help="the same as --no-enable-prefix-caching")
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def argparse_error(parser: argparse.ArgumentParser, message: str) -> None:
+    parser.exit(2, f"error: {message}\n")
 
 
 # Control characters (random weights emit any byte) print as visible escapes, not raw.
 VISIBLE = {c: f"\\x{c:02x}" for c in [*range(32), *range(127, 160)] if c not in (9, 10)}
+CLI_MAX_TOKENS = 200  # the command line's max_tokens, unless --max-tokens or the context says
 
 
 def cli_params(engine: Engine, args: argparse.Namespace, prompt, **fields) -> SamplingParams:
     """The command line's sampling for a prompt, `fields` first; max_tokens: --max-tokens, or
     200, or what the context leaves (at least 1: a prompt too long then says why)."""
-    ids = engine.tokenizer.encode(prompt, allowed_special="all") if isinstance(prompt, str) \
-        else prompt
-    left = engine.max_model_len - len(ids)
+    _, token_ids = engine.parse_prompt(prompt)
+    room_left = engine.max_model_len - len(token_ids)
     params = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p", "stop",
                                                      "ignore_eos")}
-    return SamplingParams(**params | dict(max_tokens=getattr(
-        args, "max_tokens", max(1, min(200, left)))) | fields)
+    params["max_tokens"] = getattr(args, "max_tokens", max(1, min(CLI_MAX_TOKENS, room_left)))
+    params |= fields
+    return SamplingParams(**params)
 
 
 def run_prompts(engine: Engine, args: argparse.Namespace) -> None:
     """Serve every --prompt as one batch; stream each one in turn; a summary, Ctrl-C or not."""
     ids = [engine.add_request(prompt, cli_params(engine, args, prompt)) for prompt in args.prompt]
-    later = {i: [] for i in ids}  # deltas of the requests after the one being printed
-    current, start, engine.step_records = 0, time.perf_counter(), [] if args.trace else None
-
-    def summary(s=engine.stats):
-        elapsed = time.perf_counter() - start
-        print(f"\n\n[{s.num_prompt_tokens} prompt + {s.num_generated_tokens} generated tokens in "
-              f"{elapsed:.2f} s, {s.num_generated_tokens / elapsed:.1f} tok/s, {s.num_steps} "
-              f"steps, peak batch {s.peak_batch_size}, {engine.scheduler.num_preemptions} "
-              f"preemptions, prefix cache hits {s.num_cached_tokens / s.num_prompt_tokens:.0%}]",
-              file=sys.stderr)
-        if args.trace:
-            print(render_trace(engine.step_records, ids), file=sys.stderr)
-
+    later = {request_id: [] for request_id in ids}  # deltas of requests not printed yet
+    current = 0  # the request being printed
+    start = time.perf_counter()
+    if args.trace:
+        engine.step_records = []
     print(args.prompt[0].translate(VISIBLE), end="", flush=True)
     try:
         while engine.has_unfinished():
@@ -1027,67 +1301,145 @@ def run_prompts(engine: Engine, args: argparse.Namespace) -> None:
                 later[out.request_id].append(out)
             while current < len(ids) and later[ids[current]]:
                 out = later[ids[current]].pop(0)
-                print(out.outputs[0].text.translate(VISIBLE), end="", flush=True)
-                if out.outputs[0].finish_reason == "abort":
-                    print(f"\n[{out.outputs[0].stop_reason}]", file=sys.stderr)
-                if out.finished and (current := current + 1) < len(ids):
+                print_delta(out)
+                if out.finished:
+                    current += 1
+                if out.finished and current < len(ids):
                     print("\n\n" + args.prompt[current].translate(VISIBLE), end="", flush=True)
     except KeyboardInterrupt:
         print("\n[interrupted]", end="", file=sys.stderr)
-        summary()
+        print_summary(engine, time.perf_counter() - start, ids if args.trace else None)
         raise
-    summary()
+    print_summary(engine, time.perf_counter() - start, ids if args.trace else None)
 
 
-def run_stdin(engine: Engine, args: argparse.Namespace) -> None:
+def print_delta(out: RequestOutput) -> None:
+    """A delta's new text, as it comes; why a request aborted, on stderr."""
+    completion = out.outputs[0]
+    print(completion.text.translate(VISIBLE), end="", flush=True)
+    if completion.finish_reason == "abort":
+        print(f"\n[{completion.stop_reason}]", file=sys.stderr)
+
+
+def print_summary(engine: Engine, elapsed: float, trace_ids: list[str] | None) -> None:
+    """The run's figures on stderr, then the trace of trace_ids if given."""
+    stats = engine.stats
+    hit_rate = stats.num_cached_tokens / stats.num_prompt_tokens
+    print(f"\n\n[{stats.num_prompt_tokens} prompt + {stats.num_generated_tokens} generated "
+          f"tokens in {elapsed:.2f} s, {stats.num_generated_tokens / elapsed:.1f} tok/s, "
+          f"{stats.num_steps} steps, peak batch {stats.peak_batch_size}, "
+          f"{engine.scheduler.num_preemptions} preemptions, prefix cache hits {hit_rate:.0%}]",
+          file=sys.stderr)
+    if trace_ids is not None:
+        print(render_trace(engine.step_records, trace_ids), file=sys.stderr)
+
+
+def read_lines(stream, lines: queue.Queue) -> None:
+    """Put each line of stream into `lines`, then None for the end (a thread's target)."""
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
+def arrived_lines(lines: queue.Queue, wait: bool) -> list[str | None]:
+    """The lines read so far (None: the end of input); with `wait`, at least one."""
+    arrived = []
+    try:
+        arrived.append(lines.get(block=wait))
+        while True:
+            arrived.append(lines.get_nowait())
+    except queue.Empty:
+        pass
+    return arrived
+
+
+def run_stdin(engine: Engine, args: argparse.Namespace) -> tuple[int, int]:
     """Piped stdin: each line is submitted as it is read, all served as one continuous batch;
     each completion is printed whole, in input order, an error in its place (--jsonl: a JSON
-    object a line in and out, an error as {"error": ...}; else errors go to stderr)."""
-    lines, whole, where, results, printed, eof = queue.Queue(), {}, {}, [], 0, False
-    threading.Thread(target=lambda: [*map(lines.put, sys.stdin), lines.put(None)],
-                     daemon=True).start()
+    object a line in and out, an error as {"error": ...}, blank lines skipped; else errors go
+    to stderr). Returns (lines that failed, lines submitted)."""
+    lines = queue.Queue()
+    threading.Thread(target=read_lines, args=(sys.stdin, lines), daemon=True).start()
+    whole = {}          # request id -> its whole output so far
+    result_index = {}   # request id -> its place in results
+    results = []        # per submitted line: None while it runs, then its output or error
+    line_number = 0
+    num_printed = 0
+    num_failed = 0
+    eof = False
     while not eof or engine.has_unfinished():
-        while not eof:  # take the lines that have arrived; wait for one only when idle
-            try:
-                line = lines.get(block=not engine.has_unfinished())
-            except queue.Empty:
-                break
-            if not (eof := line is None):
-                results.append(submit_line(engine, args, line, where, len(results)))
+        if not eof:  # take the lines that have arrived; wait for one only when idle
+            for line in arrived_lines(lines, wait=not engine.has_unfinished()):
+                line_number += 1
+                if line is None:
+                    eof = True
+                elif line.strip() or not args.jsonl:  # --jsonl skips blank lines
+                    submitted = submit_line(engine, args, line, line_number)
+                    if isinstance(submitted, ValueError):
+                        results.append(submitted)
+                    else:  # a request id
+                        result_index[submitted] = len(results)
+                        results.append(None)
         for delta in engine.step():
             accumulate(whole, delta)
             if delta.finished:
-                results[where.pop(delta.request_id)] = whole.pop(delta.request_id)
-        for result in results[printed:]:
-            if result is None:
-                break
-            printed += 1
+                results[result_index.pop(delta.request_id)] = whole.pop(delta.request_id)
+        while num_printed < len(results) and results[num_printed] is not None:
+            result = results[num_printed]
             print_result(result, args.jsonl)
+            num_printed += 1
+            if isinstance(result, ValueError) or result.outputs[0].finish_reason == "abort":
+                num_failed += 1
+    return num_failed, len(results)
 
 
-def submit_line(engine: Engine, args: argparse.Namespace, line: str, where: dict, i: int):
-    """Queue line i's request (where[request_id] = i): None, or the error, as a string."""
+def submit_line(engine: Engine, args: argparse.Namespace, line: str, line_number: int
+                ) -> str | ValueError:
+    """Queue one line's request: its request id, or the error (naming the line)."""
     try:
-        fields = json.loads(line) if args.jsonl else {"prompt": line.rstrip("\r\n")}
-        if not isinstance(fields, dict) or "prompt" not in fields:
-            raise ValueError('a line must be a JSON object with a "prompt"')
+        fields = {"prompt": line.rstrip("\r\n")}
+        if args.jsonl:
+            fields = parse_jsonl_line(line)
         prompt = fields.pop("prompt")
-        where[engine.add_request(prompt, cli_params(engine, args, prompt, **fields))] = i
-    except (ValueError, TypeError) as e:  # TypeError: a field SamplingParams does not have
-        return f"line {i + 1}: {e}"
+        return engine.add_request(prompt, cli_params(engine, args, prompt, **fields))
+    except ValueError as e:
+        return ValueError(f"line {line_number}: {e}")
 
 
-def print_result(result: RequestOutput | str, jsonl: bool) -> None:
-    out = None if isinstance(result, str) else result.outputs[0]
+def parse_jsonl_line(line: str) -> dict:
+    """A --jsonl line: a JSON object of "prompt" and SamplingParams fields; ValueError naming
+    what is wrong."""
+    try:
+        fields = json.loads(line)
+    except ValueError as e:
+        raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(fields, dict) or "prompt" not in fields:
+        raise ValueError('a line must be a JSON object with a "prompt"')
+    allowed = [f.name for f in dataclasses.fields(SamplingParams)]
+    unknown = [name for name in fields if name != "prompt" and name not in allowed]
+    if unknown:
+        raise ValueError(f"unknown field {unknown[0]!r}; a line holds \"prompt\" and any of "
+                         f"{', '.join(allowed)}")
+    return fields
+
+
+def print_result(result: RequestOutput | ValueError, jsonl: bool) -> None:
+    """A finished line: its whole completion, or its error."""
+    if isinstance(result, ValueError):
+        if jsonl:
+            print(json.dumps({"error": str(result)}), flush=True)
+        else:
+            print(f"error: {result}", file=sys.stderr)
+        return
+    completion = result.outputs[0]
     if jsonl:
-        print(json.dumps({"error": result} if out is None else dict(
-            prompt=result.prompt, text=out.text, token_ids=out.token_ids,
-            finish_reason=out.finish_reason, stop_reason=out.stop_reason, logprobs=out.logprobs,
-            prompt_logprobs=result.prompt_logprobs)), flush=True)
-    elif out is None:
-        print(f"error: {result}", file=sys.stderr)
+        print(json.dumps(dict(
+            prompt=result.prompt, text=completion.text, token_ids=completion.token_ids,
+            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+            logprobs=completion.logprobs, prompt_logprobs=result.prompt_logprobs)), flush=True)
     else:
-        print(((result.prompt or "") + out.text).translate(VISIBLE), end="\n\n", flush=True)
+        text = (result.prompt or "") + completion.text
+        print(text.translate(VISIBLE), end="\n\n", flush=True)
 
 
 REPL_HELP = ("/set NAME VALUE sets a sampling field (max_tokens, temperature, top_k, top_p, "
@@ -1103,7 +1455,8 @@ def run_terminal(engine: Engine, args: argparse.Namespace) -> None:
         try:
             line = input("> ")
         except (EOFError, KeyboardInterrupt):
-            return print()
+            print()
+            return
         if line.startswith("/"):
             if line.strip() == "/quit":
                 return
@@ -1139,20 +1492,22 @@ def repl_command(line: str, settings: dict, engine: Engine, args: argparse.Names
     try:
         parsed = [codecs.decode(value, "unicode_escape")] if name == "stop" else json.loads(value)
         cli_params(engine, args, "", **settings | {name: parsed})  # validates
-    except (ValueError, TypeError) as e:
+    except ValueError as e:
         return f"error: {e}"
     settings[name] = parsed
     return f"{name} = {parsed!r}"
 
 
 def main(argv=None) -> None:
-    """Errors: one "error: ..." line, status 2. Ctrl-C: status 130. A closed stdout: quiet."""
+    """Errors: one "error: ..." line, status 2; piped lines that failed: status 1. Ctrl-C:
+    status 130. A closed stdout: quiet."""
     args = parse_args(argv)
     try:
         check_int("--threads", args.threads, 1)
-        if args.trace and not args.prompt or args.serve and args.prompt:
-            raise ValueError("--trace needs --prompt" if args.trace else
-                             "--serve takes no --prompt")
+        if args.trace and not args.prompt:
+            raise ValueError("--trace needs --prompt")
+        if args.serve and args.prompt:
+            raise ValueError("--serve takes no --prompt")
         torch.set_num_threads(args.threads)
         config = EngineConfig(**{f.name: getattr(args, f.name)
                                  for f in dataclasses.fields(EngineConfig)})
@@ -1164,7 +1519,10 @@ def main(argv=None) -> None:
         elif sys.stdin.isatty() and not args.jsonl:
             run_terminal(engine, args)
         else:
-            run_stdin(engine, args)
+            num_failed, num_lines = run_stdin(engine, args)
+            if num_failed:
+                print(f"error: {num_failed} of {num_lines} lines failed", file=sys.stderr)
+                sys.exit(1)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no 2nd error at exit
         sys.exit(1)

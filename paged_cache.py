@@ -33,8 +33,15 @@ forgotten) only when it is handed out again.
     cached: h1 -> block 5, h2 -> block 3       h3 = H(h2, ijkl): not cached
     block table [5, 3, new, new]  (5 and 3 shared), num_computed_tokens 8
 
+In this file, in order: cdiv and hash_block, BlockPool (reference counts, the free queue,
+the prefix cache), BlockTable (one sequence's blocks and its slot_mapping), and
+allocate_kv_cache (the tensors). The scheduler (scheduler.py) grows, shares and releases
+block tables; the engine (nanoserve.py) turns them into the block_tables and slot_mapping
+that the attention kernels (kernels.py) read.
+
 Names as in vLLM v1: BlockPool, block hashes, the free queue; BlockTable ~ the request's
-block ids; slot_mapping is the same. Left out: swapping to CPU.
+block ids; slot_mapping is the same. A "slot" is always a token's flat index in the cache.
+Left out: swapping to CPU, copy-on-write, the null block.
 """
 import hashlib
 from array import array
@@ -46,7 +53,8 @@ NO_PARENT = b""  # the parent hash of a sequence's first block
 
 
 def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+    """Ceiling division: the blocks that a tokens take at b tokens a block."""
+    return (a + b - 1) // b
 
 
 def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
@@ -113,6 +121,35 @@ class BlockPool:
                 if self.block_hashes[b] is None:
                     self.free_queue.move_to_end(b, last=False)
 
+    def count_free(self, block_ids: list[int]) -> int:
+        """How many of these blocks sit in the free queue: taking them would shrink it."""
+        return sum(1 for b in block_ids if self.ref_counts[b] == 0)
+
+    def find_cached_prefix(self, token_ids: list[int]) -> tuple[list[bytes], list[int]]:
+        """The block hashes and ids of the longest run of token_ids' first full blocks found in
+        the cache; nothing is taken (BlockTable.take_cached_prefix takes them).
+
+        The run covers at most len(token_ids) - 1 tokens: the last token is never served from
+        the cache, because a step must compute it to get the logits the next token is sampled
+        from. Example, block_size 4: a prompt of 8 tokens whose 2 blocks are both cached
+        reuses only the first (4 tokens) and computes tokens 4..7 into a block of its own;
+        it cannot compute token 7 alone into the cached second block, which others share and
+        which must never be written."""
+        block_hashes, block_ids = [], []
+        if not self.enable_caching:
+            return block_hashes, block_ids
+        parent_hash = NO_PARENT
+        for i in range((len(token_ids) - 1) // self.block_size):
+            block_tokens = token_ids[i * self.block_size:(i + 1) * self.block_size]
+            block_hash = hash_block(parent_hash, block_tokens)
+            block_id = self.cached_blocks.get(block_hash)
+            if block_id is None:
+                break
+            block_hashes.append(block_hash)
+            block_ids.append(block_id)
+            parent_hash = block_hash
+        return block_hashes, block_ids
+
     def cache_block(self, block_id: int, block_hash: bytes) -> None:
         """Make a full, computed block findable by its hash, unless another block with the
         same prefix is cached already (two sequences computed it at once): that one stays."""
@@ -142,49 +179,52 @@ class BlockTable:
         self.block_ids += self.block_pool.allocate(missing)
         return True
 
-    def take_cached_prefix(self, token_ids: list[int]) -> int:
-        """Start an empty table with the longest run of token_ids' full blocks found in the
-        cache, shared with their other owners, and return its length in tokens: at most
-        len(token_ids) - 1, so that the last token is computed and sampled from (a prompt of
-        whole blocks computes its last block again rather than write into a shared one)."""
+    def take_cached_prefix(self, block_hashes: list[bytes], block_ids: list[int]) -> None:
+        """Start an empty table with a cached prefix that BlockPool.find_cached_prefix found,
+        sharing its blocks with their other owners."""
         if self.block_ids:
             raise RuntimeError("a cached prefix can only start an empty block table")
-        pool = self.block_pool
-        while pool.enable_caching and len(self.block_ids) < (len(token_ids) - 1) // pool.block_size:
-            block_hash = self._next_block_hash(token_ids)
-            if (block_id := pool.cached_blocks.get(block_hash)) is None:
-                break
-            self.block_hashes.append(block_hash)
-            self.block_ids.append(block_id)
-        pool.touch(self.block_ids)
-        return len(self.block_ids) * pool.block_size
+        self.block_pool.touch(block_ids)
+        self.block_hashes = list(block_hashes)
+        self.block_ids = list(block_ids)
 
     def cache_full_blocks(self, token_ids: list[int], num_computed_tokens: int) -> None:
-        """Cache each block that the first num_computed_tokens of token_ids fill: full, with
-        its K/V written (call it after the step that computed them)."""
+        """Register in the prefix cache each block that the first num_computed_tokens of
+        token_ids fill: full, with its K/V written (call it after the step that computed them).
+        Each block's hash is chained to the one before it, so it names the whole prefix."""
         if not self.block_pool.enable_caching:
             return
-        while len(self.block_hashes) < num_computed_tokens // self.block_pool.block_size:
-            self.block_hashes.append(self._next_block_hash(token_ids))
-            self.block_pool.cache_block(self.block_ids[len(self.block_hashes) - 1],
-                                        self.block_hashes[-1])
-
-    def _next_block_hash(self, token_ids: list[int]) -> bytes:
-        """The hash of logical block len(block_hashes), chained to the one before it."""
-        i, bs = len(self.block_hashes), self.block_pool.block_size
-        parent = self.block_hashes[-1] if i else NO_PARENT
-        return hash_block(parent, token_ids[i * bs:(i + 1) * bs])
+        block_size = self.block_pool.block_size
+        num_full_blocks = num_computed_tokens // block_size
+        for i in range(len(self.block_hashes), num_full_blocks):
+            parent_hash = self.block_hashes[-1] if self.block_hashes else NO_PARENT
+            block_hash = hash_block(parent_hash, token_ids[i * block_size:(i + 1) * block_size])
+            self.block_hashes.append(block_hash)
+            self.block_pool.cache_block(self.block_ids[i], block_hash)
 
     def release(self) -> None:
-        """Give the blocks back, the last first: a sequence's last blocks are the least likely
-        to be shared, so they are evicted first."""
+        """Give the blocks back, the last first. The free queue evicts the blocks freed first
+        first, and a sequence's last blocks are the least likely to be shared: released front
+        to back, a prefix's first block would be evicted first, and with it every later block
+        of the prefix, since a lookup stops at the first block it cannot find."""
         self.block_pool.free(self.block_ids[::-1])
-        self.block_ids, self.block_hashes = [], []
+        self.block_ids = []
+        self.block_hashes = []
 
-    def slots(self, start: int, end: int) -> list[int]:
-        """Flat cache slots of token positions start..end-1."""
-        bs = self.block_pool.block_size
-        return [self.block_ids[t // bs] * bs + t % bs for t in range(start, end)]
+    def slot_mapping(self, start: int, end: int) -> list[int]:
+        """The flat cache slots (block_id * block_size + offset in the block) of token
+        positions start..end-1."""
+        block_size = self.block_pool.block_size
+        slots = []
+        for position in range(start, end):
+            block_id = self.block_ids[position // block_size]
+            slots.append(block_id * block_size + position % block_size)
+        return slots
+
+
+def kv_bytes_per_token(n_layer: int, n_head: int, head_dim: int, dtype: torch.dtype) -> int:
+    """The KV cache's memory for one token: a key and a value in every layer and head."""
+    return 2 * n_layer * n_head * head_dim * dtype.itemsize
 
 
 def allocate_kv_cache(n_layer: int, n_head: int, head_dim: int, num_tokens: int, block_size: int,
@@ -199,9 +239,10 @@ def allocate_kv_cache(n_layer: int, n_head: int, head_dim: int, num_tokens: int,
                          f"({num_tokens} tokens)")
     shape = (n_layer, num_blocks, block_size, n_head, head_dim)
     try:  # zeros, not empty: padded reads past a sequence's end must be finite to be masked
-        k, v = (torch.zeros(shape, device=device, dtype=dtype) for _ in "kv")
+        k_cache = torch.zeros(shape, device=device, dtype=dtype)
+        v_cache = torch.zeros(shape, device=device, dtype=dtype)
     except RuntimeError as e:  # out of memory
-        gib = 2 * num_blocks * block_size * n_layer * n_head * head_dim * dtype.itemsize / 2**30
-        raise ValueError(f"cannot allocate a KV cache of {num_tokens} tokens ({gib:.1f} GiB): "
-                         f"{str(e).splitlines()[0]}") from None
-    return k, v, BlockPool(num_blocks, block_size, enable_prefix_caching)
+        num_bytes = num_blocks * block_size * kv_bytes_per_token(n_layer, n_head, head_dim, dtype)
+        raise ValueError(f"cannot allocate a KV cache of {num_tokens} tokens "
+                         f"({num_bytes / 2**30:.1f} GiB): {str(e).splitlines()[0]}") from None
+    return k_cache, v_cache, BlockPool(num_blocks, block_size, enable_prefix_caching)

@@ -1,11 +1,17 @@
 """Iteration-level scheduling: which tokens of which sequences go into the next forward pass.
 
 There is no separate prefill phase and decode phase. Every sequence has token_ids (prompt
-plus generated) and num_computed_tokens (how many of them already have K/V in the cache);
-a step gives each scheduled sequence some of its uncomputed tokens. A decode is a sequence
-with one uncomputed token (the one it just sampled); a prefill has many, and may be given
-them in chunks over several steps. A recomputed (preempted) sequence is just a prefill of
+plus generated) and num_computed_tokens (how many of them have their K/V in the cache); a
+step gives each scheduled sequence some of its uncomputed tokens. A decode is a sequence with
+one uncomputed token (the one it just sampled); a prefill has many, and may be given them in
+chunks over several steps. A preempted sequence lost its K/V, so its next prefill recomputes
 its prompt and the tokens it had generated. This is vLLM v1's rule, after Orca and Sarathi.
+
+In this file, in order: Sequence (one request's state), SchedulerOutput (what a step runs and
+what scheduling it changed), WaitingQueue (admission order: fcfs, sjf), and Scheduler, whose
+schedule() is the policy and whose update() applies a step's results. The engine
+(nanoserve.py) calls schedule(), runs the model on its output, then calls update(). Blocks
+come from paged_cache.py.
 
 Left out: swapping to CPU, priorities set by the client, lookahead slots.
 """
@@ -16,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from paged_cache import BlockPool, BlockTable
+from paged_cache import BlockPool, BlockTable, cdiv
 
 POLICIES = ("fcfs", "sjf", "static")
 
@@ -33,14 +39,14 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One request as the engine sees it: its tokens, its progress and its cache blocks."""
     seq_id: str
-    prompt: str
+    prompt: str | None
     prompt_token_ids: list[int]
     params: "SamplingParams"  # noqa: F821 (nanoserve.SamplingParams)
     block_table: BlockTable
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
     detokenizer: "Detokenizer" = None         # noqa: F821 (model.Detokenizer)
     token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0              # tokens whose K/V are in the cache
     status: SequenceStatus = SequenceStatus.WAITING
     arrival_step: int = 0
     stop_reason: str | None = None            # the stop string that ended it, or why it aborted
@@ -48,7 +54,8 @@ class Sequence:
     logprobs: list = field(default_factory=list)         # per output token: {token id: logprob}
     prompt_logprobs: list = field(default_factory=list)  # per prompt token, the first's None
     queue_entry: int | None = None            # its live entry in the waiting queue
-    num_cached_tokens: int | None = None      # prompt tokens found cached at first admission
+    num_cached_tokens: int | None = None      # prompt tokens the prefix cache supplied at its
+                                              # first admission (None: not admitted yet)
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
@@ -70,30 +77,51 @@ class Sequence:
         return self.num_uncomputed_tokens + self.params.max_tokens - self.num_output_tokens
 
 
+@dataclass
+class SchedulerOutput:
+    """What schedule() decided for one step, so that nobody has to work it out afterwards by
+    comparing states (vLLM v1's SchedulerOutput, in small)."""
+    # each scheduled sequence -> its new tokens this step, in batch order: running decodes,
+    # running prefills, then the sequences admitted this step
+    num_scheduled_tokens: dict[Sequence, int] = field(default_factory=dict)
+    # admitted for the first time this step -> prompt tokens the prefix cache supplied
+    newly_admitted: dict[Sequence, int] = field(default_factory=dict)
+    # sent back to the waiting queue this step, their blocks freed
+    preempted: list[Sequence] = field(default_factory=list)
+
+
 class WaitingQueue:
     """Waiting sequences in admission order, in a heap: taking the next costs O(log n), not a
-    sort of everything waiting. fcfs: arrival order, but a preempted sequence goes back to
-    the front. sjf: shortest estimated remaining job first, except that the oldest arrival
-    goes first once it has waited `max_wait_steps` (a second heap, by arrival, finds it).
-    Removal is lazy: an entry is live only while it is its sequence's `queue_entry`."""
+    sort of everything waiting. A preempted sequence goes back to the front under every
+    policy (the most recently preempted first), since it was admitted before everything that
+    waits. Then fcfs: arrival order. sjf: shortest estimated remaining job first, except that
+    the oldest arrival goes first once it has waited `max_wait_steps` (a second heap, by
+    arrival, finds it). Removal is lazy: an entry is live only while it is its sequence's
+    `queue_entry`."""
 
     def __init__(self, policy: str, max_wait_steps: int):
-        self.policy, self.max_wait_steps = policy, max_wait_steps
+        self.policy = policy
+        self.max_wait_steps = max_wait_steps
         self._heap: list = []        # (policy key, entry, seq)
         self._by_arrival: list = []  # sjf: (arrival_step, entry, seq)
-        self._entries, self._len = itertools.count(), 0
+        self._entries = itertools.count()
+        self._len = 0
 
     def __len__(self) -> int:
         return self._len
 
     def push(self, seq: Sequence, front: bool = False) -> None:
-        entry = seq.queue_entry = next(self._entries)
-        if self.policy == "sjf":
-            key = (seq.estimated_remaining(), seq.arrival_step)
-            heapq.heappush(self._by_arrival, (seq.arrival_step, entry, seq))
-        else:  # the most recently preempted first, then arrivals in order
-            key = (0, -entry) if front else (1, entry)
+        entry = next(self._entries)
+        seq.queue_entry = entry
+        if front:  # keys (0, ...) sort before every (1, ...); the newest entry first
+            key = (0, -entry)
+        elif self.policy == "sjf":
+            key = (1, seq.estimated_remaining(), seq.arrival_step)
+        else:
+            key = (1, entry)
         heapq.heappush(self._heap, (key, entry, seq))
+        if self.policy == "sjf":
+            heapq.heappush(self._by_arrival, (seq.arrival_step, entry, seq))
         self._len += 1
 
     def remove(self, seq: Sequence) -> None:
@@ -112,7 +140,9 @@ class WaitingQueue:
     def _live_top(heap: list) -> Sequence | None:
         while heap and heap[0][2].queue_entry != heap[0][1]:
             heapq.heappop(heap)  # a stale entry: its sequence was admitted, aborted or re-queued
-        return heap[0][2] if heap else None
+        if not heap:
+            return None
+        return heap[0][2]
 
 
 class Scheduler:
@@ -124,12 +154,15 @@ class Scheduler:
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {POLICIES}")
         self.block_pool = block_pool
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.enable_chunked_prefill, self.policy = enable_chunked_prefill, policy
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.policy = policy
         self.eos_token_id = eos_token_id
         self.waiting = WaitingQueue(policy, sjf_max_wait_steps)
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
-        self.num_steps = self.num_preemptions = 0
+        self.num_steps = 0
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         seq.arrival_step = self.num_steps
@@ -140,83 +173,135 @@ class Scheduler:
 
     # The policy, in English:
     # 1) Running sequences first, decodes before unfinished prefills: a decode costs one
-    #    token of the budget and keeps its request's inter-token latency low. Each takes the
-    #    blocks its new tokens need; when none are free, the newest running sequence is
-    #    preempted by recompute (blocks freed, back to the front of the waiting queue, its
-    #    generated tokens kept) until the blocks are there or the sequence preempted itself.
-    # 2) Then, unless this step preempted, admit waiting sequences in policy order (fcfs:
-    #    arrival; sjf: shortest remaining job, except that one waiting sjf_max_wait_steps
-    #    goes first) while max_num_seqs and the budget allow, each from the end of its
-    #    longest cached prefix, giving each as much of the rest as the budget has left (a
-    #    chunk), or none unless all of it fits when chunked prefill is off. A sequence is
-    #    admitted only if the blocks that it and the running sequences need to finish their
-    #    prompts and take one more token are free (a watermark): otherwise admitting it would
-    #    only get it preempted, its work lost. Admission stops at the first that does not fit.
+    #    token of the budget and keeps its request's inter-token latency low, where a prefill
+    #    chunk can wait a step at little cost. Each takes the blocks its new tokens need;
+    #    when none are free, the newest running sequence is preempted by recompute (see
+    #    _schedule_running).
+    # 2) Then, unless this step preempted, admit waiting sequences in policy order while
+    #    max_num_seqs and the token budget allow, each from the end of its longest cached
+    #    prefix, with as much of the rest as the budget has left (a chunk), or none unless all
+    #    of it fits when chunked prefill is off. Admission stops at the first that does not
+    #    fit (see _schedule_waiting).
     # static (request-level batching) admits only when nothing runs, a whole batch at once.
-    def schedule(self) -> dict[Sequence, int]:
-        """The next step's batch: each scheduled sequence -> its number of new tokens."""
+    def schedule(self) -> SchedulerOutput:
+        """The next step's batch, and who was admitted and preempted to make it."""
         self.num_steps += 1
+        output = SchedulerOutput()
         if self.policy == "static" and not self.running:
-            self._admit_static_batch()
-        budget, scheduled = self.max_num_batched_tokens, {}
-        num_preemptions = self.num_preemptions
-        # 1) running: decodes first (a stable sort keeps admission order within each group)
-        for seq in sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1):
-            num_new = self._num_new_tokens(seq, budget)
-            if seq.status != SequenceStatus.RUNNING or num_new == 0:
+            self._admit_static_batch(output)
+        budget = self._schedule_running(output)
+        if self.policy == "static":
+            return output
+        # A step that preempted admits no one: memory ran out, and the running sequences need
+        # the free blocks for their next tokens. Whoever was admitted now would be the next
+        # victim, its work lost (thrashing); the preempted ones wait at the front instead.
+        if output.preempted:
+            return output
+        self._schedule_waiting(output, budget)
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput) -> int:
+        """Schedule the running sequences, decodes first, preempting the newest running
+        sequence while blocks are short; return the token budget left.
+
+        Worked example: four blocks of 4 tokens, all held. Running in admission order:
+        A (8 tokens computed, 2 blocks), B (4 computed, 1 block), C (3 computed, 1 block),
+        each decoding one token. A's 9th token needs a 3rd block: none is free, so C, the
+        newest, is preempted and its block goes to A. B's 5th token needs a 2nd block: none
+        is free, and the newest running sequence is now B itself, so B preempts itself.
+        This step runs A alone; B and then C wait at the front of the queue."""
+        budget = self.max_num_batched_tokens
+        decodes_first = sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1)
+        for seq in decodes_first:  # a stable sort: admission order within each group
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop to make room for an older one
+            num_new = self._num_new_tokens(seq.num_uncomputed_tokens, budget)
+            if num_new == 0:
                 continue
             while not seq.block_table.ensure(seq.num_computed_tokens + num_new):
-                victim = self.running[-1]
-                budget += scheduled.pop(victim, 0)
+                victim = self.running[-1]  # the newest: the least work to redo
+                budget += output.num_scheduled_tokens.pop(victim, 0)  # if it was scheduled
                 self._preempt(victim)
-                if victim is seq:
+                output.preempted.append(victim)
+                if victim is seq:  # nothing newer was left to preempt
                     break
-            if seq.status == SequenceStatus.RUNNING:
-                scheduled[seq] = num_new
-                budget -= num_new
-        if self.policy == "static" or self.num_preemptions > num_preemptions:
-            return scheduled
-        # 2) waiting, in policy order
-        while len(self.running) < self.max_num_seqs and (seq := self.waiting.peek(self.num_steps)):
-            self._take_cached_prefix(seq)
-            num_new = self._num_new_tokens(seq, budget)
-            if num_new == 0 or not self._fits_above_watermark(seq):
-                seq.block_table.release()
-                seq.num_computed_tokens = 0
-                break
-            seq.block_table.ensure(seq.num_computed_tokens + num_new)
-            self._admit(seq)
-            scheduled[seq] = num_new
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            output.num_scheduled_tokens[seq] = num_new
             budget -= num_new
-        return scheduled
+        return budget
 
-    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
-        n = seq.num_uncomputed_tokens
-        return 0 if n > budget and not self.enable_chunked_prefill else min(n, budget)
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        """Admit waiting sequences in policy order while max_num_seqs, the budget and the
+        blocks allow; each looks up its cached prefix before it takes anything."""
+        while len(self.running) < self.max_num_seqs:
+            seq = self.waiting.peek(self.num_steps)
+            if seq is None:
+                return
+            cached_hashes, cached_block_ids = self._find_cached_prefix(seq)
+            num_cached = len(cached_block_ids) * self.block_pool.block_size
+            num_new = self._num_new_tokens(len(seq.token_ids) - num_cached, budget)
+            if num_new == 0 or not self._fits_beside_running(seq, cached_block_ids):
+                return
+            seq.block_table.take_cached_prefix(cached_hashes, cached_block_ids)
+            seq.num_computed_tokens = num_cached
+            took_blocks = seq.block_table.ensure(num_cached + num_new)
+            assert took_blocks, "_fits_beside_running counted these blocks as free"
+            self._admit(seq, output)
+            output.num_scheduled_tokens[seq] = num_new
+            budget -= num_new
 
-    def _fits_above_watermark(self, seq: Sequence) -> bool:
-        """Whether the blocks that seq and every running sequence need to compute all their
-        tokens and one more are free: one admitted on a chunk's blocks would be preempted."""
-        return self.block_pool.can_allocate(sum(s.block_table.num_missing_blocks(
-            len(s.token_ids) + 1) for s in (seq, *self.running)))
+    def _num_new_tokens(self, num_uncomputed: int, budget: int) -> int:
+        """How many of a sequence's uncomputed tokens this step can take: all that the budget
+        has room for, or (chunked prefill off) all of them or none."""
+        if num_uncomputed > budget and not self.enable_chunked_prefill:
+            return 0
+        return min(num_uncomputed, budget)
 
-    def _admit_static_batch(self) -> None:
-        while len(self.running) < self.max_num_seqs and (seq := self.waiting.peek(self.num_steps)):
-            self._take_cached_prefix(seq)
-            self._admit(seq)
+    def _find_cached_prefix(self, seq: Sequence) -> tuple[list[bytes], list[int]]:
+        """The block hashes and ids of seq's longest cached prefix; none for a request that
+        asked for prompt log-probabilities, which needs every prompt token computed."""
+        if seq.params.prompt_logprobs is not None:
+            return [], []
+        return self.block_pool.find_cached_prefix(seq.token_ids)
 
-    def _take_cached_prefix(self, seq: Sequence) -> None:
-        if seq.params.prompt_logprobs is None:  # those need every prompt token computed
-            seq.num_computed_tokens = seq.block_table.take_cached_prefix(seq.token_ids)
+    def _fits_beside_running(self, seq: Sequence, cached_block_ids: list[int]) -> bool:
+        """Whether the free blocks cover what seq (starting from its cached blocks) and every
+        running sequence need to compute all their tokens and take one more.
 
-    def _admit(self, seq: Sequence) -> None:
+        This is our admission rule. vLLM's watermark holds a fixed share of the blocks free
+        (1%); ours reserves exactly the blocks the running sequences will ask for, because a
+        sequence admitted on a chunk's worth of blocks would be preempted as soon as the
+        others grew, its work lost. Cached blocks that nobody holds count as free until seq
+        takes them, so they are subtracted from what is free."""
+        block_size = self.block_pool.block_size
+        needed = cdiv(len(seq.token_ids) + 1, block_size) - len(cached_block_ids)
+        for running in self.running:
+            needed += running.block_table.num_missing_blocks(len(running.token_ids) + 1)
+        free = self.block_pool.num_free_blocks - self.block_pool.count_free(cached_block_ids)
+        return needed <= free
+
+    def _admit_static_batch(self, output: SchedulerOutput) -> None:
+        """static: admit up to max_num_seqs at once; _schedule_running then gives them blocks."""
+        while len(self.running) < self.max_num_seqs:
+            seq = self.waiting.peek(self.num_steps)
+            if seq is None:
+                return
+            cached_hashes, cached_block_ids = self._find_cached_prefix(seq)
+            seq.block_table.take_cached_prefix(cached_hashes, cached_block_ids)
+            seq.num_computed_tokens = len(cached_block_ids) * self.block_pool.block_size
+            self._admit(seq, output)
+
+    def _admit(self, seq: Sequence, output: SchedulerOutput) -> None:
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        if seq.num_cached_tokens is None:  # first admission: what the prefix cache held
+        if seq.num_cached_tokens is None:  # its first admission, not a resumption
             seq.num_cached_tokens = seq.num_computed_tokens
+            output.newly_admitted[seq] = seq.num_cached_tokens
 
     def _preempt(self, seq: Sequence) -> None:
+        """Preemption by recompute: free its blocks and forget its progress; its tokens stay."""
         seq.block_table.release()
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -224,10 +309,11 @@ class Scheduler:
         self.waiting.push(seq, front=True)
         self.num_preemptions += 1
 
-    def update(self, scheduled: dict[Sequence, int], sampled: dict[Sequence, int]) -> None:
+    def update(self, num_scheduled_tokens: dict[Sequence, int],
+               sampled: dict[Sequence, int]) -> None:
         """After the model ran: advance each scheduled sequence's num_computed_tokens and cache
         the blocks it filled, append the sampled tokens, finish at end-of-text or max_tokens."""
-        for seq, num_new in scheduled.items():
+        for seq, num_new in num_scheduled_tokens.items():
             seq.num_computed_tokens += num_new
             seq.block_table.cache_full_blocks(seq.token_ids, seq.num_computed_tokens)
         for seq, token in sampled.items():

@@ -87,7 +87,7 @@ def new_seq(engine: Engine, tokens: list[int], seq_id: str = "s") -> Sequence:
                          ids=["prefill", "chunked-prefill", "uneven-chunks", "decode"])
 @torch.inference_mode()
 def test_paged_logits_equal_dense_forward(chunks):
-    """Engine.execute, chunk by chunk: the logits at each chunk's end equal a dense forward's."""
+    """Engine.run_batch, chunk by chunk: the logits at each chunk's end equal a dense forward's."""
     engine = tiny(block_size=8).engine
     tokens = torch.randint(0, 257, (sum(chunks),), generator=torch.Generator().manual_seed(0))
     dense = engine.model.forward_dense(tokens[None])[0]
@@ -96,7 +96,7 @@ def test_paged_logits_equal_dense_forward(chunks):
         end = seq.num_computed_tokens + n
         seq.token_ids = tokens[:end].tolist()  # ends with the chunk: it samples there
         assert seq.block_table.ensure(end)
-        paged.append(engine.execute({seq: n}).logits[0])
+        paged.append(engine.run_batch({seq: n}).logits[0])
         seq.num_computed_tokens, ends = end, ends + [end - 1]
     seq.block_table.release()
     rel = (torch.stack(paged) - dense[ends]).abs().max() / dense.abs().max()
@@ -106,14 +106,14 @@ def test_paged_logits_equal_dense_forward(chunks):
 
 @torch.inference_mode()
 def test_paged_logits_equal_dense_forward_at_every_position():
-    """One execute over 30 sequences, the prefixes of one text: row i is position i's logits."""
+    """One run_batch over 30 sequences, the prefixes of one text: row i is position i's logits."""
     engine = tiny(block_size=8).engine
     tokens = torch.randint(0, 257, (30,), generator=torch.Generator().manual_seed(1))
     dense = engine.model.forward_dense(tokens[None])[0]
     seqs = [new_seq(engine, tokens[:i + 1].tolist(), str(i)) for i in range(30)]
     for seq in seqs:
         assert seq.block_table.ensure(len(seq.token_ids))
-    paged = engine.execute({seq: len(seq.token_ids) for seq in seqs}).logits
+    paged = engine.run_batch({seq: len(seq.token_ids) for seq in seqs}).logits
     assert (paged - dense).abs().max() / dense.abs().max() < 1e-4
 
 
@@ -200,7 +200,7 @@ BATCHES = {
 
 def make_batch(seq_shapes, block_size, head_dim, dtype=torch.float32, seed=0, width=None,
                device=DEVICE):
-    """Random q, caches and metadata as Engine._prepare builds them: shuffled blocks, 0-padding.
+    """Random q, caches and metadata as Engine._prepare_inputs builds them: shuffled blocks, 0-padding.
 
     Block tables are `width` columns wide (default: just wide enough for the longest sequence),
     padded with block 0, as the engine pads them to cdiv(max_model_len, block_size).
@@ -831,21 +831,22 @@ def test_decodes_are_scheduled_before_prefills():
     scheduler, block_pool = make_scheduler(budget=8)
     prefill = running_seq(scheduler, block_pool, "p", 30, 8)  # admitted first
     decode = running_seq(scheduler, block_pool, "d", 5, 4)     # one uncomputed token
-    assert list(scheduler.schedule().items()) == [(decode, 1), (prefill, 7)]
+    assert list(scheduler.schedule().num_scheduled_tokens.items()) == [(decode, 1), (prefill, 7)]
 
 
 def test_newest_running_sequence_is_preempted_first():
     scheduler, block_pool = make_scheduler(num_blocks=4)
     old, mid, new = (running_seq(scheduler, block_pool, s, 5, 4) for s in "omn")  # 1 block each
-    scheduled = scheduler.schedule()  # each needs a 2nd block for token 5; none is free
+    output = scheduler.schedule()  # each needs a 2nd block for token 5; none is free
     assert new.status == SequenceStatus.WAITING and new.block_table.block_ids == []
-    assert scheduled == {old: 1, mid: 1} and scheduler.num_preemptions == 1
+    assert output.num_scheduled_tokens == {old: 1, mid: 1} and output.preempted == [new]
+    assert scheduler.num_preemptions == 1
 
 
 def test_chunks_never_exceed_the_token_budget():
     llm, sizes = tiny(max_num_batched_tokens=24), []
     real = llm.engine.scheduler.schedule
-    llm.engine.scheduler.schedule = lambda: (s := real(), sizes.append(sum(s.values())))[0]
+    llm.engine.scheduler.schedule = lambda: (s := real(), sizes.append(sum(s.num_scheduled_tokens.values())))[0]
     llm.generate(PROMPTS, GREEDY)
     assert max(sizes) == 24 and len(sizes) > 40
 
@@ -858,7 +859,7 @@ def test_sjf_runs_the_shortest_job_first_and_bounds_starvation():
         scheduler.add(seq)
     order = []
     for _ in range(3):
-        order += [seq.seq_id for seq in scheduler.schedule()]
+        order += [seq.seq_id for seq in scheduler.schedule().num_scheduled_tokens]
         scheduler.finish(scheduler.running[0], SequenceStatus.FINISHED_LENGTH)
     assert order == ["short", "long", "medium"]  # at step 2 "long" has waited 2 steps
 
@@ -869,11 +870,11 @@ def test_static_admits_only_when_nothing_runs():
             for i in range(3)]
     for seq in seqs:
         scheduler.add(seq)
-    assert list(scheduler.schedule()) == seqs[:2]
+    assert list(scheduler.schedule().num_scheduled_tokens) == seqs[:2]
     scheduler.finish(seqs[0], SequenceStatus.FINISHED_LENGTH)
-    assert list(scheduler.schedule()) == [seqs[1]]  # seqs[2] waits for the batch to end
+    assert list(scheduler.schedule().num_scheduled_tokens) == [seqs[1]]  # seqs[2] waits
     scheduler.finish(seqs[1], SequenceStatus.FINISHED_LENGTH)
-    assert list(scheduler.schedule()) == [seqs[2]]
+    assert list(scheduler.schedule().num_scheduled_tokens) == [seqs[2]]
 
 
 def test_tight_kv_cache_does_not_thrash():
@@ -893,7 +894,7 @@ def test_slot_of_a_token_follows_its_block_table():
     """The module docstring's example: block table [7, 2, 9], block size 16, token 36 -> 148."""
     table = BlockTable(BlockPool(10, block_size=16))
     table.block_ids = [7, 2, 9]
-    assert table.slots(36, 37) == [148] and table.slots(15, 17) == [127, 32]
+    assert table.slot_mapping(36, 37) == [148] and table.slot_mapping(15, 17) == [127, 32]
 
 
 def test_a_block_returns_to_the_free_list_when_its_count_reaches_zero():
@@ -1039,10 +1040,8 @@ def test_a_fully_cached_prompt_leaves_its_shared_blocks_untouched():
     off = serve_steps(caching_engine(False), {0: [("a", prompt, CACHE_GREEDY)]})
     engine = caching_engine(True)
     serve_steps(engine, {0: [("a", prompt, CACHE_GREEDY)]})
-    table = BlockTable(engine.block_pool)
-    assert table.take_cached_prefix(prompt + [0]) == 32  # the prompt's 4 blocks are cached
-    cached = table.block_ids
-    table.release()  # they stay cached: nothing needs their memory
+    _, cached = engine.block_pool.find_cached_prefix(prompt + [0])
+    assert len(cached) == 4  # the prompt's 4 blocks are cached
     kv = engine.k_cache[:, cached].clone(), engine.v_cache[:, cached].clone()
     on = serve_steps(engine, {0: [("b", prompt, CACHE_GREEDY), ("c", prompt, CACHE_GREEDY)]},
                      seqs=(seqs := {}))
@@ -1433,9 +1432,10 @@ def test_piped_lines_print_whole_completions_in_input_order(capsys, monkeypatch)
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(prompts[:2] + [""] + prompts[2:])))
     status, out, err = nanoserve_main(capsys, "--max-tokens", "30", "--temperature", "0")
     want = LLM().generate(prompts, SamplingParams(max_tokens=30, temperature=0))
-    assert status == 0 and out == "".join(p + o.outputs[0].text + "\n\n"
+    assert status == 1 and out == "".join(p + o.outputs[0].text + "\n\n"
                                           for p, o in zip(prompts, want))
-    assert err == "error: line 3: prompt is empty: it needs at least one token\n"
+    assert err == ("error: line 3: prompt is empty: it needs at least one token\n"
+                   "error: 1 of 4 lines failed\n")
 
 
 def test_jsonl_answers_every_line_in_order(capsys, monkeypatch):
@@ -1443,8 +1443,9 @@ def test_jsonl_answers_every_line_in_order(capsys, monkeypatch):
              '{"prompt": "KING:", "max_tokens": 20, "temperature": 0, "stop": ["e"]}',
              '{"prompt": "x", "foo": 1}', '{"prompt": "x", "temperature": NaN}',
              '{"prompt": [75, 73], "max_tokens": 5, "temperature": 0}']
-    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
-    status, out, _ = nanoserve_main(capsys, "--jsonl")
+    with_blank_lines = lines[:3] + ["", "  "] + lines[3:]  # skipped, but counted as lines
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(with_blank_lines) + "\n"))
+    status, out, err = nanoserve_main(capsys, "--jsonl")
     got = [json.loads(line) for line in out.splitlines()]
     llm = LLM()
     for i in (0, 2, 5):
@@ -1452,10 +1453,13 @@ def test_jsonl_answers_every_line_in_order(capsys, monkeypatch):
         want = llm.generate(fields.pop("prompt"), SamplingParams(**fields))[0].outputs[0]
         assert (got[i]["text"], got[i]["token_ids"], got[i]["finish_reason"]) == (
             want.text, want.token_ids, want.finish_reason)
-    assert [set(r) for r in got[1:5:2]] == [{"error"}] * 2
-    assert "unexpected keyword argument 'foo'" in got[3]["error"]
-    assert got[4] == {"error": "line 5: temperature must be a number in [0, inf], got nan"}
-    assert status == 0 and got[2]["stop_reason"] == "e" and got[5]["prompt"] is None
+    assert got[1]["error"].startswith("line 2: not JSON (Expecting value")
+    assert got[3] == {"error": "line 6: unknown field 'foo'; a line holds \"prompt\" and any of "
+                      "max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, logprobs, "
+                      "prompt_logprobs"}
+    assert got[4] == {"error": "line 7: temperature must be a number in [0, inf], got nan"}
+    assert got[2]["stop_reason"] == "e" and got[5]["prompt"] is None
+    assert (status, err) == (1, "error: 3 of 6 lines failed\n")
 
 
 def test_repl_at_a_terminal_streams_sets_and_stops_on_ctrl_c():
