@@ -1,9 +1,23 @@
 """bench.py: what continuous batching buys, measured. The Anyscale/Orca experiment at this scale.
 
 The same requests (random prompts, exponential output lengths capped at a limit, EOS ignored) on
-the same weights through each of the MODES, at equal batch size and at equal KV memory: offline
-throughput, the steps, online latency (Poisson arrivals), the hardware view against a roofline;
-tables to stdout, all to JSON. --url URL: the online sweep against a server (README: Over HTTP).
+the same weights through each of the MODES; greedy, so every mode must produce the same tokens.
+What it measures, in the order it runs:
+- offline: all requests queued at once, every mode at equal batch size and at equal KV memory:
+  useful output tokens/s, the steps, what each step held (sequences, tokens, KV slots);
+- the hardware view: the paged engine's decode step (its model forward, its host part) beside a
+  dense-cache step and a roofline measured in the same run; the host cost by output length; the
+  cost of sampling;
+- online: Poisson arrivals, vLLM's latency metrics (TTFT, TPOT, ITL, E2E), in process or against
+  an OpenAI-compatible server (--url URL; README: Over HTTP).
+Tables go to stdout, every figure to JSON (--out).
+
+The file, top-down: the modes and the flags (BenchConfig); the workload; the naive baseline
+(Hugging Face's static batching, on model.py's dense path and its DenseKVCache); the offline runs;
+the online runs; the hardware view; the report; main.
+
+Left out: real text (random ids, EOS ignored: every mode computes the same tokens), sampling in
+the experiments (greedy only), and pass/fail goals for the figures (those are prose, in the README).
 
     python bench.py --out bench.json         # about 5 minutes on 2 CPU cores; .ci/gpu: on a GPU
 """
@@ -13,17 +27,18 @@ import os
 import platform
 import sys
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from model import PRESETS
+from model import PRESETS, DenseKVCache
 from kernels import sample
-from nanoserve import Engine, EngineConfig, SamplingParams, add_config_args, check_fields, option
+from nanoserve import (Engine, EngineConfig, SamplingParams, accumulate, add_config_args,
+                       check_fields, option)
 
 MODES = {  # mode -> (what it is, EngineConfig overrides); naive does not use the engine
     "naive": ("naive: padded static batches, dense KV cache", None),
@@ -32,6 +47,7 @@ MODES = {  # mode -> (what it is, EngineConfig overrides); naive does not use th
     "sjf": ("continuous, sjf", dict(policy="sjf")),
     "no-chunk": ("continuous, no chunked prefill", dict(enable_chunked_prefill=False)),
     "no-cache": ("continuous, fcfs, no prefix caching", dict(enable_prefix_caching=False))}
+CONTIGUOUS_MODES = ("naive", "static")  # they reserve prompt + limit KV slots a sequence up front
 
 
 @dataclass
@@ -86,61 +102,84 @@ def parse_args(argv=None) -> BenchConfig:
     return cfg
 
 
+# ----------------------------------------------------------------------------- the workload
+
 def make_workload(cfg: BenchConfig, n: int, limit: int, shared=False) -> tuple[list, list[int]]:
     """n prompts: [the shared prefix +] prompt_len random ids; lengths capped at `limit`."""
-    rng, prefix = np.random.default_rng(cfg.seed), np.random.default_rng(cfg.seed + 2).integers(
-        0, 256, cfg.shared_prefix_len * shared).tolist()
+    prefix_len = cfg.shared_prefix_len if shared else 0
+    prefix = np.random.default_rng(cfg.seed + 2).integers(0, 256, prefix_len).tolist()
+    rng = np.random.default_rng(cfg.seed)
     prompts = [prefix + p for p in rng.integers(0, 256, (n, cfg.prompt_len)).tolist()]
-    return prompts, list(map(int, np.ceil(rng.exponential(cfg.mean_output_len, n)).clip(1, limit)))
+    lengths = np.ceil(rng.exponential(cfg.mean_output_len, n)).clip(1, limit)
+    return prompts, [int(length) for length in lengths]
 
 
 def greedy(length: int) -> SamplingParams:
+    """Exactly `length` greedy tokens: the same in every mode."""
     return SamplingParams(max_tokens=length, temperature=0, ignore_eos=True)
 
 
-def dense_forward(model, idx, positions, mask, caches, start: int) -> torch.Tensor:
-    """The last position's logits (B, vocab) of new tokens idx (B, T) at positions (B, T); their K/V
-    go to caches[layer] = (k, v) (B, H, max_len, D) at start..; mask (B, 1, T, start+T) or None."""
-    tr = model.transformer
-    x = tr.wte(idx) + tr.wpe(positions)  # (B, T, C)
-    B, T, C = x.shape
-    for block, (k_cache, v_cache) in zip(tr.h, caches):
-        attn = block.attn
-        q, k, v = attn.c_attn(block.ln_1(x)).split(C, dim=-1)
-        q, k, v = (t.view(B, T, attn.n_head, attn.head_dim).transpose(1, 2) for t in (q, k, v))
-        k_cache[:, :, start:start + T], v_cache[:, :, start:start + T] = k, v  # (B, H, T, D)
-        y = F.scaled_dot_product_attention(q, k_cache[:, :, :start + T],
-                                           v_cache[:, :, :start + T], attn_mask=mask)
-        x = x + attn.c_proj(y.transpose(1, 2).reshape(B, T, C))
-        x = x + block.mlp(block.ln_2(x))
-    return model.compute_logits(tr.ln_f(x[:, -1]))
+@dataclass
+class StepLog:
+    """What one step held, in every mode alike (naive's from its own arithmetic)."""
+    seqs: int       # sequences in the step
+    tokens: int     # tokens computed: prompt tokens and decodes
+    kv_real: int    # KV slots holding a real token after the step: prompts, outputs fed back
+    kv_slots: int   # KV slots taken: naive, its dense cache; paged, the blocks in use
 
 
-def new_caches(model, batch: int, max_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    w, shape = model.lm_head.weight, (batch, model.config.n_head, max_len, model.config.head_dim)
-    return [(w.new_zeros(shape), w.new_zeros(shape)) for _ in range(model.config.n_layer)]
+# ----------------------------------------------------------------------------- naive baseline
+
+def last_logits(model, idx, positions, cache: DenseKVCache, mask=None) -> torch.Tensor:
+    """Logits (B, vocab) at the last of new tokens idx (B, T), their K/V appended to `cache`;
+    model.py's dense path (GPT.dense_hidden_states) says what positions and mask are."""
+    hidden = model.dense_hidden_states(idx, positions, cache, mask)  # (B, T, C)
+    return model.compute_logits(hidden[:, -1])
 
 
 @torch.inference_mode()
-def naive_batch(model, prompts: list[list[int]], lengths: list[int], log: list) -> list[list[int]]:
-    """A static batch the Hugging Face way: prompts left-padded, a dense cache, rows to the end."""
-    dev, B, P, L = model.lm_head.weight.device, len(prompts), max(map(len, prompts)), max(lengths)
-    pads = torch.tensor([P - len(p) for p in prompts], device=dev)
+def naive_batch(model, prompts: list[list[int]], lengths: list[int],
+                log: list[StepLog]) -> list[list[int]]:
+    """A static batch the Hugging Face way: prompts left-padded to the longest (P), a dense
+    cache of P + the longest output (L) slots a row, every row stepped until the longest is
+    done. Appends what each step held to `log`; returns each row's tokens."""
+    dev = model.lm_head.weight.device
+    B = len(prompts)
+    P = max(map(len, prompts))
+    L = max(lengths)
+    pads = torch.tensor([P - len(p) for p in prompts], device=dev)              # (B,)
     idx = torch.tensor([[0] * (P - len(p)) + p for p in prompts], device=dev)  # (B, P)
     valid = torch.arange(P + L, device=dev)[None] >= pads[:, None]              # (B, P+L) keys
     causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
-    mask = (causal & valid[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=dev)  # pads: self
-    positions = (torch.arange(P, device=dev)[None] - pads[:, None]).clamp(min=0)
-    caches = new_caches(model, B, P + L)
-    tokens = [dense_forward(model, idx, positions, mask[:, None], caches, 0).argmax(-1)]
+    itself = torch.eye(P, dtype=torch.bool, device=dev)  # a pad sees itself (no key: NaN)
+    prompt_mask = (causal & valid[:, None, :P]) | itself                         # (B, P, P)
+    positions = (torch.arange(P, device=dev)[None] - pads[:, None]).clamp(min=0)  # (B, P)
+    cache = DenseKVCache.zeros(model.config, B, P + L, model.lm_head.weight)
+    tokens = [last_logits(model, idx, positions, cache, prompt_mask[:, None]).argmax(-1)]  # (B,)
     for t in range(1, L):
-        mask = None if not pads.any() else valid[:, None, None, :P + t]
-        tokens.append(dense_forward(model, tokens[-1][:, None], positions[:, -1:] + t, mask,
-                                    caches, P + t - 1).argmax(-1))
-    log += [(B, B * P if t == 0 else B, sum(len(p) + min(t, n - 1) for p, n in zip(  # cached
-        prompts, lengths)), B * (P + L)) for t in range(L)]  # after step t: prompts, outputs
-    return [row[:n] for row, n in zip(torch.stack(tokens, 1).tolist(), lengths)]  # (B, L) rows
+        mask = valid[:, None, None, :P + t] if pads.any() else None  # (B, 1, 1, P + t)
+        logits = last_logits(model, tokens[-1][:, None], positions[:, -1:] + t, cache, mask)
+        tokens.append(logits.argmax(-1))
+    log += naive_steps(prompts, lengths)
+    rows = torch.stack(tokens, 1).tolist()  # (B, L)
+    return [row[:n] for row, n in zip(rows, lengths)]
 
+
+def naive_steps(prompts: list[list[int]], lengths: list[int]) -> list[StepLog]:
+    """What each step of naive_batch held: every row, at every step, in a cache of the
+    padded prompt + the longest output; the padded prompts first, then a token a row."""
+    B = len(prompts)
+    P = max(map(len, prompts))
+    L = max(lengths)
+    steps = []
+    for t in range(L):  # after step t: every prompt, and the outputs fed back so far
+        kv_real = sum(len(p) + min(t, n - 1) for p, n in zip(prompts, lengths))
+        tokens = B * P if t == 0 else B
+        steps.append(StepLog(seqs=B, tokens=tokens, kv_real=kv_real, kv_slots=B * (P + L)))
+    return steps
+
+
+# ----------------------------------------------------------------------------- offline runs
 
 def make_engine(cfg: BenchConfig, mode: str = "fcfs", limit: int = 0, **overrides) -> Engine:
     """A fresh engine for `mode`, on the same seeded weights as every other."""
@@ -155,80 +194,215 @@ def make_engine(cfg: BenchConfig, mode: str = "fcfs", limit: int = 0, **override
 
 def run_offline(cfg: BenchConfig, mode: str, prompts, lengths, limit: int, model=None):
     """All requests queued at once, run to the end: (useful tokens/s, what steps held; outputs)."""
-    log, B, N = [], cfg.max_num_seqs, len(prompts)
     if mode == "naive":
-        start, preemptions, hit_rate = time.perf_counter(), 0, 0.0
-        outputs = [out for i in range(0, N, B)
-                   for out in naive_batch(model, prompts[i:i + B], lengths[i:i + B], log)]
-    else:
-        engine = make_engine(cfg, mode, limit)
-        start, done, engine.step_records = time.perf_counter(), {}, []
-        for i, (prompt, n) in enumerate(zip(prompts, lengths)):
-            engine.add_request(prompt, greedy(n), str(i))
-        while engine.has_unfinished():
-            for o in engine.step():  # deltas: the tokens new since the request's last output
-                done.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
-                if o.finished and (k := int(o.request_id)) + N < N * cfg.turns:  # its next turn
-                    engine.add_request(o.prompt_token_ids + done[o.request_id] + prompts[k % N][
-                        -cfg.prompt_len:], greedy(lengths[k % N]), str(k + N))
-        log = [(len(r.scheduled), sum(r.scheduled.values()), r.num_kv_tokens,  # as naive's
-                r.kv_blocks_used * engine.block_pool.block_size) for r in engine.step_records]
-        outputs = [done[str(k)] for k in range(N * cfg.turns)]  # turn by turn
-        preemptions = sum(len(r.preempted) for r in engine.step_records)
-        hit_rate = engine.stats.num_cached_tokens / engine.stats.num_prompt_tokens  # prefix cache
-    wall, num_tokens = time.perf_counter() - start, sum(map(len, outputs))
-    seqs, tokens, real, slots = np.array(log, dtype=np.float64).T
+        return run_offline_naive(cfg, model, prompts, lengths)
+    return run_offline_engine(cfg, mode, prompts, lengths, limit)
+
+
+def run_offline_naive(cfg: BenchConfig, model, prompts, lengths):
+    """The requests in static batches of max_num_seqs, in order: (figures, outputs)."""
+    B = cfg.max_num_seqs
+    log = []
+    outputs = []
+    start = time.perf_counter()
+    for i in range(0, len(prompts), B):
+        outputs += naive_batch(model, prompts[i:i + B], lengths[i:i + B], log)
+    wall = time.perf_counter() - start
+    return offline_figures(outputs, log, wall, preemptions=0, hit_rate=0.0), outputs
+
+
+def run_offline_engine(cfg: BenchConfig, mode: str, prompts, lengths, limit: int):
+    """Every conversation's first turn queued at once, the engine stepped to the end; a finished
+    turn queues its conversation's next. (figures, outputs: turn by turn)."""
+    engine = make_engine(cfg, mode, limit)
+    engine.step_records = []
+    whole = {}  # request id -> its output so far
+    start = time.perf_counter()
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+        engine.add_request(prompt, greedy(n), str(i))
+    while engine.has_unfinished():
+        for delta in engine.step():  # the tokens new since the request's last output
+            accumulate(whole, delta)
+            if delta.finished:
+                add_next_turn(cfg, engine, whole[delta.request_id], prompts, lengths)
+    wall = time.perf_counter() - start
+    block_size = engine.block_pool.block_size
+    log = [StepLog(seqs=len(r.scheduled), tokens=sum(r.scheduled.values()),
+                   kv_real=r.num_kv_tokens, kv_slots=r.kv_blocks_used * block_size)
+           for r in engine.step_records]
+    outputs = [whole[str(k)].outputs[0].token_ids for k in range(len(prompts) * cfg.turns)]
+    preemptions = sum(len(r.preempted) for r in engine.step_records)
+    hit_rate = engine.stats.num_cached_tokens / engine.stats.num_prompt_tokens  # prefix cache
+    return offline_figures(outputs, log, wall, preemptions, hit_rate), outputs
+
+
+def add_next_turn(cfg: BenchConfig, engine: Engine, finished, prompts, lengths) -> None:
+    """The next turn of a finished request's conversation, if it has one: request k + N after
+    k (N conversations), its prompt the finished turn's prompt and answer, then the
+    conversation's own prompt tokens again (not the shared prefix)."""
+    N = len(prompts)
+    k = int(finished.request_id)
+    if k + N >= N * cfg.turns:  # its last turn
+        return
+    history = finished.prompt_token_ids + finished.outputs[0].token_ids
+    conversation = k % N
+    prompt = history + prompts[conversation][-cfg.prompt_len:]
+    engine.add_request(prompt, greedy(lengths[conversation]), str(k + N))
+
+
+def offline_figures(outputs, log: list[StepLog], wall: float, preemptions: int,
+                    hit_rate: float) -> dict:
+    """An offline run's figures, from its outputs, its steps and its wall time."""
+    num_tokens = sum(map(len, outputs))
+    seqs = np.array([s.seqs for s in log], dtype=np.float64)
+    tokens = np.array([s.tokens for s in log], dtype=np.float64)
+    kv_real = np.array([s.kv_real for s in log], dtype=np.float64)
+    kv_slots = np.array([s.kv_slots for s in log], dtype=np.float64)
     return dict(output_tokens=num_tokens, wall_s=wall, tok_s=num_tokens / wall, steps=len(log),
                 ms_per_step=wall / len(log) * 1e3, tokens_computed=int(tokens.sum()),
                 seqs_per_step=seqs.mean(), seqs_peak=int(seqs.max()), tokens_per_step=tokens.mean(),
-                kv_slots_mean=slots.mean(), kv_slots_peak=int(slots.max()),
-                kv_real_share=real.sum() / slots.sum(), preemptions=preemptions,
-                prefix_hit_rate=hit_rate), outputs
+                kv_slots_mean=kv_slots.mean(), kv_slots_peak=int(kv_slots.max()),
+                kv_real_share=kv_real.sum() / kv_slots.sum(), preemptions=preemptions,
+                prefix_hit_rate=hit_rate)
 
+
+def mode_config(cfg: BenchConfig, mode: str, equal_memory: bool, sequence_len: int) -> BenchConfig:
+    """At equal batch size: cfg. At equal KV memory, kv_budget tokens of KV each: naive and
+    static reserve a whole sequence (prompt + limit) up front, as Hugging Face and
+    FasterTransformer did, so run as many as fit; the paged modes take slots as they go."""
+    if not equal_memory:
+        return cfg
+    if mode in CONTIGUOUS_MODES:
+        batch = min(cfg.num_requests, cfg.kv_budget // sequence_len)
+    else:
+        batch = cfg.memory_max_num_seqs
+    return replace(cfg, kv_cache_tokens=cfg.kv_budget, max_num_seqs=batch)
+
+
+def offline(cfg: BenchConfig, model, equal_memory: bool, progress) -> dict:
+    """Every mode on the same requests at each limit, at equal batch size or equal memory."""
+    found = {}
+    experiment = "memory" if equal_memory else "batch"
+    for limit in cfg.limits:
+        prompts, lengths = make_workload(cfg, cfg.num_requests, limit, shared=True)
+        runs = {}
+        first = None  # the first mode's outputs
+        for mode in cfg.modes:
+            mode_cfg = mode_config(cfg, mode, equal_memory, len(prompts[0]) + limit)
+            run, outputs = run_offline(mode_cfg, mode, prompts, lengths, limit, model)
+            if first is None:
+                first = outputs
+            same = [a == b for a, b in zip(outputs, first)]  # greedy: no mode changes a token
+            run["max_num_seqs"] = mode_cfg.max_num_seqs
+            run["same_tokens"] = float(np.mean(same))
+            runs[mode] = run
+            progress(f"offline, equal {experiment}, limit {limit}, {mode}: "
+                     f"{run['tok_s']:.0f} tok/s")
+        add_ratios(runs)
+        found[str(limit)] = dict(lengths=lengths, modes=runs)
+    return found
+
+
+def add_ratios(runs: dict) -> None:
+    """Each mode's throughput over naive's, static's and no-cache's (None: not run), and
+    static's steps over its own: its gain if every step cost the same."""
+    for run in runs.values():
+        for base in ("naive", "static", "no-cache"):
+            run[f"vs_{base}"] = run["tok_s"] / runs[base]["tok_s"] if base in runs else None
+        run["steps_vs_static"] = None
+        if "static" in runs:
+            run["steps_vs_static"] = runs["static"]["steps"] / run["steps"]
+
+
+# ----------------------------------------------------------------------------- online runs
 
 def run_online(cfg: BenchConfig, mode: str, prompts, lengths, rate: float) -> dict:
-    """Poisson arrivals at `rate`/s: in process, a clock that skips idle time; "http": threads."""
+    """Poisson arrivals at `rate`/s, through the server at cfg.url ("http") or in process."""
     gaps = np.random.default_rng(cfg.seed + 1).exponential(1 / rate, len(prompts))
-    arrivals = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
+    arrivals = np.concatenate([[0.0], np.cumsum(gaps[:-1])])  # s after the first
     if mode == "http":
-        def send(arrival, prompt, n):  # the times (s after start) of its chunks; its tokens
-            time.sleep(max(0.0, start + arrival - time.perf_counter()))
-            times, tokens = [], None
-            for line in http_open(cfg.url, "/v1/completions", dict(
-                    model=model, prompt=prompt, max_tokens=n, temperature=0, ignore_eos=True,
-                    stream=True, stream_options=dict(include_usage=True))):  # "data: {json}"
-                chunk = json.loads(line[5:]) if line.startswith(b"data: {") else {}
-                if chunk.get("choices"):  # a chunk of text (or held back), as vLLM times them
-                    times.append(time.perf_counter() - start)
-                tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
-            if not times:  # not a stream of OpenAI's chunks
-                raise ConnectionError(f"{cfg.url}/v1/completions streamed no choices")
-            return times, tokens or len(times)  # tokens: the usage chunk's count, or a chunk's
-        model = json.load(http_open(cfg.url, "/v1/models"))["data"][0]["id"]  # the first listed
-        start = time.perf_counter()
-        times, tokens = zip(*ThreadPoolExecutor(len(prompts)).map(send, arrivals, prompts, lengths))
+        times, tokens = run_online_http(cfg, arrivals, prompts, lengths)
     else:
-        engine = make_engine(cfg, mode, cfg.online_limit)
-        times, clock, i = [[] for _ in prompts], 0.0, 0
-        while i < len(prompts) or engine.has_unfinished():
-            clock = clock if engine.has_unfinished() else max(clock, arrivals[i])  # idle: a jump
-            start = time.perf_counter()
-            while i < len(prompts) and arrivals[i] <= clock:
-                engine.add_request(prompts[i], greedy(lengths[i]), str(i))
-                i += 1
-            outputs = engine.step()
-            clock += time.perf_counter() - start
-            for o in outputs:
-                times[int(o.request_id)].append(clock)
-        tokens = [len(t) for t in times]
-    # vLLM's metrics: TTFT, TPOT (e2e - ttft) / (n - 1), ITL (token gaps; HTTP: chunks), E2E
-    summary = lambda xs: dict(zip(("mean", "p50", "p99"), [np.mean(xs), *np.percentile(  # noqa
-        xs, [50, 99])] if len(xs) else [None] * 3))
-    duration, num_tokens = max(t[-1] for t in times) - arrivals[0], sum(tokens)
-    return dict(ttft=summary([t[0] - a for a, t in zip(arrivals, times)]),
-                tpot=summary([(t[-1] - t[0]) / (n - 1) for t, n in zip(times, tokens) if n > 1]),
-                itl=summary(np.concatenate([np.diff(t) for t in times])),
-                e2e=summary([t[-1] - a for a, t in zip(arrivals, times)]),
+        times = run_online_engine(cfg, mode, arrivals, prompts, lengths)
+        tokens = [len(t) for t in times]  # a token a step
+    return latency_figures(arrivals, times, tokens)
+
+
+def run_online_http(cfg: BenchConfig, arrivals, prompts, lengths) -> tuple[list, list]:
+    """Each request sent from its own thread at its arrival, streamed: (each one's chunk times,
+    s after the start; each one's tokens)."""
+    model = json.load(http_open(cfg.url, "/v1/models"))["data"][0]["id"]  # the first listed
+    start = time.perf_counter()
+
+    def send(arrival: float, prompt: list[int], n: int) -> tuple[list[float], int]:
+        time.sleep(max(0.0, start + arrival - time.perf_counter()))
+        body = dict(model=model, prompt=prompt, max_tokens=n, temperature=0, ignore_eos=True,
+                    stream=True, stream_options=dict(include_usage=True))
+        return stream_times(cfg.url, body, start)
+
+    pool = ThreadPoolExecutor(len(prompts))  # a thread a request: each waits for its arrival
+    results = list(pool.map(send, arrivals, prompts, lengths))
+    times = [chunk_times for chunk_times, _ in results]
+    tokens = [num_tokens for _, num_tokens in results]
+    return times, tokens
+
+
+def stream_times(url: str, body: dict, start: float) -> tuple[list[float], int]:
+    """POST a streamed completion: the times (s after start) of its chunks, and its tokens (the
+    usage chunk's count; without one, a token a chunk)."""
+    times = []
+    tokens = None
+    for line in http_open(url, "/v1/completions", body):  # "data: {json}", "data: [DONE]", ""
+        chunk = json.loads(line[5:]) if line.startswith(b"data: {") else {}
+        if chunk.get("choices"):  # a chunk of text (or held back), as vLLM times them
+            times.append(time.perf_counter() - start)
+        usage = chunk.get("usage") or {}
+        tokens = usage.get("completion_tokens", tokens)
+    if not times:  # not a stream of OpenAI's chunks
+        raise ConnectionError(f"{url}/v1/completions streamed no choices")
+    if not tokens:  # no usage chunk
+        return times, len(times)
+    return times, tokens
+
+
+def run_online_engine(cfg: BenchConfig, mode: str, arrivals, prompts, lengths) -> list[list]:
+    """The engine in process on a clock that counts its steps' wall time and skips idle time
+    (an idle engine jumps to the next arrival): each request's token times on that clock."""
+    engine = make_engine(cfg, mode, cfg.online_limit)
+    times = [[] for _ in prompts]
+    clock = 0.0
+    i = 0  # the next request to arrive
+    while i < len(prompts) or engine.has_unfinished():
+        if not engine.has_unfinished():  # idle: jump to the next arrival
+            clock = max(clock, arrivals[i])
+        start = time.perf_counter()
+        while i < len(prompts) and arrivals[i] <= clock:
+            engine.add_request(prompts[i], greedy(lengths[i]), str(i))
+            i += 1
+        outputs = engine.step()
+        clock += time.perf_counter() - start
+        for o in outputs:
+            times[int(o.request_id)].append(clock)
+    return times
+
+
+def summary(xs) -> dict:
+    """Mean, median and 99th percentile of xs; None each when there are none."""
+    if len(xs) == 0:
+        return dict(mean=None, p50=None, p99=None)
+    return dict(mean=np.mean(xs), p50=np.percentile(xs, 50), p99=np.percentile(xs, 99))
+
+
+def latency_figures(arrivals, times: list[list[float]], tokens: list[int]) -> dict:
+    """vLLM's metrics: TTFT, TPOT (e2e - ttft) / (n - 1), ITL (the gaps between tokens; over
+    HTTP, between chunks), E2E; and the throughputs over the whole run."""
+    ttft = [t[0] - a for a, t in zip(arrivals, times)]
+    tpot = [(t[-1] - t[0]) / (n - 1) for t, n in zip(times, tokens) if n > 1]
+    itl = np.concatenate([np.diff(t) for t in times])
+    e2e = [t[-1] - a for a, t in zip(arrivals, times)]
+    duration = max(t[-1] for t in times) - arrivals[0]
+    num_tokens = sum(tokens)
+    return dict(ttft=summary(ttft), tpot=summary(tpot), itl=summary(itl), e2e=summary(e2e),
                 requests=len(times), output_tokens=num_tokens, duration_s=duration,
                 request_throughput=len(times) / duration, output_throughput=num_tokens / duration)
 
@@ -236,13 +410,18 @@ def run_online(cfg: BenchConfig, mode: str, prompts, lengths, rate: float) -> di
 def http_open(url: str, path: str, body: dict | None = None):
     """GET url + path, or POST body as JSON (no proxy); errors: a one-line ConnectionError."""
     try:
-        return urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
-            urllib.request.Request(url.rstrip("/").removesuffix("/v1") + path, body and json.dumps(
-                body).encode(), {"Content-Type": "application/json"}), timeout=600)
-    except Exception as e:  # an HTTPError holds the server's answer: OpenAI's error, as JSON
-        raise ConnectionError(f"{url}{path} answered {e.code}: {e.read().decode()}" if hasattr(
-            e, "code") else f"cannot reach {url}: {getattr(e, 'reason', e)}") from None
+        address = url.rstrip("/").removesuffix("/v1") + path
+        data = json.dumps(body).encode() if body else None
+        request = urllib.request.Request(address, data, {"Content-Type": "application/json"})
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        return opener.open(request, timeout=600)
+    except urllib.error.HTTPError as e:  # it holds the server's answer: OpenAI's error, as JSON
+        raise ConnectionError(f"{url}{path} answered {e.code}: {e.read().decode()}") from None
+    except Exception as e:  # a malformed URL, no server, a broken connection
+        raise ConnectionError(f"cannot reach {url}: {getattr(e, 'reason', e)}") from None
 
+
+# ----------------------------------------------------------------------------- hardware view
 
 def synced_clock(device: str) -> float:
     """time.perf_counter() once the device has done all it was given."""
@@ -259,47 +438,117 @@ def per_call(fn, reps: int, device: str) -> float:
     return (synced_clock(device) - start) / reps
 
 
+def engine_in_decode(cfg: BenchConfig, batch: int, prompt_len: int, first: int,
+                     more: int) -> Engine:
+    """An engine holding `batch` sequences of prompt_len random tokens, stepped until each has
+    `first` output tokens (every prompt in one step, then decodes), with room for `more`."""
+    engine = make_engine(cfg, max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len,
+                         kv_cache_tokens=batch * (prompt_len + first + more + cfg.block_size))
+    prompts, _ = make_workload(replace(cfg, prompt_len=prompt_len), batch, 1)
+    for prompt in prompts:
+        engine.add_request(prompt, greedy(first + more + 1))
+    while min((s.num_output_tokens for s in engine.scheduler.running), default=0) < first:
+        engine.step()  # none running: the prompts still wait
+    return engine
+
+
+def time_forward(engine: Engine, device: str) -> list[float]:
+    """Hooks on the engine's model forward and its lm_head (the logits, computed apart): each
+    call adds -its start and +its end to the list returned, whose sum is the time in both."""
+    spent = []
+
+    def started(*_) -> None:  # a forward pre-hook: (module, args)
+        spent.append(-synced_clock(device))
+
+    def ended(*_) -> None:  # a forward hook: (module, args, output); None keeps the output
+        spent.append(synced_clock(device))
+
+    for module in (engine.model, engine.model.lm_head):
+        module.register_forward_pre_hook(started)
+        module.register_forward_hook(ended)
+    return spent
+
+
+class DenseDecoder:
+    """The engine's sequences copied into a DenseKVCache (each one's tokens but its last), with
+    room for `room` more tokens; `step` runs one decode step of every row on it: the newest
+    token of each row in, the next greedy one out. What the paged step is compared with."""
+
+    def __init__(self, model, seqs: list, room: int, device: str):
+        self.model = model
+        self.device = device
+        context = len(seqs[0].token_ids) - 1  # the tokens cached: every sequence has as many
+        self.cache = DenseKVCache.zeros(model.config, len(seqs), context + room,
+                                        model.lm_head.weight)
+        cached = torch.tensor([s.token_ids[:-1] for s in seqs], device=device)  # (B, context)
+        causal = torch.ones(context, context, dtype=torch.bool, device=device).tril()
+        model.dense_hidden_states(cached, None, self.cache, causal)
+        self.newest = torch.tensor([[s.token_ids[-1]] for s in seqs], device=device)  # (B, 1)
+
+    def step(self) -> None:
+        positions = torch.full(self.newest.shape, self.cache.length, device=self.device)
+        logits = last_logits(self.model, self.newest, positions, self.cache)
+        self.newest = logits.argmax(-1, keepdim=True)
+
+
 @torch.inference_mode()
 def decode_step(cfg, model, batch: int, prompt_len=0, first=1, steps=16, rounds=3) -> dict:
     """Decode steps of `batch` sequences of prompt_len tokens from output `first` on: the paged
     step, its forward and logits (the rest: host part), a dense-cache forward with its logits;
     median of alternate rounds."""
-    B, P, n, dev = batch, prompt_len or cfg.prompt_len, rounds * steps, cfg.device
-    engine = make_engine(cfg, max_num_seqs=B, max_num_batched_tokens=B * P,
-                         kv_cache_tokens=B * (P + first + n + cfg.block_size))
-    for prompt in make_workload(replace(cfg, prompt_len=P), B, 1)[0]:
-        engine.add_request(prompt, greedy(first + n + 1))
-    seqs, spent = engine.scheduler.running, []
-    while not seqs or min(s.num_output_tokens for s in seqs) < first:  # all prompts in one step,
-        engine.step()                                                  # then decodes
-    clock = lambda sign: lambda *_: spent.append(sign * synced_clock(dev))  # noqa: E731 (None)
-    for module in (engine.model, engine.model.lm_head):  # the forward, then the logits
-        module.register_forward_pre_hook(clock(-1)), module.register_forward_hook(clock(1))
-    C, out0 = len(seqs[0].token_ids) - 1, np.mean([s.num_output_tokens for s in seqs])  # cached
-    caches = new_caches(model, B, C + n + 1)
-    tokens = [torch.tensor([[s.token_ids[-1]] for s in seqs], device=dev)]
-    dense_forward(model, torch.tensor([s.token_ids[:-1] for s in seqs], device=dev),
-                  torch.arange(C, device=dev).expand(B, C),
-                  torch.ones(C, C, dtype=torch.bool, device=dev).tril(), caches, 0)
-    dense_step = lambda: tokens.append(dense_forward(  # noqa: E731 (the newest token of each row)
-        model, tokens[-1], torch.full((B, 1), C + len(tokens) - 1, device=dev), None, caches,
-        C + len(tokens) - 1).argmax(-1, keepdim=True))
-    paged, forward_s, dense = [], [], []
+    P = prompt_len or cfg.prompt_len
+    n = rounds * steps  # steps timed, of each kind
+    engine = engine_in_decode(cfg, batch, P, first, n)
+    seqs = list(engine.scheduler.running)
+    first_output_len = np.mean([s.num_output_tokens for s in seqs])
+    spent = time_forward(engine, cfg.device)
+    dense = DenseDecoder(model, seqs, n + 1, cfg.device)
+    paged_s = []    # a paged step, s, by round
+    forward_s = []  # of it, the model forward and the logits
+    dense_s = []    # a dense step
     for _ in range(rounds):
         spent.clear()
-        paged.append(per_call(engine.step, steps, dev))
+        paged_s.append(per_call(engine.step, steps, cfg.device))
         forward_s.append(sum(spent) / steps)
-        dense.append(per_call(dense_step, steps, dev))
-    paged_s, dense_s, output_len = np.median(paged), np.median(dense), out0 + (n - 1) / 2
-    # forward FLOPs: 2 per matmul weight (tied lm_head counted, wpe not), attention's QK^T, AV
-    c, context = model.config, P + output_len  # both the means over the timed steps
+        dense_s.append(per_call(dense.step, steps, cfg.device))
+    output_len = first_output_len + (n - 1) / 2  # the mean over the timed steps
+    return decode_figures(model, len(seqs), P, output_len, paged_s, forward_s, dense_s)
+
+
+def decode_figures(model, batch: int, prompt_len: int, output_len: float, paged_s, forward_s,
+                   dense_s) -> dict:
+    """A decode step's times (the medians of the rounds' seconds, in ms; host: the median of
+    each round's step less its forward) and what it computes and reads."""
+    c = model.config
+    context = prompt_len + output_len  # the mean over the timed steps
     weights = sum(p.numel() for p in model.parameters()) - c.n_positions * c.n_embd
-    flops = B * (2 * weights + 4 * c.n_layer * context * c.n_embd)
-    return dict(batch=len(seqs), prompt_len=P, output_len=output_len, context=context,
+    # forward FLOPs: 2 per matmul weight (tied lm_head counted, wpe not), attention's QK^T, AV
+    flops = batch * (2 * weights + 4 * c.n_layer * context * c.n_embd)
+    paged = np.median(paged_s)
+    dense = np.median(dense_s)
+    return dict(batch=batch, prompt_len=prompt_len, output_len=output_len, context=context,
                 flops=flops, weight_bytes=weights * model.lm_head.weight.element_size(),
-                paged_step_ms=paged_s * 1e3, forward_ms=np.median(forward_s) * 1e3,
-                host_ms=np.median(np.subtract(paged, forward_s)) * 1e3,
-                dense_step_ms=dense_s * 1e3, paging_overhead=paged_s / dense_s - 1)
+                paged_step_ms=paged * 1e3, forward_ms=np.median(forward_s) * 1e3,
+                host_ms=np.median(np.subtract(paged_s, forward_s)) * 1e3,
+                dense_step_ms=dense * 1e3, paging_overhead=paged / dense - 1)
+
+
+def machine_rates(device: str, dtype: torch.dtype) -> tuple[float, float]:
+    """(FLOP/s of a 1024^2 matmul, bytes/s of a 128 MiB copy), each the best of three."""
+    w = torch.randn(1024, 1024, dtype=dtype, device=device)
+    x = torch.randn(2 ** 25, dtype=dtype, device=device)  # 128 MiB in fp32
+    y = torch.randn(2 ** 25, dtype=dtype, device=device)
+
+    def square() -> None:  # the product is thrown away: only its time counts
+        w @ w
+
+    def copy() -> None:
+        y.copy_(x)
+
+    matmul_rate = 2 * 1024 ** 3 / min(per_call(square, 10, device) for _ in range(3))
+    # a copy's bytes: read and written, as STREAM counts them
+    copy_rate = 2 * x.nbytes / min(per_call(copy, 3, device) for _ in range(3))
+    return matmul_rate, copy_rate
 
 
 def hardware_view(cfg: BenchConfig, model, batches, steps=16, host_output_lens=()) -> dict:
@@ -307,19 +556,26 @@ def hardware_view(cfg: BenchConfig, model, batches, steps=16, host_output_lens=(
     bytes / copy bandwidth, FLOPs / matmul rate), what the step would cost if it only streamed
     the weights or only multiplied at a big square matmul's rate. Host cost: at the largest
     batch and one context (top + 16), a step at each output length n (centred on n)."""
-    w, x, y = (torch.randn(n, dtype=model.lm_head.weight.dtype, device=cfg.device)
-               for n in ((1024, 1024), 2 ** 25, 2 ** 25))  # x, y: 128 MiB each in fp32
-    matmul = 2 * 1024 ** 3 / min(per_call(lambda: w @ w, 10, cfg.device) for _ in range(3))
-    copy = 2 * x.nbytes / min(per_call(lambda: y.copy_(x), 3, cfg.device) for _ in range(3))
-    top = max(host_output_lens, default=0)  # copy: bytes read + written, as STREAM counts them
-    rows = [decode_step(cfg, model, b, steps=steps) for b in batches] + [decode_step(
-        cfg, model, batches[-1], top + 16 - n, max(1, n - 10), steps=4, rounds=5)
-        for n in host_output_lens]
-    for d in rows:
-        d["roofline_ms"] = max(d["weight_bytes"] / copy, d["flops"] / matmul) * 1e3
-    return dict(decode=rows[:len(batches)], host_cost=rows[len(batches):], preset=cfg.preset,
-                threads=torch.get_num_threads(), matmul_n=1024, matmul_gflops=matmul / 1e9,
-                copy_gb_s=copy / 1e9)
+    matmul_rate, copy_rate = machine_rates(cfg.device, model.lm_head.weight.dtype)
+    decode = [decode_step(cfg, model, b, steps=steps) for b in batches]
+    top = max(host_output_lens, default=0)
+    host_cost = [decode_step(cfg, model, batches[-1], top + 16 - n, max(1, n - 10), steps=4,
+                             rounds=5) for n in host_output_lens]
+    for d in decode + host_cost:
+        d["roofline_ms"] = max(d["weight_bytes"] / copy_rate, d["flops"] / matmul_rate) * 1e3
+    return dict(decode=decode, host_cost=host_cost, preset=cfg.preset,
+                threads=torch.get_num_threads(), matmul_n=1024, matmul_gflops=matmul_rate / 1e9,
+                copy_gb_s=copy_rate / 1e9)
+
+
+def decode_batches(largest: int) -> list[int]:
+    """The decode sweep's batch sizes: the powers of two below `largest`, then `largest`."""
+    batches = []
+    size = 1
+    while size < largest:
+        batches.append(size)
+        size *= 2
+    return batches + [largest]
 
 
 @torch.inference_mode()
@@ -334,161 +590,170 @@ def sampling_time(cfg: BenchConfig, rows: int = 64, reps: int = 50, rounds: int 
 
     def step():
         return sample(out.logits, engine.sampling_tensors(seqs), engine.generator)
-    return dict(rows=len(seqs), vocab=out.logits.shape[1], sample_ms=1e3 * np.median(
-        [per_call(step, reps, cfg.device) for _ in range(rounds)]))
+
+    times = [per_call(step, reps, cfg.device) for _ in range(rounds)]
+    return dict(rows=len(seqs), vocab=out.logits.shape[1], sample_ms=1e3 * np.median(times))
 
 
-def targets(result: dict) -> list[dict]:
-    """The issues' targets, each against the measured figure it cites."""
-    off, mem, hw, big = (result.get(k) or {} for k in (
-        "offline", "equal_memory", "hardware", "hardware_big"))
-    get = lambda runs, limit, m, key: runs.get(limit, {}).get("modes", {}).get(m, {}).get(key)  # noqa
-    both = lambda a, b: [(rate, r[a], r[b]) for rate, r in result["online"].items()  # noqa
-                         if a in r and b in r]  # the online runs of modes a and b, by rate
-    found = [(f"equal memory: fcfs / {b}, limit {limit}", ">=", goal, get(mem, limit, "fcfs", "vs_"
-              + b)) for b, limit, goal in (("static", "128", 2.5), ("static", "512", 3.6),
-                                           ("naive", "128", 3.7), ("naive", "512", 9.5))]
-    found += [(f"static / naive, limit {limit}", ">", 1, get(off, limit, "static", "vs_naive"))
-              for limit in off]
-    for rate, h, f in both("http", "fcfs"):
-        found += [(f"HTTP / in process, output tok/s, rate {rate}", ">=", 0.9,
-                   h["output_throughput"] / f["output_throughput"]),
-                  (f"HTTP - in process, TTFT p50 ms, rate {rate}", "<=", 5,
-                   (h["ttft"]["p50"] - f["ttft"]["p50"]) * 1e3)]
-    found += [(f"fcfs / no prefix caching, tok/s, limit {limit}", ">=", 1.5, get(
-        off, limit, "fcfs", "vs_no-cache")) for limit in list(off) * bool(
-        result["config"]["shared_prefix_len"])]
-    found += [(f"no prefix caching / fcfs, mean TTFT, rate {rate}", ">=", 3, n["ttft"]["mean"] /
-               f["ttft"]["mean"]) for rate, n, f in both("no-cache", "fcfs")]
-    for view in [v for v in (hw, big) if v]:  # at batch 32, or the largest below
-        d = [d for d in view["decode"] if d["batch"] <= 32][-1]
-        found += [(f"{view['preset']}, batch {d['batch']}: paged / dense decode step", "<=",
-                   1.15, 1 + d["paging_overhead"])] + [
-            (f"{view['preset']}, batch {d['batch']}: roofline / decode step", ">=", 0.5,
-             d["roofline_ms"] / d["paged_step_ms"])] * (view is big)
-    if hw:
-        short, long = hw["host_cost"]
-        found += [(f"decode step, batch {long['batch']}, output {long['output_len']:.0f} / "
-                   f"{short['output_len']:.0f}, same context", "<=", 1.1,
-                   long["paged_step_ms"] / short["paged_step_ms"]),
-                  ("  its host part (step less model forward)", "<=", 1.1,
-                   long["host_ms"] / short["host_ms"]),
-                  (f"sampling {hw['sampling']['rows']} rows (top-p, seeded), ms", "<", 1,
-                   hw["sampling"]["sample_ms"])]
-    return [dict(target=t, goal=f"{op} {goal}", measured=r, met=bool(
-        {">=": r >= goal, ">": r > goal, "<=": r <= goal, "<": r < goal}[op]))
-        for t, op, goal, r in found if r is not None]
-
+# ----------------------------------------------------------------------------- report
 
 def table(title: str, rows: list[dict], keys: str) -> str:
     """A markdown table of rows' values at keys (also the JSON's keys), floats to 2 decimals."""
     keys = keys.split()
-    cells = [keys, ["---"] * len(keys)] + [[
-        f"{r[k]:.2f}" if isinstance(r[k], float) else str(r[k]) for k in keys] for r in rows]
-    return title + "".join("\n| " + " | ".join(c) + " |" for c in cells)
+    lines = [title, table_line(keys), table_line(["---"] * len(keys))]
+    for row in rows:
+        lines.append(table_line([table_cell(row[k]) for k in keys]))
+    return "\n".join(lines)
+
+
+def table_line(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def table_cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+def offline_table(result: dict) -> str:
+    cfg = result["config"]
+    experiments = {"equal_batch": result["offline"], "equal_memory": result.get("equal_memory", {})}
+    rows = []
+    for experiment, runs in experiments.items():
+        for limit, run in runs.items():
+            for mode, figures in run["modes"].items():
+                rows.append(dict(experiment=experiment, limit=limit, mode=mode) | figures)
+    title = (f"Offline, at equal batch size ({cfg['max_num_seqs']}) and at equal KV memory ("
+             f"{cfg['kv_budget']} tokens): useful output tokens/s, ratios of throughput and of "
+             "steps, sequences a step, KV slots (mean, peak, share holding real tokens), "
+             "preemptions")
+    return table(title, rows, "experiment limit mode tok_s vs_naive vs_static max_num_seqs steps "
+                 "steps_vs_static ms_per_step seqs_per_step seqs_peak tokens_per_step "
+                 "kv_slots_mean kv_slots_peak kv_real_share preemptions")
+
+
+def decode_table(hw: dict) -> str:
+    rows = []
+    for d in hw["decode"] + hw["host_cost"]:
+        rows.append(d | dict(of_roofline=d["roofline_ms"] / d["paged_step_ms"]))
+    title = (f"Decode step, {hw['preset']}, {hw['threads']} threads (ms): the paged engine's "
+             "(forward: its model forward, host: the rest), a dense contiguous cache's, and the "
+             f"roofline: max(weight bytes / {hw['copy_gb_s']:.1f} GB/s copied, FLOPs / "
+             f"{hw['matmul_gflops']:.0f} GFLOP/s of a {hw['matmul_n']}^2 matmul)")
+    if hw["host_cost"]:
+        title += (f"; last {len(hw['host_cost'])} rows: the host cost by output length, at one "
+                  "context")
+    return table(title, rows, "batch prompt_len output_len paged_step_ms forward_ms host_ms "
+                 "dense_step_ms paging_overhead roofline_ms of_roofline")
+
+
+def online_table(result: dict) -> str:
+    rows = []
+    for rate, runs in result["online"].items():
+        for mode, figures in runs.items():
+            row = dict(rate=rate, mode=mode) | figures
+            for metric in ("ttft", "tpot", "itl", "e2e"):
+                for stat in ("mean", "p50", "p99"):
+                    row[f"{metric}_{stat}_ms"] = figures[metric][stat] * 1e3
+            rows.append(row)
+    title = f"Online, limit {result['config']['online_limit']}, Poisson arrivals"
+    return table(title, rows, "rate mode ttft_mean_ms ttft_p50_ms ttft_p99_ms tpot_mean_ms "
+                 "itl_p50_ms itl_p99_ms e2e_mean_ms e2e_p50_ms request_throughput "
+                 "output_throughput")
 
 
 def report(result: dict) -> str:
-    """Every table there are figures for (with --url: online and targets), in markdown."""
-    cfg, hw, big = result["config"], result.get("hardware"), result.get("hardware_big")
-    both = {"equal_batch": result["offline"], "equal_memory": result.get("equal_memory", {})}
-    decode = lambda hw, extra="": table(  # noqa: E731
-        f"Decode step, {hw['preset']}, {hw['threads']} threads (ms): the paged engine's (forward: "
-        "its model forward, host: the rest), a dense contiguous cache's, and the roofline: max("
-        f"weight bytes / {hw['copy_gb_s']:.1f} GB/s copied, FLOPs / {hw['matmul_gflops']:.0f} "
-        f"GFLOP/s of a {hw['matmul_n']}^2 matmul){extra}", [d | dict(
-            of_roofline=d["roofline_ms"] / d["paged_step_ms"]) for d in hw["decode"] + hw[
-            "host_cost"]], "batch prompt_len output_len paged_step_ms forward_ms host_ms "
-        "dense_step_ms paging_overhead roofline_ms of_roofline")
-    tables = [table(
-        f"Offline, at equal batch size ({cfg['max_num_seqs']}) and at equal KV memory ("
-        f"{cfg['kv_budget']} tokens): useful output tokens/s, ratios of throughput and of steps, "
-        "sequences a step, KV slots (mean, peak, share holding real tokens), preemptions", [
-            dict(experiment=e, limit=limit, mode=m) | r for e, runs in both.items()
-            for limit in runs for m, r in runs[limit]["modes"].items()],
-        "experiment limit mode tok_s vs_naive vs_static max_num_seqs steps steps_vs_static "
-        "ms_per_step seqs_per_step seqs_peak tokens_per_step kv_slots_mean kv_slots_peak "
-        "kv_real_share preemptions"), decode(hw, "; last %d rows: the host cost by output "
-                                             "length, at one context" % len(hw["host_cost"]))
-              ] if hw else []
-    return "\n\n".join(tables + [decode(v) for v in [big] if v] + [table(
-        f"Online, limit {cfg['online_limit']}, Poisson arrivals", [
-            dict(rate=rate, mode=m, **{f"{k}_{s}_ms": r[k][s] * 1e3 for k in (
-                "ttft", "tpot", "itl", "e2e") for s in ("mean", "p50", "p99")}) | r
-            for rate, runs in result["online"].items() for m, r in runs.items()],
-        "rate mode ttft_mean_ms ttft_p50_ms ttft_p99_ms tpot_mean_ms itl_p50_ms itl_p99_ms "
-        "e2e_mean_ms e2e_p50_ms request_throughput output_throughput")] + [table(
-            "Targets", ts, "target goal measured met") for ts in [result["targets"]] if ts])
+    """Every table there are figures for (with --url: online only), in markdown."""
+    tables = []
+    if "hardware" in result:  # the in-process experiments ran
+        tables.append(offline_table(result))
+        tables.append(decode_table(result["hardware"]))
+    if "hardware_big" in result:
+        tables.append(decode_table(result["hardware_big"]))
+    tables.append(online_table(result))
+    return "\n\n".join(tables)
 
 
-def offline(cfg: BenchConfig, model, memory: bool, progress) -> dict:
-    """Every mode on the same requests at each limit, at equal batch size (cfg.max_num_seqs) or,
-    with `memory`, on kv_budget tokens of KV memory each: naive and static reserve prompt + limit
-    a sequence up front (as Hugging Face and FasterTransformer did); the paged modes, as they go."""
+# ----------------------------------------------------------------------------- main
+
+def run_in_process(cfg: BenchConfig, result: dict, progress) -> None:
+    """The offline experiments and the hardware view, into `result`."""
+    model = make_engine(cfg).model  # naive's weights: the engine's own
+    warm_prompts, warm_lengths = make_workload(cfg, cfg.max_num_seqs, 8)
+    for mode in cfg.modes:  # warm-up, not timed
+        run_offline(cfg, mode, warm_prompts, warm_lengths, 8, model)
+    result["offline"] = offline(cfg, model, False, progress)
+    result["equal_memory"] = offline(cfg, model, True, progress)
+    hw = hardware_view(cfg, model, decode_batches(cfg.max_num_seqs),
+                       host_output_lens=cfg.host_output_lens)
+    hw["sampling"] = sampling_time(cfg)
+    result["hardware"] = hw
+    progress("hardware view")
+
+
+def online_modes(cfg: BenchConfig) -> list[str]:
+    """With --url: the server, and fcfs in process to compare with --compare; else every paged
+    mode in process."""
+    if not cfg.url:
+        return [m for m in cfg.modes if m != "naive"]
+    if cfg.compare:
+        return ["http", "fcfs"]
+    return ["http"]
+
+
+def online(cfg: BenchConfig, workload: tuple[list, list[int]], progress) -> dict:
+    """The online sweep: each mode at each rate, on the same requests."""
+    prompts, lengths = workload
     found = {}
-    for limit in cfg.limits:
-        prompts, lengths = make_workload(cfg, cfg.num_requests, limit, shared=True)
-        runs, first = {}, None
-        for mode in cfg.modes:
-            batch = min(cfg.num_requests, cfg.kv_budget // (len(prompts[0]) + limit)) \
-                if mode in ("naive", "static") else cfg.memory_max_num_seqs
-            mode_cfg = replace(cfg, kv_cache_tokens=cfg.kv_budget, max_num_seqs=batch) \
-                if memory else cfg
-            runs[mode], outputs = run_offline(mode_cfg, mode, prompts, lengths, limit, model)
-            first = first or outputs  # greedy: every mode should produce the same tokens
-            runs[mode] |= dict(max_num_seqs=mode_cfg.max_num_seqs, same_tokens=float(np.mean(
-                [a == b for a, b in zip(outputs, first)])))
-            progress(f"offline, equal {('batch', 'memory')[memory]}, limit {limit}, {mode}: "
-                     f"{runs[mode]['tok_s']:.0f} tok/s")
-        for r in runs.values():  # static steps / steps: the gain if every step cost the same
-            r |= {f"vs_{b}": r["tok_s"] / runs[b]["tok_s"] if b in runs else None
-                  for b in ("naive", "static", "no-cache")}
-            r["steps_vs_static"] = runs["static"]["steps"] / r["steps"] if "static" in runs \
-                else None
-        found[str(limit)] = dict(lengths=lengths, modes=runs)
+    for rate in cfg.rates:
+        runs = found[str(rate)] = {}
+        for mode in online_modes(cfg):
+            r = runs[mode] = run_online(cfg, mode, prompts, lengths, rate)
+            progress(f"online, {rate} req/s, {mode}: TTFT p50 {r['ttft']['p50'] * 1e3:.0f} "
+                     f"ms, {r['output_throughput']:.0f} tok/s")
     return found
 
 
+def hardware_big(cfg: BenchConfig) -> dict:
+    """The hardware view of --hardware-preset's shape, on all of torch's threads."""
+    big = replace(cfg, preset=cfg.hardware_preset, threads=0)
+    model = make_engine(big, kv_cache_tokens=big.block_size).model
+    return hardware_view(big, model, (1, 8, 32, 64), steps=8)
+
+
+def versions(cfg: BenchConfig) -> dict:
+    """What the figures were measured on."""
+    return dict(python=platform.python_version(), torch=torch.__version__,
+                numpy=np.__version__, device=cfg.device, threads=torch.get_num_threads(),
+                cpu_count=os.cpu_count(), processor=platform.processor(),
+                load_average_start=os.getloadavg())
+
+
 def main(argv=None) -> None:
-    cfg, default_threads = parse_args(argv), torch.get_num_threads()
+    cfg = parse_args(argv)
+    default_threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads or default_threads)
-    sweep = make_workload(cfg, cfg.online_requests, cfg.online_limit, shared=True)  # online
-    result = dict(config=asdict(cfg), offline={}, online={}, online_lengths=sweep[1], versions=dict(
-        python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
-        device=cfg.device, threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
-        processor=platform.processor(), load_average_start=os.getloadavg()))
+    workload = make_workload(cfg, cfg.online_requests, cfg.online_limit, shared=True)
+    result = dict(config=asdict(cfg), offline={}, online={}, online_lengths=workload[1],
+                  versions=versions(cfg))
     start = time.perf_counter()
-    progress = lambda msg: print(f"[{time.perf_counter() - start:6.1f} s] {msg}",  # noqa: E731
-                                 file=sys.stderr, flush=True)
-    modes = ["http", "fcfs"][:1 + cfg.compare]  # with --url: the server, and fcfs to compare
+
+    def progress(message: str) -> None:  # a line on stderr, with the seconds since the start
+        print(f"[{time.perf_counter() - start:6.1f} s] {message}", file=sys.stderr, flush=True)
+
     if not cfg.url:
-        modes, model = [m for m in cfg.modes if m != "naive"], make_engine(cfg).model  # naive's
-        for mode in cfg.modes:  # warm-up, not timed
-            run_offline(cfg, mode, *make_workload(cfg, cfg.max_num_seqs, 8), 8, model)
-        result["offline"] = offline(cfg, model, False, progress)
-        result["equal_memory"] = offline(cfg, model, True, progress)
-        B = cfg.max_num_seqs  # the decode sweep: powers of two, then the batch size itself
-        hw = result["hardware"] = hardware_view(cfg, model, [2 ** i for i in range(
-            B.bit_length()) if 2 ** i < B] + [B], host_output_lens=cfg.host_output_lens)
-        hw["sampling"] = sampling_time(cfg)
-        progress("hardware view")
+        run_in_process(cfg, result, progress)
     try:
-        for rate in cfg.rates:
-            runs = result["online"][str(rate)] = {}
-            for mode in modes:
-                r = runs[mode] = run_online(cfg, mode, *sweep, rate)
-                progress(f"online, {rate} req/s, {mode}: TTFT p50 {r['ttft']['p50'] * 1e3:.0f} "
-                         f"ms, {r['output_throughput']:.0f} tok/s")
+        result["online"] = online(cfg, workload, progress)
     except ConnectionError as e:  # the server at --url: one line, exit status 2
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     if cfg.hardware_preset and not cfg.url:  # the bigger shape, on all cores
         torch.set_num_threads(default_threads)
-        big = replace(cfg, preset=cfg.hardware_preset, threads=0)
-        result["hardware_big"] = hardware_view(big, make_engine(
-            big, kv_cache_tokens=big.block_size).model, (1, 8, 32, 64), steps=8)
+        result["hardware_big"] = hardware_big(cfg)
         progress(f"hardware view, {cfg.hardware_preset}")
-    result |= dict(targets=targets(result), wall_s=time.perf_counter() - start)
+    result["wall_s"] = time.perf_counter() - start
     result["versions"]["load_average_end"] = os.getloadavg()
     print(report(result))
     with open(cfg.out, "w") as f:

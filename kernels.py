@@ -72,8 +72,9 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Attention of queries q (N, H, D) over the paged caches k_cache, v_cache (NB, BS, H, D).
 
-    Returns (N, H, D). Query j of sequence s (of q_len queries, context_len cached tokens)
-    sits at position context_len - q_len + j and sees cached positions 0..that position.
+    Returns (N, H, D). Query j of sequence s (of q_len queries, context_len tokens with K/V in
+    the cache, its own included) sits at position context_len - q_len + j and sees positions
+    0..that position.
     The specification of paged_attention (Triton) and paged_attention_cpu: one sequence at a
     time, its blocks gathered in the order of its block table."""
     out = torch.empty_like(q)
@@ -133,10 +134,11 @@ def plan_decodes(meta: AttentionMetadata, decode: list, k_cache: torch.Tensor) -
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """paged_attention_ref's result, faster on a CPU: same arguments. Prefill chunks go one
-    sequence at a time, as there; decodes a group at a time, by a DecodePlan made once a step, not
-    per layer. Every group of every layer gathers K/V into the same two buffers, which stay in the
-    CPU's caches while attention reads them: each cached K/V is read once from memory, where a
-    fresh gather per group wrote then re-read it (38% of a batch-32 decode step, 2-core EPYC)."""
+    sequence at a time, as there; decodes a group at a time, by a DecodePlan made once a step,
+    not per layer. Every group of every layer gathers K/V into the same two buffers, which stay
+    in the CPU's caches while attention reads them: each K/V in the cache is read once from
+    memory, where a fresh gather per group wrote then re-read it (38% of a batch-32 decode
+    step, 2-core EPYC)."""
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
     q_lens = [end - start for start, end in zip(starts, starts[1:])]

@@ -1,10 +1,22 @@
-"""GPT-2, shaped for serving: one flat batch of tokens in, paged KV cache on the side.
+"""model.py: GPT-2, shaped for serving, and what loads and trains it.
 
-Every op but attention runs on all scheduled tokens at once, as one (N, C) tensor (Orca's "selective
-batching"); attention reads and writes the paged cache through kernels.py, told where everything is
-by an AttentionMetadata. `forward_dense` is plain cache-free GPT-2 on (B, T): the training path and
-the paged path's reference. Also here: tokenizers, Hugging Face checkpoints (Conv1D weights are
-transposed on load) and the hub download, a trainer (`python model.py --train FILE`). No dropout.
+In order:
+- the model: GPTConfig and its PRESETS; CausalSelfAttention, MLP, Block, GPT. Two forward paths
+  run the same layers. `GPT.forward` is the engine's: one flat batch of tokens (N, C), every op
+  but attention on all scheduled tokens at once (Orca's "selective batching"), attention reading
+  and writing the paged KV cache through kernels.py, told where everything is by an
+  AttentionMetadata. `GPT.forward_dense` is plain GPT-2 on (B, T): the training path and the
+  paged path's reference; `GPT.dense_hidden_states` is its body, which can also keep K/V in a
+  DenseKVCache, contiguous per sequence as Hugging Face keeps them (bench.py's naive baseline).
+- tokenizers: the byte-level one of the presets, GPT-2's BPE files (tiktoken does the encoding),
+  and the Detokenizer that turns a request's tokens into text a step at a time, stop strings
+  included (each request's scheduler.Sequence holds one).
+- checkpoints: Hugging Face GPT-2 directories read and written (safetensors by hand, Conv1D
+  weights transposed on load), the hub download, load_model (what nanoserve.py calls).
+- training: `python model.py --train FILE` trains the shipped byte-level model.
+
+Left out: dropout, every architecture but GPT-2's (no rotary embeddings, no grouped-query
+attention), tensor parallelism and quantisation.
 Shape legend: N tokens in the flat batch, B batch, T time, C n_embd, H heads, D head dim.
 """
 import argparse
@@ -47,23 +59,67 @@ PRESETS = {"tiny": GPTConfig(),  # 3.5M parameters: tests, benchmarks, quick run
            "gpt2": GPTConfig(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12)}
 
 
+@dataclass
+class DenseKVCache:
+    """K/V kept contiguous per sequence, as Hugging Face's generate keeps them: per layer, keys
+    and values (B, H, max_len, D), a row per sequence. Positions 0..length hold K/V; a forward
+    writes its T new tokens' at length..length + T, then length moves past them. Memory for
+    max_len positions is taken up front for every row, whatever each will use: what the paged
+    cache (kernels.py, paged_cache.py) avoids. bench.py's naive baseline runs on it."""
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int = 0
+
+    @classmethod
+    def zeros(cls, config: GPTConfig, batch: int, max_len: int,
+              like: torch.Tensor) -> "DenseKVCache":
+        """An empty cache of `batch` rows, max_len positions each, in like's dtype and device."""
+        shape = (batch, config.n_head, max_len, config.head_dim)
+        keys = [like.new_zeros(shape) for _ in range(config.n_layer)]
+        values = [like.new_zeros(shape) for _ in range(config.n_layer)]
+        return cls(keys, values)
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Write the new tokens' k, v (B, H, T, D) into `layer` at length..length + T; return the
+        layer's keys and values so far, (B, H, length + T, D) each."""
+        end = self.length + k.shape[2]
+        self.keys[layer][:, :, self.length:end] = k
+        self.values[layer][:, :, self.length:end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head, self.head_dim = config.n_head, config.head_dim
+        self.n_head = config.n_head
+        self.head_dim = config.head_dim
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(self, x, meta=None, k_cache=None, v_cache=None, attention=None):
-        qkv = self.c_attn(x).split(x.shape[-1], dim=-1)
-        q, k, v = (t.unflatten(-1, (self.n_head, self.head_dim)) for t in qkv)  # (..., H, D)
-        if meta is None:  # dense: x is (B, T, C)
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.c_proj(y.transpose(1, 2).flatten(2))
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)  # paged: x is the flat batch (N, C)
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x (..., C) -> q, k, v (..., H, D)."""
+        parts = self.c_attn(x).split(x.shape[-1], dim=-1)
+        return tuple(t.unflatten(-1, (self.n_head, self.head_dim)) for t in parts)
+
+    def forward(self, x, meta, k_cache, v_cache, attention):
+        """Paged: x is the flat batch (N, C); each token's K/V are stored at its slot in the
+        layer's k_cache, v_cache (NB, BS, H, D), then `attention` (kernels.py) reads each
+        sequence's context back through its block table."""
+        q, k, v = self.qkv(x)  # (N, H, D)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         y = attention(q, k_cache, v_cache, meta, 1.0 / math.sqrt(self.head_dim))
         return self.c_proj(y.flatten(1))
+
+    def forward_dense(self, x, cache: DenseKVCache | None = None, layer: int = 0, mask=None):
+        """Dense: x is (B, T, C). No cache: causal attention within x. A cache: x's K/V go into
+        `layer` of it, and x attends to every cached position that `mask` allows."""
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(x))  # (B, H, T, D)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            keys, values = cache.store(layer, k, v)  # (B, H, length + T, D)
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.c_proj(y.transpose(1, 2).flatten(2))
 
 
 class MLP(nn.Module):
@@ -77,6 +133,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """A transformer layer, pre-LayerNorm as in GPT-2: x + attention, then x + MLP."""
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
@@ -84,8 +142,14 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config)
 
-    def forward(self, x, *attn_args):
-        x = x + self.attn(self.ln_1(x), *attn_args)  # pre-LayerNorm, as in GPT-2
+    def forward(self, x, meta, k_cache, v_cache, attention):
+        """Paged: x (N, C); the arguments after x are CausalSelfAttention.forward's."""
+        x = x + self.attn(self.ln_1(x), meta, k_cache, v_cache, attention)
+        return x + self.mlp(self.ln_2(x))
+
+    def forward_dense(self, x, cache: DenseKVCache | None = None, layer: int = 0, mask=None):
+        """Dense: x (B, T, C); the arguments after x are CausalSelfAttention.forward_dense's."""
+        x = x + self.attn.forward_dense(self.ln_1(x), cache, layer, mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -121,12 +185,25 @@ class GPT(nn.Module):
         return self.lm_head(hidden).float()
 
     def forward_dense(self, idx: torch.Tensor) -> torch.Tensor:
-        """Cache-free forward of token ids (B, T) -> logits (B, T, vocab)."""
+        """Cache-free forward of token ids (B, T) at positions 0..T -> logits (B, T, vocab)."""
+        return self.compute_logits(self.dense_hidden_states(idx))
+
+    def dense_hidden_states(self, idx: torch.Tensor, positions: torch.Tensor | None = None,
+                            cache: DenseKVCache | None = None, mask=None) -> torch.Tensor:
+        """Token ids idx (B, T) -> hidden states (B, T, C), the logits left to the caller (a
+        cached decode wants only the last position's). positions (B, T): each row's, where left
+        padding shifts them; None: 0..T. cache: K/V of the positions before, the new ones
+        appended. mask (B or 1, 1, T, cache.length + T) bool, True where a query may attend,
+        with a cache only; None: causal without a cache, every cached position with one."""
         tr = self.transformer
-        x = tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1], device=idx.device))
-        for block in tr.h:
-            x = block(x)
-        return self.compute_logits(tr.ln_f(x))
+        if positions is None:
+            positions = torch.arange(idx.shape[1], device=idx.device)
+        x = tr.wte(idx) + tr.wpe(positions)  # (B, T, C)
+        for layer, block in enumerate(tr.h):
+            x = block.forward_dense(x, cache, layer, mask)
+        if cache is not None:  # every layer wrote its K/V at length..length + T
+            cache.length += idx.shape[1]
+        return tr.ln_f(x)
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -148,17 +225,26 @@ def byte_tokenizer() -> tiktoken.Encoding:
                              special_tokens={EOT: 256})
 
 
-def load_tokenizer(path: str) -> tiktoken.Encoding:
-    """GPT-2 BPE: Hugging Face's vocab.json + merges.txt, or OpenAI's encoder.json + vocab.bpe."""
+def tokenizer_files(path: str) -> tuple[str, str]:
+    """The vocabulary and merges files in directory `path`: Hugging Face's names, else OpenAI's."""
     for vocab_name, merges_name in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")):
-        vocab_file, merges_file = os.path.join(path, vocab_name), os.path.join(path, merges_name)
+        vocab_file = os.path.join(path, vocab_name)
+        merges_file = os.path.join(path, merges_name)
         if os.path.exists(vocab_file) and os.path.exists(merges_file):
-            break
-    else:
-        raise ValueError(f"{path} has no tokenizer: expected vocab.json + merges.txt "
-                         "or encoder.json + vocab.bpe")
+            return vocab_file, merges_file
+    raise ValueError(f"{path} has no tokenizer: expected vocab.json + merges.txt "
+                     "or encoder.json + vocab.bpe")
+
+
+def load_tokenizer(path: str) -> tiktoken.Encoding:
+    """GPT-2 BPE: Hugging Face's vocab.json + merges.txt, or OpenAI's encoder.json + vocab.bpe.
+    The ranks the merges give must be the ids the vocabulary gives."""
+    vocab_file, merges_file = tokenizer_files(path)
     byte_of = {ch: b for b, ch in gpt2_byte_chars()}
-    to_bytes = lambda s: bytes(byte_of[c] for c in s)  # noqa: E731
+
+    def to_bytes(chars: str) -> bytes:  # the files write a token a character per byte
+        return bytes(byte_of[c] for c in chars)
+
     ranks = {bytes([b]): i for i, (b, _) in enumerate(gpt2_byte_chars())}
     with open(merges_file, encoding="utf-8") as f:
         merges = [line.split() for line in f.read().split("\n")[1:] if line]  # line 0: #version
@@ -181,22 +267,28 @@ class Detokenizer:
     cannot, so what was streamed is never taken back."""
 
     def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer, self.stop = tokenizer, stop
+        self.tokenizer = tokenizer
+        self.stop = stop
         self.max_stop_len = max(map(len, stop), default=0)
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.text, self.num_sent_chars = "", 0
+        self.text = ""
+        self.num_sent_chars = 0  # text returned by new_text so far
 
     def append(self, token: int) -> str | None:
         """Add a token's text (none for end-of-text, or an id past the tokenizer); return the
         stop string it completed, the text cut before it."""
-        tok, search_from = self.tokenizer, max(0, len(self.text) - self.max_stop_len + 1)
-        self.text += self.decoder.decode(tok.decode_single_token_bytes(token)
-                                         if token < tok.eot_token else b"")
-        found = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        tok = self.tokenizer
+        search_from = max(0, len(self.text) - self.max_stop_len + 1)  # a stop string's overlap
+        new_bytes = tok.decode_single_token_bytes(token) if token < tok.eot_token else b""
+        self.text += self.decoder.decode(new_bytes)
+        found = {s: i for s in self.stop if (i := self.text.find(s, search_from)) >= 0}
         if not found:
             return None
-        i, stop = min(found)
-        self.text = self.text[:i]
+        # One token can complete several: the earliest in the text wins, whatever the list's
+        # order; of those found at the same place ("ab" and "abc"), the longest.
+        start = min(found.values())
+        stop = max((s for s, i in found.items() if i == start), key=len)
+        self.text = self.text[:start]
         return stop
 
     def flush(self) -> None:
@@ -210,7 +302,8 @@ class Detokenizer:
             if any(s.startswith(self.text[-n:]) for s in self.stop):
                 end -= n
                 break
-        new, self.num_sent_chars = self.text[self.num_sent_chars:end], max(self.num_sent_chars, end)
+        new = self.text[self.num_sent_chars:end]
+        self.num_sent_chars = max(self.num_sent_chars, end)
         return new
 
 
@@ -239,7 +332,8 @@ def read_safetensors(path: str) -> dict[str, torch.Tensor]:
     tensors = {}
     for name, info in header.items():
         dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
-        (start, end), numel = info["data_offsets"], math.prod(info["shape"])
+        start, end = info["data_offsets"]
+        numel = math.prod(info["shape"])
         if dtype is None or end - start != numel * dtype.itemsize or 8 + n + end > len(data):
             raise ValueError(f"{path}: corrupt safetensors entry for {name}: {info}")
         tensors[name] = torch.frombuffer(data, dtype=dtype, count=numel,
@@ -249,7 +343,8 @@ def read_safetensors(path: str) -> dict[str, torch.Tensor]:
 
 def write_safetensors(tensors: dict[str, torch.Tensor], path: str) -> None:
     names = {v: k for k, v in SAFETENSORS_DTYPES.items()}
-    header, offset = {}, 0
+    header = {}
+    offset = 0  # of the tensor's bytes, after the header
     for name, t in tensors.items():
         header[name] = {"dtype": names[t.dtype], "shape": list(t.shape),
                         "data_offsets": [offset, offset + t.nbytes]}
@@ -271,11 +366,12 @@ def load_checkpoint(path: str) -> GPT:
         hf = json.load(f)
     sizes = {k: hf[k] for k in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")}
     model = GPT(GPTConfig(**sizes, layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5)))
-    safetensors, bin = (os.path.join(path, f) for f in ("model.safetensors", "pytorch_model.bin"))
-    if os.path.exists(safetensors):
-        tensors = read_safetensors(safetensors)
-    elif os.path.exists(bin):
-        tensors = torch.load(bin, map_location="cpu", weights_only=True)
+    safetensors_file = os.path.join(path, "model.safetensors")
+    pickle_file = os.path.join(path, "pytorch_model.bin")
+    if os.path.exists(safetensors_file):
+        tensors = read_safetensors(safetensors_file)
+    elif os.path.exists(pickle_file):
+        tensors = torch.load(pickle_file, map_location="cpu", weights_only=True)
     else:
         raise ValueError(f"{path} has no model.safetensors or pytorch_model.bin")
     model.transformer.load_state_dict(_from_hf_state(tensors, model.transformer.state_dict(), path))
@@ -345,7 +441,8 @@ def _download(url: str, path: str) -> None:
     """url -> path, with a progress line; a partial file never takes the final name."""
     with urllib.request.urlopen(url, timeout=10) as r:
         os.makedirs(os.path.dirname(path), exist_ok=True)  # only once the hub has answered
-        total, done = int(r.headers.get("Content-Length") or 0), 0
+        total = int(r.headers.get("Content-Length") or 0)
+        done = 0
         with open(path + ".part", "wb") as f:
             while chunk := r.read(1 << 20):
                 done += f.write(chunk)
@@ -377,17 +474,10 @@ def train(args) -> None:
     """Train a byte-level GPT-2 on a text file (--seq-len is also the model's context length);
     the first --short-steps steps see --short-seq-len windows, as many bytes a step."""
     torch.manual_seed(args.seed)
-    with open(args.train, encoding="utf-8") as f:
-        text = f.read()
-    split = int(len(text) * 0.9)
-    train_data, val_data = (torch.tensor(byte_tokenizer().encode_ordinary(part), dtype=torch.long)
-                            for part in (text[:split], text[split:]))
+    train_data, val_data = read_split(args.train)
     model = GPT(GPTConfig(n_positions=args.seq_len, n_embd=args.n_embd, n_layer=args.n_layer,
                           n_head=args.n_head))
-    params = list(model.parameters())  # weight decay on matrices only
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.99))
+    opt = adamw(model, args.lr)
     num_params = sum(p.numel() for p in model.parameters())
     print(f"{num_params / 1e6:.2f}M parameters, {len(train_data):,} train bytes, "
           f"{len(val_data):,} validation bytes")
@@ -398,14 +488,12 @@ def train(args) -> None:
                   f"{(time.time() - t0) / 60:.1f} min", flush=True)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        seq_len = args.seq_len if step >= args.short_steps else args.short_seq_len
-        if step == args.short_steps > 0:  # positions never trained start as the last trained one
+        seq_len = args.short_seq_len if step < args.short_steps else args.seq_len
+        if step == args.short_steps and step > 0:
+            # the first full-length step: positions never trained start as the last trained one
             wpe = model.transformer.wpe.weight.data
             wpe[args.short_seq_len:] = wpe[args.short_seq_len - 1]
-        batch_size = args.batch_size * args.seq_len // seq_len
-        starts = torch.randint(len(train_data) - seq_len - 1, (batch_size,))
-        windows = torch.stack([train_data[i:i + seq_len + 1] for i in starts])
-        x, y = windows[:, :-1], windows[:, 1:]
+        x, y = random_windows(train_data, args.batch_size * args.seq_len // seq_len, seq_len)
         loss = F.cross_entropy(model.forward_dense(x).flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -416,6 +504,41 @@ def train(args) -> None:
     print(f"saved {args.out}: {num_params:,} parameters, context {args.seq_len}, "
           f"{(time.time() - t0) / 60:.1f} min, "
           f"val {evaluate(shipped, val_data, args.seq_len):.4f} nats/byte (fp16 weights)")
+
+
+def read_split(path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A UTF-8 text file as byte tokens: its first 90% to train on, its last 10% held out."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    split = int(len(text) * 0.9)
+    train_data = byte_tensor(text[:split])
+    val_data = byte_tensor(text[split:])
+    return train_data, val_data
+
+
+def byte_tensor(text: str) -> torch.Tensor:
+    """Text -> its byte tokens (n,), int64."""
+    return torch.tensor(byte_tokenizer().encode_ordinary(text), dtype=torch.long)
+
+
+def adamw(model: GPT, lr: float) -> torch.optim.AdamW:
+    """AdamW, with weight decay on the matrices only (not on biases and LayerNorm gains)."""
+    params = list(model.parameters())
+    matrices = [p for p in params if p.dim() >= 2]
+    vectors = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1},
+                              {"params": vectors, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.99))
+
+
+def random_windows(data: torch.Tensor, batch_size: int,
+                   seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """batch_size windows of `data` at random starts: inputs x (B, T) and targets y (B, T), the
+    byte after each of x's."""
+    starts = torch.randint(len(data) - seq_len - 1, (batch_size,))
+    windows = torch.stack([data[i:i + seq_len + 1] for i in starts])  # (B, T + 1)
+    x = windows[:, :-1]
+    y = windows[:, 1:]
+    return x, y
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
@@ -430,7 +553,8 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
 def evaluate(model: GPT, data: torch.Tensor, seq_len: int) -> float:
     """Mean next-byte cross-entropy (nats) over non-overlapping windows of `data`."""
     n = (len(data) - 1) // seq_len
-    x, y = (data[shift:n * seq_len + shift].view(n, seq_len) for shift in (0, 1))
+    x = data[:n * seq_len].view(n, seq_len)
+    y = data[1:n * seq_len + 1].view(n, seq_len)  # the next bytes
     losses = [F.cross_entropy(model.forward_dense(xb).flatten(0, 1), yb.flatten(), reduction="sum")
               for xb, yb in zip(x.split(64), y.split(64))]
     return sum(loss.item() for loss in losses) / y.numel()

@@ -1,14 +1,25 @@
 """nanoserve: the engine, its offline API, the command line, the REPL and the HTTP server.
 
-`Engine.step()` is the serving algorithm, one iteration at a time: schedule (which tokens of
-which sequences run now), execute (build the inputs, run the model once over all of them,
-sample a token for each sequence whose prompt is fully computed), update (advance, append,
-detokenize, finish and free), and a StepRecord of what it did. The rest loops over step():
-`LLM.generate`, `--prompt`, the REPL, and the OpenAI-compatible server's EngineThread. The
-offline API has vLLM's shape and argument names, so moving to vLLM is an import away:
+`Engine.step()` is the serving algorithm, one iteration at a time: schedule (the scheduler's
+SchedulerOutput says which tokens of which sequences run now, who was admitted, who was
+preempted), execute (build the flat batch, run the model once over all of it, sample a token
+for each sequence with no uncomputed token left), update (advance, append, detokenize, finish
+and free), record (a StepRecord of what it did). Everything else loops over step().
+
+In this file, in order, each part under a one-line banner: configuration (the option()
+fields that are also flags, SamplingParams, EngineConfig, the outputs); the engine (Batch,
+ModelOutput, StepRecord, EngineStats, Engine with step() at its top); the offline API (LLM,
+the trace, accumulate); the HTTP server (OpenAI's completions and chat, /metrics); the
+command line (--prompt, piped stdin and --jsonl, the REPL, main). It uses the scheduler
+(scheduler.py), the block pool (paged_cache.py), the model (model.py) and the attention and
+sampling ops (kernels.py). The offline API has vLLM's shape and argument names, so moving to
+vLLM is an import away:
 
     from nanoserve import LLM, SamplingParams
     outputs = LLM().generate(["ROMEO:"], SamplingParams(max_tokens=64, temperature=0))
+
+Left out: beam search, speculative decoding, CUDA graphs, tensor parallelism, multi-modal
+inputs, LoRA.
 """
 import argparse
 import codecs
@@ -208,7 +219,7 @@ class Batch:
     positions: torch.Tensor         # (N,) each token's position in its sequence
     attn_metadata: AttentionMetadata
     sample_rows: torch.Tensor       # (n,) the last row of each sequence that samples
-    sample_seqs: list[Sequence]     # (n,) the sequences whose prompt is now fully computed
+    sample_seqs: list[Sequence]     # (n,) the sequences with no uncomputed token left
     prompt_rows: torch.Tensor       # (m,) rows whose next token is a prompt token to score
     prompt_targets: torch.Tensor    # (m,) those next tokens
     prompt_seqs: list[Sequence]     # (m,) their sequences
@@ -216,8 +227,8 @@ class Batch:
 
 @dataclass
 class ModelOutput:
-    """What execute() gives update(): the token sampled for each sequence whose prompt is now
-    fully computed, the log-probabilities asked for, and the sequences that failed."""
+    """What execute() gives update(): the token sampled for each sequence with no uncomputed
+    token left, the log-probabilities asked for, and the sequences that failed."""
     sampled_token_ids: dict[Sequence, int] = field(default_factory=dict)
     logits: torch.Tensor | None = None  # (len(sampled_token_ids), vocab) fp32, in that order
     logprobs: dict[Sequence, dict[int, float]] = field(default_factory=dict)  # sampled token's
@@ -438,7 +449,7 @@ class Engine:
 
     def run_batch(self, num_scheduled_tokens: dict[Sequence, int]) -> ModelOutput:
         """Build the inputs, run the model over every scheduled token, sample a token for each
-        sequence whose prompt is now fully computed, gather the log-probabilities asked for."""
+        sequence with no uncomputed token left, gather the log-probabilities asked for."""
         batch = self._prepare_inputs(num_scheduled_tokens)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata,
                             self.k_cache, self.v_cache, self.attention)    # (N, C)
@@ -551,7 +562,7 @@ class Engine:
             query_start_loc  [0, 1, 4, 5]             (B owns rows 1..3)
             context_lens     [7, 7, 3]
             block_tables     [[3, 7, 0], [5, 2, 0], [1, 0, 0]]   (padded with 0)
-            sample_rows      [0, 4]                   (B's prompt is not done: no sample)
+            sample_rows      [0, 4]                   (B has tokens left to compute: no sample)
 
         Block tables are cdiv(max_model_len, block_size) wide whatever the batch, so the
         Triton kernel is specialised only once."""
@@ -560,7 +571,8 @@ class Engine:
         ints = dict(input_ids=[], positions=[], slot_mapping=[], block_tables=[],
                     context_lens=[], query_start_loc=[0], sample_rows=[], prompt_rows=[],
                     prompt_targets=[])
-        sample_seqs, prompt_seqs = [], []
+        sample_seqs = []  # the sequences that sample, in the order of ints["sample_rows"]
+        prompt_seqs = []  # the sequence of each of ints["prompt_rows"]
         for seq, num_new in num_scheduled_tokens.items():
             start = seq.num_computed_tokens
             end = start + num_new
@@ -626,6 +638,8 @@ class Engine:
         sizes = [len(values) for values in host_lists.values()]
         return dict(zip(host_lists, device.split(sizes)))
 
+
+# ----------------------------------------------------------------------------- offline API
 
 def as_prompt_list(prompts) -> list:
     """One prompt (a string, a list of token ids, or a dict add_request takes) or a list of
@@ -749,7 +763,8 @@ class HTTPError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
-        self.status, self.param = status, param
+        self.status = status
+        self.param = param
 
 
 def zero_bucket_counts() -> list[int]:
@@ -1215,7 +1230,8 @@ def serve(engine: Engine, args: argparse.Namespace) -> None:
     server.request_queue_size = 256  # connections waiting to be accepted (socketserver's: 5)
     server.server_bind()
     server.server_activate()
-    server.engine_thread, server.started = EngineThread(engine), time.time()
+    server.engine_thread = EngineThread(engine)
+    server.started = time.time()
     server.model_name = engine.config.model or engine.config.preset or "shakespeare"
     server.engine_thread.start()
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
@@ -1302,9 +1318,10 @@ def run_prompts(engine: Engine, args: argparse.Namespace) -> None:
             while current < len(ids) and later[ids[current]]:
                 out = later[ids[current]].pop(0)
                 print_delta(out)
-                if out.finished:
-                    current += 1
-                if out.finished and current < len(ids):
+                if not out.finished:
+                    continue
+                current += 1
+                if current < len(ids):  # the next prompt, whose completion prints next
                     print("\n\n" + args.prompt[current].translate(VISIBLE), end="", flush=True)
     except KeyboardInterrupt:
         print("\n[interrupted]", end="", file=sys.stderr)
@@ -1481,7 +1498,10 @@ def run_terminal(engine: Engine, args: argparse.Namespace) -> None:
 def repl_command(line: str, settings: dict, engine: Engine, args: argparse.Namespace) -> str:
     """/set NAME [VALUE] or /help: the reply. A value is JSON (0.7, 5, true, null); stop's is
     a string with escapes (/set stop \\n\\n)."""
-    command, name, value = (line.split(maxsplit=2) + ["", ""])[:3]
+    words = line.split(maxsplit=2)
+    command = words[0]
+    name = words[1] if len(words) > 1 else ""
+    value = words[2] if len(words) > 2 else ""
     if command == "/help":
         return REPL_HELP + "\nnow: " + ", ".join(f"{k}={v!r}" for k, v in settings.items())
     if command != "/set" or name not in {f.name for f in dataclasses.fields(SamplingParams)}:

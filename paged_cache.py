@@ -135,7 +135,8 @@ class BlockPool:
         reuses only the first (4 tokens) and computes tokens 4..7 into a block of its own;
         it cannot compute token 7 alone into the cached second block, which others share and
         which must never be written."""
-        block_hashes, block_ids = [], []
+        block_hashes = []
+        block_ids = []
         if not self.enable_caching:
             return block_hashes, block_ids
         parent_hash = NO_PARENT

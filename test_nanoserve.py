@@ -1838,7 +1838,8 @@ def check_recompute(computed: int, needed: int, preemptions: int, most_per_preem
 
 def test_bench_offline_and_online_figures_agree(bench_run):
     result, printed = bench_run
-    cfg, P = result["config"], 16
+    cfg = result["config"]
+    P = 16
     assert cfg["max_num_batched_tokens"] == 24 and cfg["host_output_lens"] == [4, 40]
     assert list(result["offline"]) == ["8", "16"] and cfg["modes"] == list(bench.MODES)[:-1]
     for limit, runs in result["offline"].items():
@@ -1862,9 +1863,8 @@ def test_bench_offline_and_online_figures_agree(bench_run):
         assert list(runs) == [m for m in cfg["modes"] if m != "naive"]
         for r in runs.values():
             assert r["requests"] == 6 and r["output_tokens"] == sum(result["online_lengths"])
-            assert 0 < r["ttft"]["mean"] <= r["e2e"]["mean"]  # the first token, then the last
-            assert r["tpot"]["mean"] > 0 and r["itl"]["p50"] >= 0
-    for title in ("Offline", "Online", "Decode step, tiny, 1 threads", "Targets"):
+            assert r["ttft"]["mean"] <= r["e2e"]["mean"]  # the first token, then the last
+    for title in ("Offline", "Online", "Decode step, tiny, 1 threads"):
         assert title in printed
 
 
@@ -1872,14 +1872,16 @@ def test_bench_equal_memory_holds_every_mode_to_the_kv_budget(bench_run):
     """80 tokens of KV each: naive and static reserve prompt + limit a sequence (80 // 24 = 3 at
     limit 8, 80 // 32 = 2 at 16); the paged modes hold what fits, preempting if they must."""
     result, _ = bench_run
-    P, budget = 16, result["config"]["kv_budget"]
+    P = 16
+    budget = result["config"]["kv_budget"]
     assert budget == 80 and list(result["equal_memory"]) == ["8", "16"]
     for limit, runs in result["equal_memory"].items():
         assert runs["lengths"] == result["offline"][limit]["lengths"]  # the same requests
         contiguous = min(8, budget // (P + int(limit)))
         for mode, r in runs["modes"].items():
             assert r["kv_slots_peak"] <= budget, (limit, mode)
-            assert r["same_tokens"] == 1.0 and r["output_tokens"] == sum(runs["lengths"])
+            assert r["same_tokens"] == 1.0, (limit, mode)  # greedy: no mode changes a token
+            assert r["output_tokens"] == sum(runs["lengths"]), (limit, mode)
             if mode in ("naive", "static"):
                 assert r["max_num_seqs"] == contiguous and r["seqs_peak"] <= contiguous
             else:
@@ -1893,8 +1895,8 @@ def test_bench_equal_memory_holds_every_mode_to_the_kv_budget(bench_run):
 
 def test_bench_shared_prefix_compares_the_prefix_cache_on_and_off(tmp_path):
     """Every prompt behind one 32-token prefix, two turns a conversation: the same tokens with
-    the cache on (fcfs) and off (no-cache); only fcfs finds the prefix; the two prefix-cache
-    targets cite the figures."""
+    the cache on (fcfs) and off (no-cache); only fcfs finds the prefix, and so computes fewer
+    tokens for the same outputs."""
     out, threads = tmp_path / "bench.json", torch.get_num_threads()
     try:
         with contextlib.redirect_stdout(io.StringIO()):
@@ -1907,58 +1909,46 @@ def test_bench_shared_prefix_compares_the_prefix_cache_on_and_off(tmp_path):
     fcfs, off = (result["offline"]["8"]["modes"][m] for m in ("fcfs", "no-cache"))
     assert fcfs["same_tokens"] == off["same_tokens"] == 1.0
     assert fcfs["output_tokens"] == 2 * sum(result["offline"]["8"]["lengths"])  # both turns
-    assert fcfs["prefix_hit_rate"] > 0 == off["prefix_hit_rate"]
-    targets = {t["target"]: t["measured"] for t in result["targets"]}
-    assert targets["fcfs / no prefix caching, tok/s, limit 8"] == fcfs["tok_s"] / off["tok_s"]
-    online = result["online"]["inf"]
-    assert targets["no prefix caching / fcfs, mean TTFT, rate inf"] == pytest.approx(
-        online["no-cache"]["ttft"]["mean"] / online["fcfs"]["ttft"]["mean"])
+    assert fcfs["prefix_hit_rate"] > 0
+    assert off["prefix_hit_rate"] == 0
+    assert fcfs["tokens_computed"] < off["tokens_computed"]  # the prefix's K/V, reused
 
 
-def test_bench_hardware_view_and_targets(bench_run):
+def test_bench_hardware_view_figures_agree(bench_run):
+    """Both views' decode rows: the forward (timed by hooks) and the host part inside the step,
+    the roofline from the rates the table quotes; the batches, lengths, bytes and FLOPs the
+    configuration implies; the host-cost rows at one context."""
     result, _ = bench_run
-    hw, big = result["hardware"], result["hardware_big"]
+    hw = result["hardware"]
+    big = result["hardware_big"]
     host = hw["host_cost"]
-    for d in hw["decode"] + host + big["decode"]:  # the forward is part of the step
-        assert d["paged_step_ms"] > d["forward_ms"] > 0 and d["host_ms"] > 0
-        assert d["dense_step_ms"] > 0 and d["roofline_ms"] > 0
+    for view in (hw, big):
+        copy_rate = view["copy_gb_s"] * 1e9         # bytes/s
+        matmul_rate = view["matmul_gflops"] * 1e9   # FLOP/s
+        for d in view["decode"] + view["host_cost"]:
+            assert 0 < d["forward_ms"] < d["paged_step_ms"]  # the forward is part of the step
+            assert 0 < d["host_ms"] < d["paged_step_ms"]     # and so is the rest
+            roofline = max(d["weight_bytes"] / copy_rate, d["flops"] / matmul_rate) * 1e3
+            assert d["roofline_ms"] == pytest.approx(roofline)
     assert [d["batch"] for d in hw["decode"]] == [1, 2, 4]  # the sequences the engine held
     assert [d["batch"] for d in big["decode"]] == [1, 8, 32, 64] and big["preset"] == "tiny"
     assert all(d["output_len"] == 1 + 47 / 2 for d in hw["decode"])  # 16 steps x 3 rounds
     # FLOPs grow with the batch; the weights read do not (3.5M parameters less wpe, fp32)
-    weights = {d["weight_bytes"] for d in hw["decode"] + big["decode"]}
-    assert weights == {4 * (sum(p.numel() for p in M.GPT(M.GPTConfig()).parameters())
-                            - 1024 * 256)}
-    one, many = big["decode"][0], big["decode"][-1]
-    assert many["flops"] > 64 * 2 * weights.pop() / 4 > one["flops"]
+    config = M.GPTConfig()
+    params = sum(p.numel() for p in M.GPT(config).parameters())
+    weights = params - config.n_positions * config.n_embd
+    for d in hw["decode"] + big["decode"]:
+        assert d["weight_bytes"] == 4 * weights
+    one = big["decode"][0]
+    many = big["decode"][-1]
+    assert many["flops"] > 64 * 2 * weights > one["flops"]
     # Host cost rows: batch 4, the same context (40 + 16) for output lengths 4 and 40: the
     # engine stepped until every sequence had max(1, n - 10) output tokens, then 20 steps timed
     assert [(d["batch"], d["prompt_len"], d["output_len"]) for d in host] == [
         (4, 52, 1 + 19 / 2), (4, 16, 30 + 19 / 2)]
-    s = hw["sampling"]
-    assert (s["rows"], s["vocab"]) == (64, 257) and s["sample_ms"] > 0
-    # Every target cites the figure it names, and "met" agrees with its goal.
-    off = result["offline"]
-    tok_s = lambda limit, mode: off[limit]["modes"][mode]["tok_s"]  # noqa: E731
-    cited = {f"static / naive, limit {limit}": tok_s(limit, "static") / tok_s(limit, "naive")
-             for limit in off}
-    b32 = big["decode"][2]
-    cited |= {"tiny, batch 4: paged / dense decode step":
-              hw["decode"][-1]["paged_step_ms"] / hw["decode"][-1]["dense_step_ms"],
-              "tiny, batch 32: paged / dense decode step":
-              b32["paged_step_ms"] / b32["dense_step_ms"],
-              "tiny, batch 32: roofline / decode step": b32["roofline_ms"] / b32["paged_step_ms"],
-              "decode step, batch 4, output 40 / 10, same context":
-              host[1]["paged_step_ms"] / host[0]["paged_step_ms"],
-              "  its host part (step less model forward)": host[1]["host_ms"] / host[0]["host_ms"],
-              "sampling 64 rows (top-p, seeded), ms": s["sample_ms"]}
-    targets = {t["target"]: t for t in result["targets"]}
-    assert set(targets) == set(cited)  # no equal-memory target: limits 128 and 512 not run
-    ops = {">=": float.__ge__, ">": float.__gt__, "<=": float.__le__, "<": float.__lt__}
-    for name, t in targets.items():
-        assert t["measured"] == pytest.approx(cited[name]), name
-        op, goal = t["goal"].split()
-        assert t["met"] == ops[op](float(t["measured"]), float(goal)), name
+    sampling = hw["sampling"]
+    assert set(sampling) == {"rows", "vocab", "sample_ms"}
+    assert (sampling["rows"], sampling["vocab"]) == (64, 257)
 
 
 def test_bench_naive_baseline_pads_and_matches_the_engine():
@@ -2086,7 +2076,7 @@ def check_online(result: dict, modes: list[str]) -> None:
         for mode, r in runs.items():
             assert r["requests"] == 8 and r["output_tokens"] == sum(lengths), (rate, mode)
             assert 0 < r["ttft"]["p50"] <= r["e2e"]["p50"] and r["ttft"]["mean"] <= r["e2e"]["mean"]
-            assert r["ttft"]["p99"] <= r["e2e"]["p99"] and r["itl"]["p50"] >= 0
+            assert r["ttft"]["p99"] <= r["e2e"]["p99"]
             assert r["tpot"]["mean"] > 0 and r["e2e"]["p99"] <= r["duration_s"]
             assert r["output_throughput"] == pytest.approx(sum(lengths) / r["duration_s"])
             assert r["request_throughput"] == pytest.approx(8 / r["duration_s"])
@@ -2100,7 +2090,6 @@ def test_bench_url_sends_the_workload_and_counts_usage_tokens(stub):
     status, result, printed, err = run_bench(URL_TINY + ["--url", url + "/"])
     assert status == 0, err
     check_online(result, ["http"])
-    assert result["targets"] == [] and "Targets" not in printed
     assert "Online, limit 9" in printed and "Offline" not in printed and "Decode" not in printed
     # 8 requests per rate, each exactly the workload's, as OpenAI's /v1/completions asks
     prompts, lengths = bench.make_workload(bench.parse_args(URL_TINY), 8, 9)
@@ -2123,17 +2112,8 @@ def test_bench_url_compares_with_the_engine_in_process():
         proc.kill()
         proc.wait()
     assert status == 0, err
-    check_online(result, ["http", "fcfs"])
-    names = [t["target"] for t in result["targets"]]
-    assert names == [f"HTTP {what}, rate {rate}" for rate in ("25.0", "inf") for what in (
-        "/ in process, output tok/s", "- in process, TTFT p50 ms")]
-    for t in result["targets"]:
-        http, fcfs = (result["online"][t["target"].split()[-1]][m] for m in ("http", "fcfs"))
-        want = http["output_throughput"] / fcfs["output_throughput"] if "tok/s" in t["target"] \
-            else (http["ttft"]["p50"] - fcfs["ttft"]["p50"]) * 1e3
-        assert t["measured"] == pytest.approx(want)
-        assert t["met"] == (want >= 0.9 if "tok/s" in t["target"] else want <= 5)
-    assert "Targets" in printed and "| 25.0 | http |" in printed and "| 25.0 | fcfs |" in printed
+    check_online(result, ["http", "fcfs"])  # the same tokens counted over HTTP and in process
+    assert "| 25.0 | http |" in printed and "| 25.0 | fcfs |" in printed
 
 
 def free_port() -> int:
