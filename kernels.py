@@ -142,11 +142,13 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
     q_lens = [end - start for start, end in zip(starts, starts[1:])]
-    decodes = [s for s, q_len in enumerate(q_lens) if q_len == 1]
+    decodes = []
     for s, q_len in enumerate(q_lens):
-        if q_len > 1:  # a prefill chunk
-            chunk = slice(starts[s], starts[s + 1])
-            out[chunk] = _attend(q[chunk], k_cache, v_cache, meta, s, scale)
+        if q_len == 1:
+            decodes.append(s)
+            continue
+        chunk = slice(starts[s], starts[s + 1])  # a prefill chunk
+        out[chunk] = _attend(q[chunk], k_cache, v_cache, meta, s, scale)
     if not decodes:
         return out
     if meta.decode_plan is None:

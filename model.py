@@ -412,29 +412,43 @@ def load_model(model: str | None = None, preset: str | None = None, seed: int = 
     return load_checkpoint(path), load_tokenizer(path)
 
 
+HUB_FILES = ("config.json", "vocab.json", "merges.txt", "model.safetensors")
+
+
 def hub_checkpoint(name: str) -> str:
     """A GPT-2 checkpoint from the local Hugging Face cache, else downloaded into it."""
     hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
         os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"), "hub")
-    files = ("config.json", "vocab.json", "merges.txt", "model.safetensors")
-    for repo in (name, f"openai-community/{name}"):
-        snapshots = os.path.join(hub, "models--" + repo.replace("/", "--"), "snapshots")
-        for snap in sorted(os.listdir(snapshots)) if os.path.isdir(snapshots) else []:
-            if all(os.path.exists(os.path.join(snapshots, snap, f)) for f in files):
-                return os.path.join(snapshots, snap)
+    cached = find_in_hub_cache(name, hub)
+    if cached is not None:
+        return cached
     advice = (f"{name} is not in the Hugging Face cache ({hub}) and cannot be downloaded ({{}});"
               " pass --model DIR with a GPT-2 checkpoint directory, or no --model for the "
               "built-in Shakespeare model")
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", ""):
         raise ValueError(advice.format("HF_HUB_OFFLINE is set"))
     target = os.path.join(hub, f"models--openai-community--{name}", "snapshots", "main")
-    for f in files:
+    for file_name in HUB_FILES:
         try:
-            _download(f"https://huggingface.co/openai-community/{name}/resolve/main/{f}",
-                      os.path.join(target, f))
+            _download(f"https://huggingface.co/openai-community/{name}/resolve/main/{file_name}",
+                      os.path.join(target, file_name))
         except OSError as e:
             raise ValueError(advice.format(e)) from None
     return target
+
+
+def find_in_hub_cache(name: str, hub: str) -> str | None:
+    """The first snapshot of `name` (or openai-community/`name`) in the hub cache that holds
+    every file of HUB_FILES, or None."""
+    for repo in (name, f"openai-community/{name}"):
+        snapshots = os.path.join(hub, "models--" + repo.replace("/", "--"), "snapshots")
+        if not os.path.isdir(snapshots):
+            continue
+        for snapshot in sorted(os.listdir(snapshots)):
+            path = os.path.join(snapshots, snapshot)
+            if all(os.path.exists(os.path.join(path, file_name)) for file_name in HUB_FILES):
+                return path
+    return None
 
 
 def _download(url: str, path: str) -> None:

@@ -337,9 +337,12 @@ class Engine:
                ) -> list[RequestOutput]:
         """Apply a step's results: failed sequences abort; the scheduler advances the others
         and appends their tokens; each sampled sequence detokenizes and makes its output."""
-        outputs = [self._abort(seq, error) for seq, error in model_output.failed.items()]
-        ran = {seq: num_new for seq, num_new in scheduler_output.num_scheduled_tokens.items()
-               if seq not in model_output.failed}
+        outputs = []
+        for seq, error in model_output.failed.items():
+            outputs.append(self._abort(seq, error))
+        ran = dict(scheduler_output.num_scheduled_tokens)
+        for seq in model_output.failed:
+            del ran[seq]
         self.scheduler.update(ran, model_output.sampled_token_ids)
         for seq, entries in model_output.prompt_logprobs.items():
             seq.prompt_logprobs += entries
@@ -490,22 +493,24 @@ class Engine:
         token scored this step): the token's own log-probability and the top k of its row,
         from the model's log-softmax (before temperature, top-k and top-p, as vLLM returns
         them). One topk over all rows; token ids and values are read in one copy each."""
-        wants = [seq.params.logprobs for seq in batch.sample_seqs]
-        wants += [seq.params.prompt_logprobs for seq in batch.prompt_seqs]
+        seqs = batch.sample_seqs + batch.prompt_seqs  # a row each
+        num_sampled = len(batch.sample_seqs)
+        # per row: how many top log-probabilities it asked for (None: none at all)
+        wants = [sampled.params.logprobs for sampled in batch.sample_seqs]
+        wants += [scored.params.prompt_logprobs for scored in batch.prompt_seqs]
         prompt_logits = self.model.compute_logits(hidden[batch.prompt_rows])  # (m, vocab)
         logprobs = torch.cat([logits, prompt_logits]).log_softmax(dim=-1)    # (n + m, vocab)
         targets = torch.cat([token_ids, batch.prompt_targets])[:, None]      # (n + m, 1)
-        top_k = max(want or 0 for want in wants)
+        top_k = max([want for want in wants if want is not None], default=0)
         top = logprobs.topk(top_k, dim=-1)
         ids = torch.cat([targets, top.indices], dim=1).tolist()                # (n + m, 1 + k)
         values = torch.cat([logprobs.gather(1, targets), top.values], dim=1).tolist()
-        num_sampled = len(batch.sample_seqs)
-        for row, seq in enumerate(batch.sample_seqs + batch.prompt_seqs):
-            want = wants[row]
-            if want is None:
+        for row, seq in enumerate(seqs):
+            row_top_k = wants[row]
+            if row_top_k is None:
                 continue
-            entry = {ids[row][0]: values[row][0]}  # the token itself, then the top `want`
-            entry |= dict(zip(ids[row][1:1 + want], values[row][1:1 + want]))
+            entry = {ids[row][0]: values[row][0]}  # the token itself, then its row's top
+            entry |= dict(zip(ids[row][1:1 + row_top_k], values[row][1:1 + row_top_k]))
             if row < num_sampled:
                 output.logprobs[seq] = entry
             else:
