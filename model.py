@@ -281,15 +281,21 @@ class Detokenizer:
         search_from = max(0, len(self.text) - self.max_stop_len + 1)  # a stop string's overlap
         new_bytes = tok.decode_single_token_bytes(token) if token < tok.eot_token else b""
         self.text += self.decoder.decode(new_bytes)
-        found = {s: i for s in self.stop if (i := self.text.find(s, search_from)) >= 0}
-        if not found:
+        # One token can complete several stop strings: the earliest in the text wins, whatever
+        # the list's order; of those found at the same place ("ab" and "abc"), the longest.
+        found = None
+        found_at = -1
+        for stop in self.stop:
+            at = self.text.find(stop, search_from)
+            if at < 0:
+                continue
+            if found is None or at < found_at or (at == found_at and len(stop) > len(found)):
+                found = stop
+                found_at = at
+        if found is None:
             return None
-        # One token can complete several: the earliest in the text wins, whatever the list's
-        # order; of those found at the same place ("ab" and "abc"), the longest.
-        start = min(found.values())
-        stop = max((s for s, i in found.items() if i == start), key=len)
-        self.text = self.text[:start]
-        return stop
+        self.text = self.text[:found_at]
+        return found
 
     def flush(self) -> None:
         """The text ended: the bytes of an unfinished character become U+FFFD."""

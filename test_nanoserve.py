@@ -9,11 +9,13 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -25,11 +27,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import bench
+import kernels
 import model as M
 from kernels import (AttentionMetadata, SamplingTensors, apply_top_k_top_p, paged_attention,
                      paged_attention_cpu, paged_attention_ref, sample, store_kv)
 import nanoserve
-from nanoserve import LLM, Engine, EngineConfig, SamplingParams, token_text
+from nanoserve import LLM, Engine, EngineConfig, SamplingParams, accumulate, token_text
 from paged_cache import BlockPool, BlockTable, hash_block
 from scheduler import Scheduler, Sequence, SequenceStatus
 
@@ -200,7 +203,8 @@ BATCHES = {
 
 def make_batch(seq_shapes, block_size, head_dim, dtype=torch.float32, seed=0, width=None,
                device=DEVICE):
-    """Random q, caches and metadata as Engine._prepare_inputs builds them: shuffled blocks, 0-padding.
+    """Random q, caches and metadata as Engine._prepare_inputs builds them: shuffled blocks,
+    0-padding.
 
     Block tables are `width` columns wide (default: just wide enough for the longest sequence),
     padded with block 0, as the engine pads them to cdiv(max_model_len, block_size).
@@ -310,27 +314,16 @@ def test_triton_kernel_runs_on_its_tensors_device():
                                atol=4e-3, rtol=4e-3)
 
 
-COMPILE_SCRIPT = r"""
-import json, os, re, subprocess, sys, tempfile
-import torch, triton
-import kernels
-from torch.utils._python_dispatch import TorchDispatchMode
-try:  # Triton internals (triton is unpinned): a Triton without them skips, saying so
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
-    from triton.runtime.driver import driver
-    assert hasattr(triton.knobs.runtime, "jit_cache_hook")
-    assert hasattr(kernels._paged_attention_kernel, "preload")
-except (ImportError, AssertionError) as e:
-    print(f"SKIP: Triton {triton.__version__} lacks an internal this test uses: {e!r}")
-    sys.exit(0)
+# Compiling for GPUs without one: the test after these functions runs print_compiled_variants
+# in a fresh process, where Triton compiles for real.
 
-assert not triton.knobs.runtime.interpret
-fn = kernels._paged_attention_kernel
+COMPILE_CAPABILITIES = (80, 90)  # sm_80 (A100), sm_90 (H100)
+COMPILE_VARIANTS = [("float16", 64), ("float16", 48), ("bfloat16", 64), ("float32", 64)]
 
 
 class CompileOnlyDriver:
-    # All that JITFunction.run asks of the driver before it compiles; there is no GPU to ask.
+    """All that JITFunction.run asks of the driver before it compiles; there is no GPU to ask."""
+
     def __init__(self, target):
         self.target = target
 
@@ -344,30 +337,24 @@ class CompileOnlyDriver:
         return 0
 
 
-class NoValueReads(TorchDispatchMode):
-    # .item(), .tolist() and `if tensor:` all end here: on a GPU, a wait for the device.
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        assert func is not torch.ops.aten._local_scalar_dense.default, "the launch reads a value"
-        return func(*args, **(kwargs or {}))
-
-
 def engine_args(dtype, head_dim, heads=12, block_size=16, width=64, num_blocks=512):
-    # paged_attention's arguments as the GPT-2 engine passes them: q a view of the fused qkv
-    # projection, contiguous caches, int32 metadata, block tables cdiv(1024, 16) wide.
+    """paged_attention's arguments as the GPT-2 engine passes them: q a view of the fused qkv
+    projection, contiguous caches, int32 metadata, block tables cdiv(1024, 16) wide."""
     qkv = torch.zeros(40, 3 * heads * head_dim, dtype=dtype)
     q = qkv.view(40, 3, heads, head_dim)[:, 0]  # (N, H, D), rows 3 * H * D apart
     k_cache = torch.zeros(num_blocks, block_size, heads, head_dim, dtype=dtype)
-    int32 = lambda x: torch.tensor(x, dtype=torch.int32)
-    meta = kernels.AttentionMetadata(  # 3 decodes and a 37-token prefill chunk
+    meta = AttentionMetadata(  # 3 decodes and a 37-token prefill chunk
         slot_mapping=torch.arange(40), block_tables=torch.zeros(4, width, dtype=torch.int32),
-        context_lens=int32([100, 7, 300, 37]), query_start_loc=int32([0, 1, 2, 3, 40]),
-        max_query_len=37)
+        context_lens=torch.tensor([100, 7, 300, 37], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 1, 2, 3, 40], dtype=torch.int32), max_query_len=37)
     return q, k_cache, torch.zeros_like(k_cache), meta, head_dim ** -0.5
 
 
-def launch_specialization(args):
-    # paged_attention(*args) as on a GPU: JITFunction.run binds the arguments and hands its
-    # specialization to jit_cache_hook, whose True skips the compile and the launch.
+def launch_specialization(args) -> str:
+    """paged_attention(*args) as on a GPU: JITFunction.run binds the arguments and hands its
+    specialization to jit_cache_hook, whose True skips the compile and the launch. The launch
+    must not read a tensor's value (on a GPU, a wait for the device)."""
+    import triton  # here, not at the top: kernels.py chooses the interpreter before importing it
     seen = []
 
     def hook(*, compile, **_):
@@ -376,16 +363,19 @@ def launch_specialization(args):
 
     triton.knobs.runtime.jit_cache_hook = hook
     try:
-        with NoValueReads():
-            kernels.paged_attention(*args)
+        with CountSyncs() as counter:
+            paged_attention(*args)
     finally:
         triton.knobs.runtime.jit_cache_hook = None
+    assert counter.syncs == [], counter.syncs
     assert len(seen) == 1, seen
     return seen[0]
 
 
-def ptxas_counts(ptx, cc):
-    # Registers and spills as ptxas reports them; Triton only learns them when loading on a GPU.
+def ptxas_counts(ptx: str, cc: int) -> tuple[int, int]:
+    """Registers and spills as ptxas reports them; Triton only learns them when loading on a
+    GPU."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
@@ -398,30 +388,54 @@ def ptxas_counts(ptx, cc):
     return int(regs[0]), int(spills[0][0]) + int(spills[0][1])
 
 
-VARIANTS = [("float16", 64), ("float16", 48), ("bfloat16", 64), ("float32", 64)]
-for cc in (80, 90):
-    driver.set_active(CompileOnlyDriver(GPUTarget("cuda", cc, 32)))
-    for dtype, head_dim in VARIANTS:  # head dim 48 (padded to 64) once, in fp16
-        data = launch_specialization(engine_args(getattr(torch, dtype), head_dim))
-        compiled = fn.preload(data)  # Triton compiles exactly that specialization
-        spec, ptx = json.loads(data), compiled.asm["ptx"]
-        names = [p.name for p in fn.params]
-        ones = [names[i] for (i,), v in zip(spec["constant_keys"], spec["constant_vals"])
-                if v == 1 and not fn.params[i].is_constexpr]
-        aligned = [names[i] for (i,), v in zip(spec["attrs_keys"], spec["attrs_vals"])
-                   if ["tt.divisibility", 16] in v]
-        regs, spills = ptxas_counts(ptx, cc)
-        waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)]
-        print(json.dumps(dict(
-            cc=cc, dtype=dtype, head_dim=head_dim, regs=regs, spills=spills,
-            smem=compiled.metadata.shared, cp_async="cp.async.cg.shared.global" in ptx,
-            copies_in_flight=max(waits, default=0), ones=ones, aligned=aligned,
-            target=f".target {sm_arch_from_capability(cc)}" in ptx,
-            cubin=len(compiled.asm["cubin"]), stages=compiled.metadata.num_stages)))
-"""
+def compile_as_launched(cc: int, dtype: str, head_dim: int) -> dict:
+    """Compile the kernel exactly as paged_attention would launch it on compute capability cc,
+    and report what the compile gave: the specialization (which parameters are bound to 1,
+    which pointers are 16-byte aligned), ptxas's registers and spills, shared memory, and
+    whether K/V are loaded by cp.async with copies still in flight."""
+    from triton.backends.nvidia.compiler import sm_arch_from_capability
+    fn = kernels._paged_attention_kernel
+    data = launch_specialization(engine_args(getattr(torch, dtype), head_dim))
+    compiled = fn.preload(data)  # Triton compiles exactly that specialization
+    spec = json.loads(data)
+    ptx = compiled.asm["ptx"]
+    names = [p.name for p in fn.params]
+    ones = [names[i] for (i,), v in zip(spec["constant_keys"], spec["constant_vals"])
+            if v == 1 and not fn.params[i].is_constexpr]
+    aligned = [names[i] for (i,), v in zip(spec["attrs_keys"], spec["attrs_vals"])
+               if ["tt.divisibility", 16] in v]
+    regs, spills = ptxas_counts(ptx, cc)
+    waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)]
+    return dict(cc=cc, dtype=dtype, head_dim=head_dim, regs=regs, spills=spills,
+                smem=compiled.metadata.shared, cp_async="cp.async.cg.shared.global" in ptx,
+                copies_in_flight=max(waits, default=0), ones=ones, aligned=aligned,
+                target=f".target {sm_arch_from_capability(cc)}" in ptx,
+                cubin=len(compiled.asm["cubin"]), stages=compiled.metadata.num_stages)
 
 
-def test_triton_kernel_compiles_for_cuda_as_launched():
+def print_compiled_variants() -> None:
+    """Compile every variant for every capability; print one JSON line each, or "SKIP: why"
+    when this Triton lacks an internal used here (triton is unpinned). Run it in a process of
+    its own with TRITON_INTERPRET=0: the interpreter patches triton.language, and then
+    triton.compile cannot run."""
+    import triton
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401 (ptxas_counts's)
+        from triton.runtime.driver import driver
+        assert hasattr(triton.knobs.runtime, "jit_cache_hook")
+        assert hasattr(kernels._paged_attention_kernel, "preload")
+    except (ImportError, AssertionError) as e:
+        print(f"SKIP: Triton {triton.__version__} lacks an internal this test uses: {e!r}")
+        return
+    assert not triton.knobs.runtime.interpret
+    for cc in COMPILE_CAPABILITIES:
+        driver.set_active(CompileOnlyDriver(GPUTarget("cuda", cc, 32)))
+        for dtype, head_dim in COMPILE_VARIANTS:  # head dim 48 (padded to 64) once, in fp16
+            print(json.dumps(compile_as_launched(cc, dtype, head_dim)))
+
+
+def test_triton_kernel_as_launched_compiles_for_sm80_and_sm90_without_spills():
     """The kernel paged_attention would launch on sm_80 and sm_90, compiled without a GPU.
 
     Triton's own JITFunction.run specialises the engine's real arguments (built on CPU); the
@@ -429,15 +443,16 @@ def test_triton_kernel_compiles_for_cuda_as_launched():
     K/V loaded by cp.async, with the next tile's copies in flight during this tile's math.
     """
     env = dict(os.environ, TRITON_INTERPRET="0")  # kernels.py keeps an explicit 0
-    result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True,
+    run_it = "import test_nanoserve; test_nanoserve.print_compiled_variants()"
+    result = subprocess.run([sys.executable, "-c", run_it], env=env, capture_output=True,
                             text=True, timeout=600, cwd=HERE)
     assert result.returncode == 0, result.stderr[-3000:]
     if result.stdout.startswith("SKIP: "):
         pytest.skip(result.stdout[6:].strip())
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     assert [(r["cc"], r["dtype"], r["head_dim"]) for r in rows] == [
-        (cc, dtype, head_dim) for cc in (80, 90) for dtype, head_dim in [
-            ("float16", 64), ("float16", 48), ("bfloat16", 64), ("float32", 64)]]
+        (cc, dtype, head_dim) for cc in COMPILE_CAPABILITIES
+        for dtype, head_dim in COMPILE_VARIANTS]
     for r in rows:
         assert r["target"] and r["cubin"] > 0, r
         # The launch binds unit strides as constants and every pointer as 16-byte aligned.
@@ -478,17 +493,27 @@ def test_top_k_and_top_p_mask_each_row_by_its_own_params():
     assert torch.equal(masked[3], logits[3])  # top_k = vocab and top_p = 1: untouched
 
 
-def test_sampling_draws_from_the_distribution():
-    """The Gumbel-max draw: frequencies over 4000 seeded draws follow softmax(logits / T)."""
-    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+def test_sampling_draws_from_the_top_p_nucleus_of_the_tempered_distribution():
+    """Temperature first, then top-p, then the Gumbel-max draw: frequencies over 4000 seeded
+    draws follow softmax(logits / T) cut to its nucleus and renormalised.
+
+    The order matters here: tempered by T = 2, the probabilities [0.5, 0.3, 0.15, 0.05] become
+    [0.38, 0.29, 0.21, 0.12], whose top-p 0.7 nucleus has 3 tokens; top-p on the raw ones
+    keeps 2, and token 2's frequency (0.24 expected) would be 0."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])  # most likely first
+    temperature = 2.0
+    top_p = 0.7
+    tempered = (probs.log() / temperature).softmax(-1)
+    more_likely = tempered.cumsum(0) - tempered  # the mass of the tokens above each
+    nucleus = torch.where(more_likely < top_p, tempered, 0)  # the token crossing top_p stays
+    expected = nucleus / nucleus.sum()
     n = 4000
-    t = SamplingTensors(temperature=torch.full((n,), 2.0), top_k=torch.full((n,), 4),
-                        top_p=torch.ones(n), greedy=torch.zeros(n, dtype=torch.bool),
-                        generators=[None] * n, all_greedy=False, any_top_k_top_p=False)
-    logits = (2.0 * probs.log()).expand(n, 4)  # temperature 2 undoes the doubling
-    tokens = sample(logits, t, torch.Generator().manual_seed(0))
+    t = SamplingTensors(temperature=torch.full((n,), temperature), top_k=torch.full((n,), 4),
+                        top_p=torch.full((n,), top_p), greedy=torch.zeros(n, dtype=torch.bool),
+                        generators=[None] * n, all_greedy=False, any_top_k_top_p=True)
+    tokens = sample(probs.log().expand(n, 4), t, torch.Generator().manual_seed(0))
     freq = torch.bincount(tokens, minlength=4) / n
-    assert (freq - probs).abs().max() < 0.025, freq
+    assert (freq - expected).abs().max() < 0.025, (freq, expected)
 
 
 # ----------------------------------------------------------------------------- streaming
@@ -553,6 +578,33 @@ def test_stop_accepts_any_iterable_of_strings():
     assert llm.generate(["Hello"], params)[0].outputs[0].text == full[:full.find(full[10:13])]
 
 
+class TextTokens:
+    """A tokenizer whose token i is the text texts[i], end-of-text after them: one token can
+    complete two stop strings at once (the byte tokenizer adds one character at a time)."""
+
+    def __init__(self, texts: list[str]):
+        self.texts = texts
+        self.eot_token = len(texts)
+
+    def decode_single_token_bytes(self, token: int) -> bytes:
+        return self.texts[token].encode()
+
+
+@pytest.mark.parametrize("stop, expected", [
+    (["ab", "bc"], "ab"), (["bc", "ab"], "ab"),      # "ab" starts first in "xabc"
+    (["ab", "abc"], "abc"), (["abc", "ab"], "abc"),  # both start at 1: the longer
+], ids=["earliest-listed-first", "earliest-listed-last", "longer-listed-last",
+        "longer-listed-first"])
+def test_stop_string_earliest_in_the_text_wins_then_the_longest(stop, expected):
+    """Text "x", then one token "abc" that completes both stop strings: the one that starts
+    first in the text ends it, whatever the list's order; of two starting at the same place,
+    the longer. The text is cut where the winner starts."""
+    detokenizer = M.Detokenizer(TextTokens(["x", "abc"]), stop)
+    assert detokenizer.append(0) is None
+    assert detokenizer.append(1) == expected
+    assert detokenizer.text == "x"
+
+
 def test_max_tokens_and_end_of_text_set_finish_reason():
     llm = tiny()
     assert llm.generate(["Hi"], GREEDY)[0].outputs[0].finish_reason == "length"
@@ -561,6 +613,25 @@ def test_max_tokens_and_end_of_text_set_finish_reason():
         torch.full((len(h),), eot), 257).float()
     out = llm.generate(["Hi"], SamplingParams(max_tokens=5, temperature=0))[0].outputs[0]
     assert (out.finish_reason, out.token_ids, out.text) == ("stop", [eot], "")
+
+
+def test_completion_ending_inside_a_utf8_character_shows_its_bytes_as_u_fffd(monkeypatch):
+    """The model writes "a" and then the first byte of "é" (2 bytes) and max_tokens ends it:
+    the unfinished character is shown as U+FFFD, in the whole text and in the last delta."""
+    llm = tiny()
+    tokenizer = llm.engine.tokenizer
+    tokens = [tokenizer.encode_single_token(b) for b in (b"a", "é".encode()[:1])]
+    written = iter(tokens)
+
+    def compute_logits(hidden):
+        return torch.nn.functional.one_hot(torch.tensor([next(written)]), 257).float()
+    monkeypatch.setattr(llm.engine.model, "compute_logits", compute_logits)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    out = llm.generate(["Hi"], params)[0].outputs[0]
+    assert (out.token_ids, out.text, out.finish_reason) == (tokens, "a\ufffd", "length")
+    written = iter(tokens)
+    llm.engine.add_request("Hi", params, "r")
+    assert [d.outputs[0].text for d in run_to_end(llm.engine)["r"]] == ["a", "\ufffd"]
 
 
 class CountSyncs(TorchDispatchMode):
@@ -626,7 +697,7 @@ BAD_CONFIGS = [("max_num_seqs", 1.5), ("block_size", 16.0), ("max_num_batched_to
 
 @pytest.mark.parametrize("name, value", BAD_CONFIGS)
 def test_bad_engine_setting_is_rejected_by_name(name, value):
-    with pytest.raises(ValueError, match=name if name != "device" else "device"):
+    with pytest.raises(ValueError, match=name):
         EngineConfig(**{"preset": "tiny", name: value})
 
 
@@ -660,6 +731,20 @@ def test_bad_request_is_rejected_and_engine_keeps_serving(alone, make, message):
         make(llm.engine)
     assert_no_leaks(llm.engine)
     assert token_ids(llm.generate(PROMPTS[:2], GREEDY)) == alone[:2]
+
+
+def test_request_that_exactly_fills_the_context_runs_and_one_token_more_is_refused():
+    """max_model_len 64: a 60-token prompt with max_tokens 4 is accepted and gets its 4
+    tokens; with max_tokens 5 it is refused, the error giving the numbers."""
+    llm = tiny(max_model_len=64)
+    prompt = list(range(60))
+    exact = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    out = llm.generate([prompt], exact)[0].outputs[0]
+    assert (len(out.token_ids), out.finish_reason) == (4, "length")
+    with pytest.raises(ValueError, match="prompt has 60 tokens and max_tokens is 5: 65 tokens; "
+                                         "the model's context is 64"):
+        llm.engine.add_request(prompt, SamplingParams(max_tokens=5))
+    assert_no_leaks(llm.engine)
 
 
 def test_unchunked_prompt_over_token_budget_is_rejected():
@@ -770,16 +855,22 @@ def test_a_request_failing_in_update_fails_alone(alone, method):
     assert_no_leaks(engine)
 
 
-@pytest.mark.parametrize("victim_state", ["running", "waiting"])
-def test_abort_frees_blocks_and_leaves_others_unchanged(alone, victim_state):
+@pytest.mark.parametrize("victim_state, blocks_freed, left_the_queue", [
+    ("running", 1, 0),   # "A" holds one block of its own
+    ("waiting", 0, 1),   # holds none, but leaves the waiting queue
+])
+def test_abort_frees_blocks_and_leaves_others_unchanged(alone, victim_state, blocks_freed,
+                                                        left_the_queue):
     engine = tiny(max_num_seqs=len(PROMPTS) - 1, max_num_batched_tokens=64).engine
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
     deltas = run_to_end(engine, steps=3)
     victim = ids[0] if victim_state == "running" else ids[-1]
     assert engine.seqs[victim].status.value == victim_state
     free_before = engine.block_pool.num_free_blocks
+    waiting_before = len(engine.scheduler.waiting)
     engine.abort(victim, "client went away")
-    assert engine.block_pool.num_free_blocks >= free_before + (victim_state == "running")
+    assert engine.block_pool.num_free_blocks == free_before + blocks_freed
+    assert len(engine.scheduler.waiting) == waiting_before - left_the_queue
     run_to_end(engine, deltas)
     last = deltas[victim][-1]
     assert last.finished and (last.outputs[0].finish_reason, last.outputs[0].stop_reason) == (
@@ -790,21 +881,41 @@ def test_abort_frees_blocks_and_leaves_others_unchanged(alone, victim_state):
     assert_no_leaks(engine)
 
 
-def test_abort_from_another_thread_while_stepping(alone):
+def test_abort_from_another_thread_waits_for_the_step_in_flight(alone, monkeypatch):
+    """engine.abort, called from another thread while a step runs, waits for the step to end
+    (the engine's lock), then frees the requests; the others' tokens do not change. The
+    abort surely comes during the step: the model's forward starts the aborting thread and
+    goes on only once that thread is about to call abort."""
     engine = tiny(max_num_batched_tokens=64).engine
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
-    done = threading.Event()
+    deltas = run_to_end(engine, steps=1)
+    events = []
+    calling_abort = threading.Event()
 
     def abort_odd_ones():
+        calling_abort.set()
         for request_id in ids[1::2]:
             engine.abort(request_id)
-        done.set()
-    deltas = run_to_end(engine, steps=1)
-    thread = threading.Thread(target=abort_odd_ones)
-    thread.start()
+            events.append(f"aborted {request_id}")
+    aborter = threading.Thread(target=abort_odd_ones)
+    real_forward = engine.model.forward
+    real_record = engine.record
+
+    def forward(*args):
+        aborter.start()
+        calling_abort.wait()
+        return real_forward(*args)
+
+    def record(*args):  # the step's last part
+        real_record(*args)
+        events.append("step ends")
+    monkeypatch.setattr(engine.model, "forward", forward)
+    monkeypatch.setattr(engine, "record", record)
+    run_to_end(engine, deltas, steps=1)
+    monkeypatch.undo()
+    aborter.join()
+    assert events == ["step ends"] + [f"aborted {i}" for i in ids[1::2]]
     run_to_end(engine, deltas)
-    thread.join()
-    assert done.is_set()
     assert all(deltas[i][-1].outputs[0].finish_reason == "abort" for i in ids[1::2])
     assert [sum((d.outputs[0].token_ids for d in deltas[i]), []) for i in ids[::2]] == alone[::2]
     assert_no_leaks(engine)
@@ -844,9 +955,15 @@ def test_newest_running_sequence_is_preempted_first():
 
 
 def test_chunks_never_exceed_the_token_budget():
-    llm, sizes = tiny(max_num_batched_tokens=24), []
-    real = llm.engine.scheduler.schedule
-    llm.engine.scheduler.schedule = lambda: (s := real(), sizes.append(sum(s.num_scheduled_tokens.values())))[0]
+    llm = tiny(max_num_batched_tokens=24)
+    sizes = []
+    real_schedule = llm.engine.scheduler.schedule
+
+    def schedule():
+        output = real_schedule()
+        sizes.append(sum(output.num_scheduled_tokens.values()))
+        return output
+    llm.engine.scheduler.schedule = schedule
     llm.generate(PROMPTS, GREEDY)
     assert max(sizes) == 24 and len(sizes) > 40
 
@@ -877,15 +994,91 @@ def test_static_admits_only_when_nothing_runs():
     assert list(scheduler.schedule().num_scheduled_tokens) == [seqs[2]]
 
 
-def test_tight_kv_cache_does_not_thrash():
-    """16 requests on a cache that fits one, prompts prefilled in chunks: without the watermark
-    each admission took a chunk's blocks and was preempted by the others (4.4x the tokens)."""
+def test_tight_kv_cache_never_preempts_and_computes_each_token_once():
+    """16 requests of 8 blocks each (64 + 64 tokens, blocks of 16) on a cache of 9, 16
+    tokens a step. The first's prefill spends the budget; once it decodes it holds 5 blocks,
+    and the second would need 5 for its prompt and one more token: 5 > 4 free. So each is
+    admitted only when the one before has finished, nothing is preempted, and every token is
+    computed exactly once. Admitting on a chunk's worth of blocks, or counting the prompt
+    without its one more token (4 <= 4), lets the second in, and the two preempt each
+    other."""
     prompts = [[i + 1] * 64 for i in range(16)]
-    llm = tiny(kv_cache_tokens=128, block_size=16, max_num_batched_tokens=16)
+    llm = tiny(kv_cache_tokens=144, block_size=16, max_num_batched_tokens=16)
     llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
-    needed = 16 * (64 + 64 - 1)  # every token but the last sampled one is computed once
-    assert llm.engine.stats.num_batched_tokens <= 1.5 * needed
+    assert llm.engine.scheduler.num_preemptions == 0
+    # every token but the last sampled one is computed, once
+    assert llm.engine.stats.num_batched_tokens == 16 * (64 + 64 - 1)
     assert_no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("num_blocks, admitted", [(7, True), (6, False)])
+def test_admission_needs_blocks_for_its_prompt_and_the_running_ones_next_token(
+        num_blocks, admitted):
+    """A waiting sequence is admitted only if the free blocks cover its prompt and one more
+    token, and every running sequence's tokens and one more: exactly enough admits, one block
+    fewer does not. Blocks of 4: the running prefill (12 tokens) takes its 3rd block this step
+    and will need a 4th for token 13; the waiting 8-token prompt needs 3 for 9 tokens: 4 free
+    blocks are needed, and 7 - 3 = 4 are free. (Both lengths are whole blocks, so that the
+    one more token is what takes another block.)"""
+    scheduler, block_pool = make_scheduler(num_blocks=num_blocks)
+    prefill = running_seq(scheduler, block_pool, "p", 12, 8)
+    waiting = Sequence("w", "", [100 + i for i in range(8)], SamplingParams(max_tokens=10),
+                       BlockTable(block_pool))
+    scheduler.add(waiting)
+    output = scheduler.schedule()
+    assert output.num_scheduled_tokens[prefill] == 4 and len(prefill.block_table.block_ids) == 3
+    assert (waiting in output.num_scheduled_tokens) == admitted
+
+
+def test_worked_example_of_preemption_runs_the_oldest_and_requeues_the_others_in_order():
+    """Scheduler._schedule_running's docstring: four blocks of 4, all held; A (8 computed),
+    B (4) and C (3) each decode. C is preempted for A's 3rd block, then B preempts itself for
+    its 2nd: A runs alone, and B, then C, are next at the front of the queue."""
+    scheduler, block_pool = make_scheduler(num_blocks=4)
+    a = running_seq(scheduler, block_pool, "A", 9, 8)
+    b = running_seq(scheduler, block_pool, "B", 5, 4)
+    c = running_seq(scheduler, block_pool, "C", 4, 3)
+    output = scheduler.schedule()
+    assert output.num_scheduled_tokens == {a: 1} and output.preempted == [c, b]
+    assert scheduler.running == [a] and block_pool.num_free_blocks == 1
+    scheduler.finish(a, SequenceStatus.FINISHED_LENGTH)
+    assert list(scheduler.schedule().num_scheduled_tokens) == [b, c]
+
+
+def test_sjf_puts_a_preempted_sequence_before_shorter_jobs():
+    """Under sjf too, a preempted sequence goes back to the front of the waiting queue: it
+    was admitted before any job waiting now, even a shorter one."""
+    scheduler, block_pool = make_scheduler(num_blocks=4, policy="sjf")
+    old, mid, new = (running_seq(scheduler, block_pool, s, 5, 4) for s in "omn")  # 1 block each
+    short = Sequence("s", "", [100, 101], SamplingParams(max_tokens=1), BlockTable(block_pool))
+    scheduler.add(short)
+    assert scheduler.schedule().preempted == [new]
+    assert new.estimated_remaining() > short.estimated_remaining()
+    scheduler.finish(old, SequenceStatus.FINISHED_LENGTH)
+    scheduler.finish(mid, SequenceStatus.FINISHED_LENGTH)
+    assert list(scheduler.schedule().num_scheduled_tokens) == [new, short]
+
+
+def test_failed_admission_leaves_the_lru_order_of_cached_blocks_unchanged():
+    """The head of the queue has 3 cached blocks but too few free blocks for the rest: it
+    looks up its prefix without taking it, so the free queue (the eviction order) is the
+    same after the step. Taking the prefix and giving it back would have moved its blocks
+    behind the more recently used one."""
+    scheduler, block_pool = make_scheduler(num_blocks=8)
+    decode = running_seq(scheduler, block_pool, "d", 14, 13)  # 4 blocks, none needed soon
+    prefix = [100 + i for i in range(12)]
+    for tokens in (prefix, [200, 201, 202, 203]):  # cache 3 blocks, then 1 used after them
+        table = BlockTable(block_pool)
+        assert table.ensure(len(tokens))
+        table.cache_full_blocks(tokens, len(tokens))
+        table.release()
+    lru_order = list(block_pool.free_queue)
+    waiting = Sequence("w", "", prefix + [7] * 9, SamplingParams(max_tokens=10),
+                       BlockTable(block_pool))  # 21 tokens and 1 more: 6 blocks, 3 cached
+    scheduler.add(waiting)
+    assert scheduler.schedule().num_scheduled_tokens == {decode: 1}
+    assert list(block_pool.free_queue) == lru_order and len(block_pool.cached_blocks) == 4
+    assert waiting.status == SequenceStatus.WAITING and waiting.block_table.block_ids == []
 
 
 # ----------------------------------------------------------------------------- paged cache
@@ -897,7 +1090,7 @@ def test_slot_of_a_token_follows_its_block_table():
     assert table.slot_mapping(36, 37) == [148] and table.slot_mapping(15, 17) == [127, 32]
 
 
-def test_a_block_returns_to_the_free_list_when_its_count_reaches_zero():
+def test_a_block_returns_to_the_free_queue_when_its_count_reaches_zero():
     block_pool = BlockPool(4, block_size=16)
     table = BlockTable(block_pool)
     assert table.ensure(40) and block_pool.num_free_blocks == 1  # 40 tokens: 3 blocks
@@ -915,8 +1108,8 @@ def test_a_block_returns_to_the_free_list_when_its_count_reaches_zero():
 # Every engine test serves the same requests with the cache on and off and asserts the same
 # tokens, and after every step checks the block pool's books: each reference count is the
 # number of block tables holding the block, the free queue is exactly the blocks nobody holds,
-# the cache map and the blocks' hashes agree, and no sequence is about to write into a shared
-# or cached block.
+# uncached ones first, the cache map and the blocks' hashes agree, and no sequence is about
+# to write into a shared or cached block.
 
 CACHE_GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 PREFIX = list(range(40, 40 + 37))  # 37 tokens: 4 full blocks of 8 and 5 tokens of a 5th
@@ -934,7 +1127,8 @@ def check_books(engine: Engine) -> None:
     owners = Counter(b for seq in engine.seqs.values() for b in seq.block_table.block_ids)
     assert pool.ref_counts == [owners[b] for b in range(pool.num_blocks)]
     assert set(pool.free_queue) == {b for b in range(pool.num_blocks) if not owners[b]}
-    assert len(pool.free_queue) == pool.num_free_blocks
+    cached_in_order = [pool.block_hashes[b] is not None for b in pool.free_queue]
+    assert cached_in_order == sorted(cached_in_order)  # uncached blocks first, then cached
     assert {pool.block_hashes[b] for b in pool.cached_blocks.values()} == set(pool.cached_blocks)
     assert sum(h is not None for h in pool.block_hashes) == len(pool.cached_blocks)
     for seq in engine.scheduler.running:  # the blocks its next tokens go to: its own, uncached
@@ -947,19 +1141,22 @@ def serve_steps(engine: Engine, arrivals: dict[int, list], aborts: dict[int, lis
     """Step the engine; before step i add the requests arrivals[i] ((id, prompt, params)) and
     abort the ids aborts[i]; check the books after every step. Each request's output tokens;
     each one's Sequence into `seqs`."""
-    tokens, aborts, step, seqs = {}, aborts or {}, 0, {} if seqs is None else seqs
+    aborts = aborts or {}
+    seqs = {} if seqs is None else seqs
+    whole = {}  # request id -> its whole output so far
+    step = 0
     while engine.has_unfinished() or step <= max(arrivals):
         for request_id, prompt, params in arrivals.get(step, []):
             seqs[request_id] = engine.seqs[engine.add_request(prompt, params, request_id)]
         for request_id in aborts.get(step, []):
             engine.abort(request_id)
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+        for delta in engine.step():
+            accumulate(whole, delta)
         check_books(engine)
         step += 1
         assert step < 1000, "the engine stopped making progress"
     assert_no_leaks(engine)
-    return tokens
+    return {request_id: out.outputs[0].token_ids for request_id, out in whole.items()}
 
 
 def serve_both(arrivals, aborts=None, probe=None, **kwargs) -> tuple[dict, dict]:
@@ -967,8 +1164,11 @@ def serve_both(arrivals, aborts=None, probe=None, **kwargs) -> tuple[dict, dict]
     length depends on the timing). The tokens and the Sequences of the run that cached;
     probe(engine) is called on its engine first."""
     off = serve_steps(caching_engine(False, **kwargs), arrivals, aborts)
-    (probe or (lambda engine: None))(engine := caching_engine(True, **kwargs))
-    on = serve_steps(engine, arrivals, aborts, seqs := {})
+    engine = caching_engine(True, **kwargs)
+    if probe is not None:
+        probe(engine)
+    seqs = {}
+    on = serve_steps(engine, arrivals, aborts, seqs)
     aborted = sum((aborts or {}).values(), [])
     assert {k: v for k, v in on.items() if k not in aborted} == \
         {k: v for k, v in off.items() if k not in aborted}
@@ -984,7 +1184,11 @@ def shared(seq) -> bool:
 def spy(engine: Engine, name: str, before) -> None:
     """Call before(*args) ahead of each call of engine.scheduler's method `name`."""
     real = getattr(engine.scheduler, name)
-    setattr(engine.scheduler, name, lambda *args: (before(*args), real(*args))[1])
+
+    def spied(*args):
+        before(*args)
+        return real(*args)
+    setattr(engine.scheduler, name, spied)
 
 
 def test_shared_prefix_outputs_equal_without_the_cache():
@@ -1135,6 +1339,41 @@ def test_block_hash_names_the_whole_prefix():
     assert hash_block(first, [3, 4]) == hash_block(hash_block(b"", [1, 2]), [3, 4])
 
 
+X, Y, B = PREFIX[:8], PREFIX[8:16], PREFIX[16:24]  # blocks of 8 tokens
+
+
+@pytest.mark.parametrize("arrivals, num_cached_tokens", [
+    ({0: [("XY", X + Y + [1, 2, 3], CACHE_GREEDY)],
+      2: [("Y", Y + [4, 5, 6], CACHE_GREEDY), ("XY again", X + Y + [7], CACHE_GREEDY)]},
+     {"XY": 0, "Y": 0, "XY again": 16}),
+    ({0: [("BBBB", B * 4 + [1], CACHE_GREEDY)], 2: [("BBBB again", B * 4 + [2], CACHE_GREEDY)]},
+     {"BBBB": 0, "BBBB again": 32}),
+], ids=["shifted-by-a-block", "repeated-blocks"])
+def test_a_block_is_found_only_behind_the_same_prefix(arrivals, num_cached_tokens):
+    """A block's K/V depend on its position and on every token before it, so a cached block
+    may serve only the same block behind the same prefix. Block Y, cached at position 1, is
+    not served to a prompt that starts with Y; in B B B B, each B is its own block. The
+    outputs equal those without the cache (positions are learned embeddings: the K/V of one
+    block at two positions differ)."""
+    _, seqs = serve_both(arrivals)
+    assert {k: seq.num_cached_tokens for k, seq in seqs.items()} == num_cached_tokens
+
+
+def test_a_released_prefix_is_evicted_from_its_last_block():
+    """A released sequence gives its blocks back last first, so memory pressure evicts its
+    prefix from the end and the prefix's first blocks are still found. Evicting the first
+    block would lose them all: a lookup stops at the first block it cannot find."""
+    pool = BlockPool(3, block_size=2)
+    table = BlockTable(pool)
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    assert table.ensure(6)
+    table.cache_full_blocks(tokens, 6)
+    first_two = table.block_ids[:2]
+    table.release()
+    pool.allocate(1)  # memory pressure: one of the three cached blocks is evicted
+    assert pool.find_cached_prefix(tokens)[1] == first_two
+
+
 def test_prompt_logprobs_requests_compute_every_prompt_token():
     """A request that asks for prompt logprobs does not read the cache: it needs them all."""
     params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2)
@@ -1262,7 +1501,7 @@ def test_corrupt_safetensors_header_is_reported(tmp_path, header):
 
 
 @needs_shared
-def test_gpt2_tokenizer_from_shared_files():
+def test_gpt2_tokenizer_from_shared_files_gives_gpt2_ids_and_round_trips_text():
     enc = M.load_tokenizer(SHARED_GPT2)
     assert enc.encode("Hello world") == [15496, 995]
     text = "héllo wörld, 你好, привет, 👋🏽 \u200b\ufeff\t\n"
@@ -1641,7 +1880,9 @@ def test_http_completion_equals_offline_generate(server, offline):
     assert events[-3]["choices"][0]["finish_reason"] == "length"
 
 
-def test_http_prompt_forms_n_and_token_ids(server, offline):
+def test_http_prompt_list_and_n_give_each_choice_its_offline_output(server, offline):
+    """A list of prompts (text and token ids) with n = 2: a choice per prompt and sample, in
+    order, each the offline output with seed, seed + 1; usage counts every prompt once."""
     params = [SamplingParams(max_tokens=5, seed=s, ignore_eos=True) for s in (3, 4)]
     want = [o.outputs[0] for p in ("A", [65, 66]) for o in offline.generate([p, p], params)]
     status, got = http(server, "/v1/completions", dict(prompt=["A", [65, 66]], n=2, seed=3,
@@ -1732,10 +1973,21 @@ def test_disconnect_mid_stream_frees_the_blocks(server):
     assert metric(server, "kv_blocks_used") == 0 and metric(server, "num_requests_running") == 0
 
 
+LATENCIES = ("time_to_first_token_seconds", "time_per_output_token_seconds",
+             "e2e_request_latency_seconds")
+
+
 def test_metrics_count_tokens_and_latencies(server):
+    """A 3-token completion adds 3 generated tokens and one observation to each latency
+    histogram (its count, and its sum); prefix-cache hits and queries count tokens."""
     before = metric(server, "generation_tokens_total")
+    counts = {name: metric(server, f"{name}_count") for name in LATENCIES}
+    sums = {name: metric(server, f"{name}_sum") for name in LATENCIES}
     http(server, "/v1/completions", dict(prompt="abc", max_tokens=3, ignore_eos=True))
     assert metric(server, "generation_tokens_total") == before + 3
+    for name in LATENCIES:
+        assert metric(server, f"{name}_count") == counts[name] + 1, name
+        assert metric(server, f"{name}_sum") > sums[name], name
     hits, queries = metric(server, "prefix_cache_hits_total"), metric(
         server, "prefix_cache_queries_total")
     for _ in range(2):  # the second finds the first's 2 whole blocks of 16 in the prefix cache
@@ -1743,8 +1995,7 @@ def test_metrics_count_tokens_and_latencies(server):
     assert (metric(server, "prefix_cache_hits_total") - hits,
             metric(server, "prefix_cache_queries_total") - queries) == (32, 80)
     text = http(server, "/metrics")[1]
-    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds",
-                 "e2e_request_latency_seconds"):
+    for name in LATENCIES:
         assert f"# TYPE nanoserve:{name} histogram" in text
         assert f'nanoserve:{name}_bucket{{le="+Inf"}}' in text
     assert "nanoserve:num_preemptions_total 0" in text and "kv_blocks_free" in text
@@ -1767,7 +2018,9 @@ BAD_REQUESTS = [
     ("POST", "/v1/completions", dict(prompt="x" * 1100), 400, "the model's context is 1024"),
     ("POST", "/v1/chat/completions", dict(messages=[dict(role="bot", content="x")]), 400,
      "messages must be"),
-    ("POST", "/v1/completions", b"x" * (1 << 20 + 1), 413, "the limit is"),
+    # a body of exactly MAX_BODY_BYTES is parsed (it is not JSON); one byte more is refused
+    ("POST", "/v1/completions", b"x" * nanoserve.MAX_BODY_BYTES, 400, "not valid JSON"),
+    ("POST", "/v1/completions", b"x" * (nanoserve.MAX_BODY_BYTES + 1), 413, "the limit is"),
     ("GET", "/v2/nothing", None, 404, "no such path"),
     ("GET", "/v1/completions", None, 405, "takes POST"),
     ("DELETE", "/v1/models", None, 405, "takes GET"),
