@@ -733,14 +733,16 @@ def render_trace(records: list[StepRecord], request_ids: list[str]) -> str:
 
 
 def accumulate(whole: dict[str, RequestOutput], delta: RequestOutput) -> None:
-    """Add a delta output to its request's whole output so far, kept in `whole` by request id."""
+    """Add a delta output to its request's whole output so far, kept in `whole` by request id.
+    The deltas are left as they were (the whole output starts as a copy of the first)."""
     if delta.request_id not in whole:
-        whole[delta.request_id] = delta
+        first_completion = dataclasses.replace(delta.outputs[0])
+        whole[delta.request_id] = dataclasses.replace(delta, outputs=[first_completion])
         return
     so_far = whole[delta.request_id].outputs[0]
     new = delta.outputs[0]
     so_far.text += new.text
-    so_far.token_ids = so_far.token_ids + new.token_ids  # a copy: the delta's list stays its own
+    so_far.token_ids = so_far.token_ids + new.token_ids  # a new list: the first delta's stays
     if so_far.logprobs is not None:
         so_far.logprobs = so_far.logprobs + new.logprobs
     so_far.finish_reason = new.finish_reason
