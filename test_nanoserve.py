@@ -33,7 +33,7 @@ from kernels import (AttentionMetadata, SamplingTensors, apply_top_k_top_p, page
                      paged_attention_cpu, paged_attention_ref, sample, store_kv)
 import nanoserve
 from nanoserve import LLM, Engine, EngineConfig, SamplingParams, accumulate, token_text
-from paged_cache import BlockPool, BlockTable, hash_block
+from paged_cache import BlockPool, BlockTable, cdiv, hash_block
 from scheduler import Scheduler, Sequence, SequenceStatus
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -218,7 +218,7 @@ def make_batch(seq_shapes, block_size, head_dim, dtype=torch.float32, seed=0, wi
     padded with block 0, as the engine pads them to cdiv(max_model_len, block_size).
     """
     gen = torch.Generator().manual_seed(seed)
-    num_blocks = [-(-ctx // block_size) for ctx, _ in seq_shapes]
+    num_blocks = [cdiv(ctx, block_size) for ctx, _ in seq_shapes]
     width = width or max(num_blocks)
     total = sum(num_blocks) + 3  # a few blocks no sequence owns
     k_cache = torch.randn(total, block_size, NUM_HEADS, head_dim, generator=gen).to(device, dtype)
@@ -231,11 +231,12 @@ def make_batch(seq_shapes, block_size, head_dim, dtype=torch.float32, seed=0, wi
         slots += [table[t // block_size] * block_size + t % block_size
                   for t in range(ctx - q_len, ctx)]
         starts.append(starts[-1] + q_len)
-    tensor = lambda x, dtype: torch.tensor(x, dtype=dtype, device=device)  # noqa: E731
     meta = AttentionMetadata(
-        slot_mapping=tensor(slots, torch.int64), block_tables=tensor(tables, torch.int32),
-        context_lens=tensor([ctx for ctx, _ in seq_shapes], torch.int32),
-        query_start_loc=tensor(starts, torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        context_lens=torch.tensor([ctx for ctx, _ in seq_shapes], dtype=torch.int32,
+                                  device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         max_query_len=max(q for _, q in seq_shapes))
     # This step's K/V go in through store_kv, as in the model; q is a strided view, as there.
     qkv = torch.randn(starts[-1], 3, NUM_HEADS, head_dim, generator=gen).to(device, dtype)
@@ -249,7 +250,7 @@ def make_batch(seq_shapes, block_size, head_dim, dtype=torch.float32, seed=0, wi
 @pytest.mark.parametrize("head_dim", [32, 48])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_triton_kernel_matches_reference(block_size, head_dim, batch, width):
-    width = -(-MAX_MODEL_LEN // block_size) if width == "engine" else None
+    width = cdiv(MAX_MODEL_LEN, block_size) if width == "engine" else None
     q, k_cache, v_cache, meta = make_batch(BATCHES[batch], block_size, head_dim, width=width)
     scale = head_dim ** -0.5
     out = paged_attention(q, k_cache, v_cache, meta, scale)
@@ -291,7 +292,7 @@ LOW_PRECISION = [pytest.param(torch.float16, 4e-3, id="fp16"),
 def test_triton_kernel_low_precision_matches_fp32_reference(head_dim, batch, dtype, tol):
     """fp16 (interpreter on CPU, or CUDA) and bf16 (CUDA only) against the fp32 reference."""
     q, k_cache, v_cache, meta = make_batch(BATCHES[batch], 16, head_dim, dtype,
-                                           width=-(-MAX_MODEL_LEN // 16))
+                                           width=cdiv(MAX_MODEL_LEN, 16))
     scale = head_dim ** -0.5
     out = paged_attention(q, k_cache, v_cache, meta, scale)
     # The reference sees the same rounded inputs, in fp32.
@@ -617,8 +618,10 @@ def test_max_tokens_and_end_of_text_set_finish_reason():
     llm = tiny()
     assert llm.generate(["Hi"], GREEDY)[0].outputs[0].finish_reason == "length"
     eot = llm.engine.tokenizer.eot_token
-    llm.engine.model.compute_logits = lambda h: torch.nn.functional.one_hot(  # always <|endoftext|>
-        torch.full((len(h),), eot), 257).float()
+
+    def always_end_of_text(hidden):
+        return torch.nn.functional.one_hot(torch.full((len(hidden),), eot), 257).float()
+    llm.engine.model.compute_logits = always_end_of_text
     out = llm.generate(["Hi"], SamplingParams(max_tokens=5, temperature=0))[0].outputs[0]
     assert (out.finish_reason, out.token_ids, out.text) == ("stop", [eot], "")
 
@@ -665,12 +668,22 @@ def test_a_step_synchronises_with_the_device_at_most_once(monkeypatch):
     for i, p in enumerate(PROMPTS):
         engine.add_request(p, SamplingParams(max_tokens=20, temperature=0.9, top_k=20, top_p=0.9,
                                              seed=i if i % 2 else None, ignore_eos=True))
-    engine.attention = lambda q, k_cache, v_cache, meta, scale: q  # a sync-free stand-in: the
-    counter = CountSyncs()                                          # CPU reference reads lists
-    for method in ("tolist", "numpy"):
+
+    def sync_free_attention(q, k_cache, v_cache, meta, scale):  # the CPU path reads lists
+        return q
+    engine.attention = sync_free_attention
+    counter = CountSyncs()
+
+    def counted(method: str):
+        """Tensor.<method>, which also records that it read a tensor's values."""
         real = getattr(torch.Tensor, method)
-        monkeypatch.setattr(torch.Tensor, method, lambda t, *a, _real=real, _name=method, **k: (
-            counter.syncs.append(_name), _real(t, *a, **k))[1])
+
+        def read_values(tensor, *args, **kwargs):
+            counter.syncs.append(method)
+            return real(tensor, *args, **kwargs)
+        return read_values
+    for method in ("tolist", "numpy"):
+        monkeypatch.setattr(torch.Tensor, method, counted(method))
     for _ in range(6):  # prefill chunks, mixed steps and decodes
         with counter:
             engine.step()
@@ -1300,11 +1313,15 @@ def test_abort_of_sequences_sharing_blocks_keeps_counts_right():
     outputs do not change."""
     arrivals = {0: [(str(i), PREFIX + [i], CACHE_GREEDY) for i in range(6)]}
     aborts = {2: ["0"], 3: ["3"], 6: ["1", "5"]}
-    aborted = []
-    on, _ = serve_both(arrivals, aborts, probe=lambda engine: spy(
-        engine, "finish", lambda seq, status: status.value == "abort" and aborted.append(
-            (seq.status.value, shared(seq)))),
-        max_num_seqs=3, max_num_batched_tokens=24)
+    aborted = []  # (the state it was aborted in, whether it shared a block then)
+
+    def note_abort(seq, status) -> None:
+        if status == SequenceStatus.FINISHED_ABORTED:
+            aborted.append((seq.status.value, shared(seq)))
+
+    def probe(engine) -> None:
+        spy(engine, "finish", note_abort)
+    on, _ = serve_both(arrivals, aborts, probe=probe, max_num_seqs=3, max_num_batched_tokens=24)
     assert ("running", True) in aborted and ("waiting", False) in aborted
     assert {"2", "4"} <= set(on)
 
@@ -1410,7 +1427,9 @@ def hf_gpt2_state(config: M.GPTConfig) -> dict[str, torch.Tensor]:
     """Random GPT-2 weights in Hugging Face's own layout: Conv1D (in, out) weights, mask buffers."""
     g = torch.Generator().manual_seed(0)
     C, V, T = config.n_embd, config.vocab_size, config.n_positions
-    r = lambda *shape: torch.randn(*shape, generator=g) * 0.1  # noqa: E731
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g) * 0.1
     state = {"transformer.wte.weight": r(V, C), "transformer.wpe.weight": r(T, C),
              "transformer.ln_f.weight": 1 + r(C), "transformer.ln_f.bias": r(C)}
     for i in range(config.n_layer):
@@ -1428,8 +1447,12 @@ def hf_gpt2_state(config: M.GPTConfig) -> dict[str, torch.Tensor]:
 def hf_gpt2_logits(state: dict, config: M.GPTConfig, idx: torch.Tensor) -> torch.Tensor:
     """GPT-2 written directly against the HF tensors (x @ W + b): independent of model.py."""
     F, C, H = torch.nn.functional, config.n_embd, config.n_head
-    w = lambda k: state["transformer." + k]  # noqa: E731
-    ln = lambda x, k: F.layer_norm(x, (C,), w(k + ".weight"), w(k + ".bias"))  # noqa: E731
+
+    def w(name):
+        return state["transformer." + name]
+
+    def ln(x, name):
+        return F.layer_norm(x, (C,), w(name + ".weight"), w(name + ".bias"))
     T = len(idx)
     x = w("wte.weight")[idx] + w("wpe.weight")[:T]
     for i in range(config.n_layer):
