@@ -2359,9 +2359,9 @@ def check_online(result: dict, modes: list[str]) -> None:
         assert list(runs) == modes
         for mode, r in runs.items():
             assert r["requests"] == 8 and r["output_tokens"] == sum(lengths), (rate, mode)
-            assert 0 < r["ttft"]["p50"] <= r["e2e"]["p50"] and r["ttft"]["mean"] <= r["e2e"]["mean"]
-            assert r["ttft"]["p99"] <= r["e2e"]["p99"]
-            assert r["tpot"]["mean"] > 0 and r["e2e"]["p99"] <= r["duration_s"]
+            assert r["ttft"]["p50"] <= r["e2e"]["p50"] and r["ttft"]["mean"] <= r["e2e"]["mean"]
+            assert r["ttft"]["p99"] <= r["e2e"]["p99"] <= r["duration_s"]
+            assert r["tpot"]["mean"] is not None  # measured: requests of several tokens
             assert r["output_throughput"] == pytest.approx(sum(lengths) / r["duration_s"])
             assert r["request_throughput"] == pytest.approx(8 / r["duration_s"])
     # Poisson arrivals on the wall clock: the last request is sent no earlier than its arrival
