@@ -1116,7 +1116,7 @@ def test_a_block_returns_to_the_free_queue_when_its_count_reaches_zero():
     table = BlockTable(block_pool)
     assert table.ensure(40) and block_pool.num_free_blocks == 1  # 40 tokens: 3 blocks
     shared = table.block_ids[0]
-    block_pool.ref_counts[shared] += 1  # a second owner (what prefix caching will do)
+    block_pool.ref_counts[shared] += 1  # a second owner, as a prefix-cache hit makes
     table.release()
     assert block_pool.num_free_blocks == 3 and block_pool.ref_counts[shared] == 1
     block_pool.free([shared])
@@ -1839,6 +1839,52 @@ def test_cli_trace_needs_prompts_and_is_printed_after_the_summary(capsys):
                                     "--max-tokens", "3", "--ignore-eos", "--trace")
     assert status == 0 and err.endswith("      0 | oo*\n      1 | oo*\n\n" + nanoserve.TRACE_LEGEND
                                         + "\n") and "generated tokens" in err, err
+
+
+# ----------------------------------------------------------------------------- the README
+
+# A README command that cannot run offline in a few seconds -> why it is not run here.
+README_SKIPS = {
+    "pip install": "installs packages",
+    "pytest": "it is this test suite",
+    "--serve": "starts a server that runs until stopped",
+    "curl ": "needs that server running",
+}
+
+
+def readme_commands() -> list[tuple[str, str]]:
+    """(language, command) for each bash command and each python block of README.md's code
+    blocks, a bash command's continuation lines joined."""
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    commands = []
+    for language, body in re.findall(r"```(bash|python)\n(.*?)```", readme, flags=re.DOTALL):
+        if language == "python":
+            commands.append((language, body))
+            continue
+        for command in body.replace("\\\n", " ").splitlines():
+            if command.strip():
+                commands.append((language, command))
+    return commands
+
+
+def readme_command_id(command: tuple[str, str]) -> str:
+    return command[1].strip().splitlines()[0][:60]
+
+
+@pytest.mark.parametrize("language, command", readme_commands(), ids=readme_command_id)
+def test_readme_command_runs_as_written(language, command):
+    """Every command in the README's code blocks runs offline as written, exits 0 and prints
+    no error, so the README cannot drift from the code."""
+    for pattern, why in README_SKIPS.items():
+        if language == "bash" and pattern in command:
+            pytest.skip(f"{pattern.strip()}: {why}")
+    argv = ["bash", "-c", command] if language == "bash" else [sys.executable, "-c", command]
+    result = subprocess.run(argv, cwd=HERE, stdin=subprocess.DEVNULL, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "error" not in result.stderr.lower() and "Traceback" not in result.stderr, \
+        result.stderr[-2000:]
 
 
 # ----------------------------------------------------------------------------- HTTP server
