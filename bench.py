@@ -22,6 +22,7 @@ the experiments (greedy only), and pass/fail goals for the figures (those are pr
     python bench.py --out bench.json         # about 5 minutes on 2 CPU cores; .ci/gpu: on a GPU
 """
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -99,6 +100,11 @@ def parse_args(argv=None) -> BenchConfig:
         p.error("--limits and --host-output-lens must be >= 1, --rates > 0")
     if cfg.kv_budget < prompt + max(cfg.limits):
         p.error(f"--kv-budget {cfg.kv_budget} holds no sequence of prompt + largest limit tokens")
+    context = PRESETS[cfg.preset].n_positions  # (with --url, the server checks its own)
+    largest_limit = max(*cfg.limits, cfg.online_limit)
+    if not cfg.url and prompt + largest_limit > context:  # past the position table's end
+        p.error(f"a prompt of {prompt} tokens and a limit of {largest_limit} make "
+                f"{prompt + largest_limit} tokens; the {cfg.preset} preset's context is {context}")
     return cfg
 
 
@@ -156,8 +162,9 @@ def naive_batch(model, prompts: list[list[int]], lengths: list[int],
     positions = (torch.arange(P, device=dev)[None] - pads[:, None]).clamp(min=0)  # (B, P)
     cache = DenseKVCache.zeros(model.config, B, P + L, model.lm_head.weight)
     tokens = [last_logits(model, idx, positions, cache, prompt_mask[:, None]).argmax(-1)]  # (B,)
+    padded = bool(pads.any())  # read once: a read per step would be a wait for the GPU each
     for t in range(1, L):
-        mask = valid[:, None, None, :P + t] if pads.any() else None  # (B, 1, 1, P + t)
+        mask = valid[:, None, None, :P + t] if padded else None  # (B, 1, 1, P + t)
         logits = last_logits(model, tokens[-1][:, None], positions[:, -1:] + t, cache, mask)
         tokens.append(logits.argmax(-1))
     log += naive_steps(prompts, lengths)
@@ -452,9 +459,12 @@ def engine_in_decode(cfg: BenchConfig, batch: int, prompt_len: int, first: int,
     return engine
 
 
-def time_forward(engine: Engine, device: str) -> list[float]:
-    """Hooks on the engine's model forward and its lm_head (the logits, computed apart): each
-    call adds -its start and +its end to the list returned, whose sum is the time in both."""
+@contextlib.contextmanager
+def forward_timer(engine: Engine, device: str):
+    """While open, hooks on the engine's model forward and its lm_head (the logits, computed
+    apart) add -start and +end of each call to the list it yields, whose sum is the time in
+    both. Each hook waits for the device, so a step timed with them on is not a step's time:
+    time steps with them off, the forward with them on."""
     spent = []
 
     def started(*_) -> None:  # a forward pre-hook: (module, args)
@@ -463,10 +473,15 @@ def time_forward(engine: Engine, device: str) -> list[float]:
     def ended(*_) -> None:  # a forward hook: (module, args, output); None keeps the output
         spent.append(synced_clock(device))
 
+    handles = []
     for module in (engine.model, engine.model.lm_head):
-        module.register_forward_pre_hook(started)
-        module.register_forward_hook(ended)
-    return spent
+        handles.append(module.register_forward_pre_hook(started))
+        handles.append(module.register_forward_hook(ended))
+    try:
+        yield spent
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class DenseDecoder:
@@ -497,18 +512,18 @@ def decode_step(cfg, model, batch: int, prompt_len=0, first=1, steps=16, rounds=
     step, its forward and logits (the rest: host part), a dense-cache forward with its logits;
     median of alternate rounds."""
     P = prompt_len or cfg.prompt_len
-    n = rounds * steps  # steps timed, of each kind
+    n = 2 * rounds * steps  # paged steps timed: half whole, half for their forward
     engine = engine_in_decode(cfg, batch, P, first, n)
     seqs = list(engine.scheduler.running)
     first_output_len = np.mean([s.num_output_tokens for s in seqs])
-    spent = time_forward(engine, cfg.device)
-    dense = DenseDecoder(model, seqs, n + 1, cfg.device)
+    dense = DenseDecoder(model, seqs, n // 2 + 1, cfg.device)
     paged_s = []    # a paged step, s, by round
-    forward_s = []  # of it, the model forward and the logits
+    forward_s = []  # a paged step's model forward and logits, in the round's second half
     dense_s = []    # a dense step
     for _ in range(rounds):
-        spent.clear()
         paged_s.append(per_call(engine.step, steps, cfg.device))
+        with forward_timer(engine, cfg.device) as spent:
+            per_call(engine.step, steps, cfg.device)
         forward_s.append(sum(spent) / steps)
         dense_s.append(per_call(dense.step, steps, cfg.device))
     output_len = first_output_len + (n - 1) / 2  # the mean over the timed steps
@@ -559,7 +574,8 @@ def hardware_view(cfg: BenchConfig, model, batches, steps=16, host_output_lens=(
     matmul_rate, copy_rate = machine_rates(cfg.device, model.lm_head.weight.dtype)
     decode = [decode_step(cfg, model, b, steps=steps) for b in batches]
     top = max(host_output_lens, default=0)
-    host_cost = [decode_step(cfg, model, batches[-1], top + 16 - n, max(1, n - 10), steps=4,
+    # 5 rounds of 2 x 4 steps: 40 steps from output n - 20, so centred on n
+    host_cost = [decode_step(cfg, model, batches[-1], top + 16 - n, max(1, n - 20), steps=4,
                              rounds=5) for n in host_output_lens]
     for d in decode + host_cost:
         d["roofline_ms"] = max(d["weight_bytes"] / copy_rate, d["flops"] / matmul_rate) * 1e3

@@ -199,7 +199,8 @@ def _paged_attention_kernel(
     mask_m = offs_m < q_len       # past the sequence's last query
     mask_d = offs_d < HEAD_DIM    # past the real head dim
     q_pos = context_len - q_len + offs_m  # absolute position of each query
-    rows = q_start + offs_m  # rows of the flat batch
+    # rows of the flat batch, int64: rows * stride_qn passes 2**31 at ~900k tokens a step
+    rows = (q_start + offs_m).to(tl.int64)
     mask_md = mask_m[:, None] & mask_d[None, :]  # past the last query or the real head dim
     q_offs = rows[:, None] * stride_qn + head * stride_qh + offs_d[None, :] * stride_qd
     q = tl.load(q_ptr + q_offs, mask=mask_md, other=0.0)  # (BLOCK_M, BLOCK_D)
@@ -264,6 +265,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert q.stride(-1) == 1, "q's head dim must be contiguous"  # rows may be qkv-strided
     assert tables.dtype == lens.dtype == starts.dtype == torch.int32, "metadata must be int32"
     assert tables.stride(1) == 1 and starts.shape == (len(lens) + 1,), "bad block_tables/starts"
+    assert lens.is_contiguous() and starts.is_contiguous(), "context_lens and query_start_loc " \
+        "are read as dense arrays"
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     grid = (len(lens), num_heads, cdiv(meta.max_query_len, BLOCK_M))
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():

@@ -178,6 +178,10 @@ class EngineConfig:
             device = None
         if device is None or device.type not in ("cpu", "cuda"):
             raise ValueError(f"unknown device {self.device!r}; use cpu, cuda or cuda:N")
+        if device.type == "cuda" and self.attention == "torch":
+            raise ValueError("attention torch is the CPU path: it reads every layer's metadata "
+                             "on the host, a wait for the GPU each layer; on CUDA use triton "
+                             "(the default there)")
         if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
             raise ValueError(f"device {self.device!r}: " + (
                 f"there are {torch.cuda.device_count()} CUDA devices" if torch.cuda.is_available()
@@ -272,6 +276,17 @@ class EngineStats:
         self.peak_batch_size = max(self.peak_batch_size, len(step.scheduled))
 
 
+class EngineDeadError(RuntimeError):
+    """The device failed (a CUDA error): the engine cannot run another step; restart it."""
+
+
+def is_device_error(error: Exception) -> bool:
+    """Whether an error is the device's (a device-side assert, an illegal address): CUDA
+    reports it at the next wait for the GPU, whichever request caused it, and the CUDA context
+    stays unusable, so running the requests again one at a time would only fail them all."""
+    return isinstance(error, torch.AcceleratorError) or "CUDA error" in str(error)
+
+
 class Engine:
     """Continuous batching over a paged KV cache: add requests any time, call step().
     abort() may be called from any thread; everything else from the thread that steps."""
@@ -307,6 +322,7 @@ class Engine:
         self._ids = itertools.count()
         self._lock = threading.Lock()  # abort() from other threads against step()
         self._aborted_outputs: list[RequestOutput] = []  # for the next step() to return
+        self.dead: str | None = None  # why the engine cannot step any more (a device error)
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
@@ -314,6 +330,8 @@ class Engine:
         delta output for every request that got a token, and the last output of each one
         aborted or failed since the last step."""
         with self._lock:
+            if self.dead is not None:
+                raise EngineDeadError(self.dead)
             outputs = self._aborted_outputs
             self._aborted_outputs = []
             scheduler_output = self.scheduler.schedule()
@@ -330,8 +348,17 @@ class Engine:
             return ModelOutput()
         try:
             return self.run_batch(num_scheduled_tokens)
-        except Exception:  # noqa: BLE001 (find the request that fails; it alone fails)
+        except Exception as e:  # noqa: BLE001 (find the request that fails; it alone fails)
+            self._fail_fast_on_device_error(e)
             return self._run_one_at_a_time(num_scheduled_tokens)
+
+    def _fail_fast_on_device_error(self, error: Exception) -> None:
+        """A device error ends the engine: EngineDeadError now, and at every later step()."""
+        if not is_device_error(error):
+            return
+        first_line = str(error).strip().splitlines()[0]
+        self.dead = f"the device failed ({first_line}); the engine must be restarted"
+        raise EngineDeadError(self.dead) from error
 
     def update(self, scheduler_output: SchedulerOutput, model_output: ModelOutput
                ) -> list[RequestOutput]:
@@ -477,6 +504,7 @@ class Engine:
             try:
                 alone = self.run_batch({seq: num_new})
             except Exception as e:  # noqa: BLE001
+                self._fail_fast_on_device_error(e)
                 merged.failed[seq] = f"error: {type(e).__name__}: {e}"
                 continue
             merged.sampled_token_ids |= alone.sampled_token_ids
@@ -685,7 +713,8 @@ class LLM:
         except BaseException:  # all or nothing: a failed or interrupted batch leaves nothing
             for request_id in ids:
                 self.engine.abort(request_id, "withdrawn: generate() did not finish")
-            self.engine.step()
+            if self.engine.dead is None:
+                self.engine.step()
             raise
         if trace:
             print(render_trace(self.engine.step_records, ids), file=sys.stderr)
@@ -824,17 +853,35 @@ class EngineThread(threading.Thread):
         self.histograms = {name: Histogram() for name in (
             "time_to_first_token_seconds", "time_per_output_token_seconds",
             "e2e_request_latency_seconds")}
+        self.on_dead = None  # called once with the error if the engine dies (serve() stops)
 
     def run(self) -> None:
         while True:
             self._run_inbox()
-            for out in self.engine.step():
+            try:
+                outputs = self.engine.step()
+            except EngineDeadError as e:
+                self._die(e)
+                return
+            for out in outputs:
                 self._observe(out)
                 if out.finished:
                     reply = self.replies.pop(out.request_id)
                 else:
                     reply = self.replies[out.request_id]
                 reply.put(out)
+
+    def _die(self, error: EngineDeadError) -> None:
+        """The engine is dead: every open request gets the error at once, and so does every
+        later call in the inbox (until the server, told by on_dead, has stopped)."""
+        for reply in set(self.replies.values()):
+            reply.put(error)
+        self.replies.clear()
+        if self.on_dead is not None:
+            self.on_dead(error)
+        while True:
+            call = self.inbox.get()
+            call()
 
     def _run_inbox(self) -> None:
         """Run the calls waiting in the inbox; with no work in the engine, wait for one."""
@@ -849,6 +896,9 @@ class EngineThread(threading.Thread):
 
     def add(self, requests: list, arrival: float, reply: queue.Queue) -> None:
         """All of one HTTP request's sequences, or none of them; reply gets the ids or the error."""
+        if self.engine.dead is not None:
+            reply.put(EngineDeadError(self.engine.dead))
+            return
         ids = []
         try:
             for prompt, params in requests:
@@ -1142,6 +1192,8 @@ class Handler(BaseHTTPRequestHandler):
         ids = reply.get()
         if isinstance(ids, ValueError):
             raise HTTPError(400, str(ids), "messages" if chat else "prompt")
+        if isinstance(ids, EngineDeadError):
+            raise HTTPError(500, str(ids))
         if not chat:
             head = dict(id=f"cmpl-{ids[0]}", object="text_completion")
         elif options["stream"]:
@@ -1165,6 +1217,11 @@ class Handler(BaseHTTPRequestHandler):
         try:
             while not all(i in whole and whole[i].finished for i in ids):
                 out = reply.get()
+                if isinstance(out, EngineDeadError) and stream:  # the headers are sent
+                    self.event({"error": dict(message=str(out), type="server_error", code=500)})
+                    return
+                if isinstance(out, EngineDeadError):
+                    raise HTTPError(500, str(out))
                 if stream:
                     is_first = out.request_id not in whole
                     offset = num_sent.get(out.request_id, 0)
@@ -1232,7 +1289,8 @@ def usage_of(ids: list[str], whole: dict[str, RequestOutput], n: int) -> dict:
 
 
 def serve(engine: Engine, args: argparse.Namespace) -> None:
-    """--serve: OpenAI's API on host:port, until SIGINT or SIGTERM."""
+    """--serve: OpenAI's API on host:port, until SIGINT or SIGTERM, or until the engine dies
+    (EngineDeadError, after every open request got a 500)."""
     server = ThreadingHTTPServer((args.host, args.port), Handler, bind_and_activate=False)
     server.request_queue_size = 256  # connections waiting to be accepted (socketserver's: 5)
     server.server_bind()
@@ -1240,8 +1298,12 @@ def serve(engine: Engine, args: argparse.Namespace) -> None:
     server.engine_thread = EngineThread(engine)
     server.started = time.time()
     server.model_name = engine.config.model or engine.config.preset or "shakespeare"
+
+    def stop_serving(*_) -> None:  # on SIGTERM, or as the engine dies; not on serve_forever's
+        threading.Thread(target=server.shutdown).start()      # thread, which shutdown waits for
+    server.engine_thread.on_dead = stop_serving
+    signal.signal(signal.SIGTERM, stop_serving)
     server.engine_thread.start()
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
     try:
         if args.host not in ("127.0.0.1", "localhost"):
             print(f"warning: bound to {args.host}: anyone who can reach this machine can use "
@@ -1252,6 +1314,8 @@ def serve(engine: Engine, args: argparse.Namespace) -> None:
     except KeyboardInterrupt:
         pass
     server.server_close()
+    if engine.dead is not None:
+        raise EngineDeadError(engine.dead)
     print("server stopped", file=sys.stderr)
 
 
@@ -1556,6 +1620,9 @@ def main(argv=None) -> None:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except EngineDeadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
 
