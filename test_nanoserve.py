@@ -340,7 +340,10 @@ def test_triton_launcher_refuses_metadata_it_would_misread():
 # in a fresh process, where Triton compiles for real.
 
 COMPILE_CAPABILITIES = (80, 90)  # sm_80 (A100), sm_90 (H100)
-COMPILE_VARIANTS = [("float16", 64), ("float16", 48), ("bfloat16", 64), ("float32", 64)]
+COMPILE_VARIANTS = [("float16", 64), ("float16", 48), ("bfloat16", 64), ("float32", 64),
+                    ("float16", 128), ("bfloat16", 128)]  # 128: Llama's and Qwen's head dim
+# Batches unlike each other: one decode; 64 decodes and a 200-token chunk; two chunks.
+VARIED_BATCHES = [((1, 1),), ((900, 1),) * 64 + ((200, 200),), ((16, 16), (1000, 512))]
 
 
 class CompileOnlyDriver:
@@ -359,16 +362,24 @@ class CompileOnlyDriver:
         return 0
 
 
-def engine_args(dtype, head_dim, heads=12, block_size=16, width=64, num_blocks=512):
-    """paged_attention's arguments as the GPT-2 engine passes them: q a view of the fused qkv
-    projection, contiguous caches, int32 metadata, block tables cdiv(1024, 16) wide."""
-    qkv = torch.zeros(40, 3 * heads * head_dim, dtype=dtype)
-    q = qkv.view(40, 3, heads, head_dim)[:, 0]  # (N, H, D), rows 3 * H * D apart
+def engine_args(dtype, head_dim, seq_shapes=((100, 1), (7, 1), (300, 1), (37, 37)), heads=12,
+                block_size=16, width=64, num_blocks=512):
+    """paged_attention's arguments as the GPT-2 engine passes them for sequences of
+    (context_len, q_len), by default 3 decodes and a 37-token prefill chunk: q a view of the
+    fused qkv projection, contiguous caches, int32 metadata, block tables cdiv(1024, 16) wide."""
+    num_tokens = sum(q_len for _, q_len in seq_shapes)
+    qkv = torch.zeros(num_tokens, 3 * heads * head_dim, dtype=dtype)
+    q = qkv.view(num_tokens, 3, heads, head_dim)[:, 0]  # (N, H, D), rows 3 * H * D apart
     k_cache = torch.zeros(num_blocks, block_size, heads, head_dim, dtype=dtype)
-    meta = AttentionMetadata(  # 3 decodes and a 37-token prefill chunk
-        slot_mapping=torch.arange(40), block_tables=torch.zeros(4, width, dtype=torch.int32),
-        context_lens=torch.tensor([100, 7, 300, 37], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, 1, 2, 3, 40], dtype=torch.int32), max_query_len=37)
+    starts = [0]
+    for _, q_len in seq_shapes:
+        starts.append(starts[-1] + q_len)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(num_tokens),
+        block_tables=torch.zeros(len(seq_shapes), width, dtype=torch.int32),
+        context_lens=torch.tensor([ctx for ctx, _ in seq_shapes], dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        max_query_len=max(q_len for _, q_len in seq_shapes))
     return q, k_cache, torch.zeros_like(k_cache), meta, head_dim ** -0.5
 
 
@@ -451,10 +462,16 @@ def print_compiled_variants() -> None:
         print(f"SKIP: Triton {triton.__version__} lacks an internal this test uses: {e!r}")
         return
     assert not triton.knobs.runtime.interpret
+    # First, before anything is compiled (a compiled one would be launched, on no GPU): the
+    # specialisations that varied batches ask for.
+    driver.set_active(CompileOnlyDriver(GPUTarget("cuda", COMPILE_CAPABILITIES[0], 32)))
+    keys = {launch_specialization(engine_args(torch.float16, 64, shapes))
+            for shapes in VARIED_BATCHES}
     for cc in COMPILE_CAPABILITIES:
         driver.set_active(CompileOnlyDriver(GPUTarget("cuda", cc, 32)))
         for dtype, head_dim in COMPILE_VARIANTS:  # head dim 48 (padded to 64) once, in fp16
             print(json.dumps(compile_as_launched(cc, dtype, head_dim)))
+    print(json.dumps(dict(specializations=len(keys))))
 
 
 def test_triton_kernel_as_launched_compiles_for_sm80_and_sm90_without_spills():
@@ -472,6 +489,8 @@ def test_triton_kernel_as_launched_compiles_for_sm80_and_sm90_without_spills():
     if result.stdout.startswith("SKIP: "):
         pytest.skip(result.stdout[6:].strip())
     rows = [json.loads(line) for line in result.stdout.splitlines()]
+    # Varied batches (sizes, decodes and chunks) launch one specialisation: one compile.
+    assert rows.pop() == dict(specializations=1)
     assert [(r["cc"], r["dtype"], r["head_dim"]) for r in rows] == [
         (cc, dtype, head_dim) for cc in COMPILE_CAPABILITIES
         for dtype, head_dim in COMPILE_VARIANTS]
@@ -481,10 +500,13 @@ def test_triton_kernel_as_launched_compiles_for_sm80_and_sm90_without_spills():
         assert set(r["ones"]) == {"stride_qd", "stride_kd", "stride_vd", "stride_od"}, r
         assert {"q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "block_tables_ptr",
                 "context_lens_ptr", "query_start_loc_ptr"} <= set(r["aligned"]), r
-        assert r["smem"] < 64 * 1024, r
-        if r["dtype"] != "float32":  # fp32 (not the GPU default) only has to compile
-            assert r["spills"] == 0 and r["regs"] <= 128, r
-            assert r["cp_async"] and r["copies_in_flight"] > 0, r
+        if r["dtype"] == "float32":  # fp32 (not the GPU default) only has to compile
+            continue
+        assert r["spills"] == 0 and r["cp_async"] and r["copies_in_flight"] > 0, r
+        if r["head_dim"] <= 64:  # GPT-2's: room for 3 programs an SM (4 warps, 64 KB each)
+            assert r["regs"] <= 128 and r["smem"] < 64 * 1024, r
+        else:  # 128: it must launch at all (sm_80 lets a program have 163 KB); not tuned yet
+            assert r["smem"] < 163 * 1024, r
 
 
 # ----------------------------------------------------------------------------- sampling
