@@ -243,11 +243,9 @@ class Scheduler:
             num_new = self._num_new_tokens(len(seq.token_ids) - num_cached, budget)
             if num_new == 0 or not self._fits_beside_running(seq, cached_block_ids):
                 return
-            seq.block_table.take_cached_prefix(cached_hashes, cached_block_ids)
-            seq.num_computed_tokens = num_cached
+            self._admit(seq, output, cached_hashes, cached_block_ids)
             took_blocks = seq.block_table.ensure(num_cached + num_new)
             assert took_blocks, "_fits_beside_running counted these blocks as free"
-            self._admit(seq, output)
             output.num_scheduled_tokens[seq] = num_new
             budget -= num_new
 
@@ -288,11 +286,14 @@ class Scheduler:
             if seq is None:
                 return
             cached_hashes, cached_block_ids = self._find_cached_prefix(seq)
-            seq.block_table.take_cached_prefix(cached_hashes, cached_block_ids)
-            seq.num_computed_tokens = len(cached_block_ids) * self.block_pool.block_size
-            self._admit(seq, output)
+            self._admit(seq, output, cached_hashes, cached_block_ids)
 
-    def _admit(self, seq: Sequence, output: SchedulerOutput) -> None:
+    def _admit(self, seq: Sequence, output: SchedulerOutput, cached_hashes: list[bytes],
+               cached_block_ids: list[int]) -> None:
+        """Move seq from waiting to running, its table and progress starting from the cached
+        prefix that _find_cached_prefix found."""
+        seq.block_table.take_cached_prefix(cached_hashes, cached_block_ids)
+        seq.num_computed_tokens = len(cached_block_ids) * self.block_pool.block_size
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
