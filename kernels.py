@@ -17,9 +17,10 @@ sample, apply_top_k_top_p). model.py calls the attention function it is given; t
 (nanoserve.py) builds the metadata and calls sample().
 
 Left out on purpose: sliding windows, ALiBi, GQA, fp8 caches, split-K decode. Checked on a CPU
-only (test_nanoserve.py): the kernel against the reference in Triton's interpreter, and its
-sm_80/sm_90 build as launched (fp16/bf16: <= 128 registers, no spills, < 64 KB of shared
-memory, K/V by pipelined cp.async). Not checked: speed, or results, on a GPU."""
+only (test_nanoserve.py): the kernel against the reference in Triton's interpreter (fp32,
+fp16, bf16), and its sm_80/sm_90 build as launched (fp16/bf16, head dim 64: <= 128 registers,
+no spills, < 64 KB of shared memory, K/V by pipelined cp.async). Not checked: speed, or
+results, on a GPU."""
 import contextlib
 import ctypes
 import os
@@ -170,6 +171,19 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, buffer: torch.Tens
 
 
 @triton.jit
+def _dot(a, b, IN_FP32: tl.constexpr):
+    """a @ b accumulated in fp32. ieee keeps fp32 inputs out of TF32, so fp32 matches the
+    reference (a no-op for fp16/bf16). IN_FP32 is set only for bf16 in Triton's interpreter,
+    whose tl.dot multiplies bf16 bit patterns (triton issue #11584): a product of two bf16
+    values is exact in fp32, so upcasting first gives what a GPU's bf16 dot accumulating in
+    fp32 gives, up to the order of the sum."""
+    if IN_FP32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, context_lens_ptr, query_start_loc_ptr, sm_scale,
@@ -180,6 +194,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  # D; D padded to a power of 2 >= 16 (tl.dot)
     CACHE_BLOCK_SIZE: tl.constexpr,                 # BS, tokens per cache block
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,   # queries per program; keys per step (any BS)
+    DOT_IN_FP32: tl.constexpr,                      # only Triton's interpreter on bf16: see _dot
 ):
     """FlashAttention-style forward over a paged cache; one program per (sequence, head, q tile).
 
@@ -219,8 +234,7 @@ def _paged_attention_kernel(
         k_offs = (block_ids * stride_kb + offs_in_block * stride_kt)[None, :] + head * stride_kh \
             + offs_d[:, None] * stride_kd
         k = tl.load(k_cache_ptr + k_offs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
-        # ieee: keep fp32 inputs out of TF32 so fp32 matches the reference (no-op for fp16/bf16).
-        scores = tl.dot(q, k, input_precision="ieee") * sm_scale  # (BLOCK_M, BLOCK_N) fp32
+        scores = _dot(q, k, DOT_IN_FP32) * sm_scale  # (BLOCK_M, BLOCK_N) fp32
         visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]  # causal + tail
         scores = tl.where(visible, scores, float("-inf"))
         # Online softmax: every row sees position 0 in the first step, so m_new is finite.
@@ -233,7 +247,7 @@ def _paged_attention_kernel(
         v_offs = (block_ids * stride_vb + offs_in_block * stride_vt)[:, None] + head * stride_vh \
             + offs_d[None, :] * stride_vd
         v = tl.load(v_cache_ptr + v_offs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_IN_FP32)
     o_offs = rows[:, None] * stride_on + head * stride_oh + offs_d[None, :] * stride_od
     tl.store(out_ptr + o_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_md)
 
@@ -260,8 +274,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert q.dtype == k_cache.dtype == v_cache.dtype and k_cache.shape == v_cache.shape \
         and k_cache.shape[2:] == (num_heads, head_dim) and k_cache.is_contiguous() \
         and v_cache.is_contiguous(), f"q {q.dtype} vs caches {k_cache.dtype} {k_cache.shape}"
-    # Triton's interpreter multiplies bf16 bit patterns in tl.dot (triton issue #11584).
-    assert not (triton.knobs.runtime.interpret and q.dtype == torch.bfloat16), "bf16 needs a GPU"
+    dot_in_fp32 = triton.knobs.runtime.interpret and q.dtype == torch.bfloat16  # see _dot
     assert q.stride(-1) == 1, "q's head dim must be contiguous"  # rows may be qkv-strided
     assert tables.dtype == lens.dtype == starts.dtype == torch.int32, "metadata must be int32"
     assert tables.stride(1) == 1 and starts.shape == (len(lens) + 1,), "bad block_tables/starts"
@@ -275,6 +288,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), tables.stride(0),
             HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             CACHE_BLOCK_SIZE=k_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            DOT_IN_FP32=dot_in_fp32,
             num_warps=NUM_WARPS, num_stages=NUM_STAGES[q.element_size()])
     return out
 

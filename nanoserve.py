@@ -287,6 +287,12 @@ def is_device_error(error: Exception) -> bool:
     return isinstance(error, torch.AcceleratorError) or "CUDA error" in str(error)
 
 
+def to_host(tensor: torch.Tensor) -> list:
+    """A device tensor's values as (nested) Python lists. The only place a step waits for the
+    device: a CUDA test runs whole steps with every other wait made an error."""
+    return tensor.tolist()
+
+
 class Engine:
     """Continuous batching over a paged KV cache: add requests any time, call step().
     abort() may be called from any thread; everything else from the thread that steps."""
@@ -493,7 +499,7 @@ class Engine:
         if any(seq.params.logprobs is not None for seq in batch.sample_seqs) or batch.prompt_seqs:
             self._gather_logprobs(batch, hidden, logits, token_ids, output)
         # The step's one wait for the device (log-probabilities, if asked for, were read above).
-        output.sampled_token_ids = dict(zip(batch.sample_seqs, token_ids.tolist()))
+        output.sampled_token_ids = dict(zip(batch.sample_seqs, to_host(token_ids)))
         return output
 
     def _run_one_at_a_time(self, num_scheduled_tokens: dict[Sequence, int]) -> ModelOutput:
@@ -531,8 +537,8 @@ class Engine:
         targets = torch.cat([token_ids, batch.prompt_targets])[:, None]      # (n + m, 1)
         top_k = max([want for want in wants if want is not None], default=0)
         top = logprobs.topk(top_k, dim=-1)
-        ids = torch.cat([targets, top.indices], dim=1).tolist()                # (n + m, 1 + k)
-        values = torch.cat([logprobs.gather(1, targets), top.values], dim=1).tolist()
+        ids = to_host(torch.cat([targets, top.indices], dim=1))                # (n + m, 1 + k)
+        values = to_host(torch.cat([logprobs.gather(1, targets), top.values], dim=1))
         for row, seq in enumerate(seqs):
             row_top_k = wants[row]
             if row_top_k is None:

@@ -5,6 +5,7 @@ the Triton kernel tests also run on CUDA where there is one. Tests that need ../
 skip with the reason.
 """
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -191,15 +192,15 @@ def test_greedy_output_is_the_same_with_triton_attention(alone):
 
 # ----------------------------------------------------------------------------- Triton kernel
 # Without CUDA, kernels.py runs the kernel in Triton's interpreter on CPU, so inputs are small
-# and bf16 is left out (tl.dot is wrong there, triton issue #11584). Compilation for real GPUs
+# (and its bf16 dots take fp32 inputs: kernels._dot says why). Compilation for real GPUs
 # is checked ahead of time, in a subprocess without the interpreter (it patches
 # triton.language, and then triton.compile cannot run).
 
 NUM_HEADS = 2
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the interpreter
 needs_cuda = pytest.mark.skipif(
-    DEVICE != "cuda", reason="no CUDA GPU: the CPU runs Triton's interpreter, whose tl.dot is "
-    "wrong in bf16 (triton issue #11584) and which says nothing of a GPU's launch or numerics")
+    DEVICE != "cuda", reason="no CUDA GPU: the CPU runs Triton's interpreter, which says nothing "
+    "of a GPU's launch, its waits or its numerics")
 MAX_MODEL_LEN = 256  # the engine's block tables are cdiv(max_model_len, block_size) wide
 
 # (context_len, q_len) per sequence; context_len counts this step's tokens, as in the engine.
@@ -285,14 +286,15 @@ def test_cpu_attention_matches_reference_in_every_layer(block_size, decode_bytes
 
 # Tolerances: a few roundings of the type (p cast for the P @ V dot, the output), |out| < 4.
 LOW_PRECISION = [pytest.param(torch.float16, 4e-3, id="fp16"),
-                 pytest.param(torch.bfloat16, 3e-2, id="bf16", marks=needs_cuda)]
+                 pytest.param(torch.bfloat16, 3e-2, id="bf16")]
 
 
 @pytest.mark.parametrize("dtype, tol", LOW_PRECISION)
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("head_dim", [48, 64])
 def test_triton_kernel_low_precision_matches_fp32_reference(head_dim, batch, dtype, tol):
-    """fp16 (interpreter on CPU, or CUDA) and bf16 (CUDA only) against the fp32 reference."""
+    """fp16 and bf16 inputs, accumulated in fp32, against the fp32 reference (on CPU in the
+    interpreter, on a GPU as launched)."""
     q, k_cache, v_cache, meta = make_batch(BATCHES[batch], 16, head_dim, dtype,
                                            width=cdiv(MAX_MODEL_LEN, 16))
     scale = head_dim ** -0.5
@@ -313,6 +315,46 @@ def test_triton_launch_never_waits_for_the_gpu():
         paged_attention(q, k_cache, v_cache, meta, 0.125)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@needs_cuda
+def test_a_cuda_step_waits_for_the_device_only_to_read_its_results(monkeypatch):
+    """Whole engine steps (a prompt chunk beside decodes; greedy, seeded and unseeded samples,
+    top-k and top-p; log-probabilities) under set_sync_debug_mode("error"): any wait for the
+    GPU raises, except in nanoserve.to_host, where the step reads its tokens on purpose. A
+    step that fails fails its requests (finish_reason "abort"), so none may."""
+    engine = Engine(EngineConfig(preset="tiny", device="cuda", dtype="bfloat16",
+                                 max_num_batched_tokens=32))
+    kinds = [SamplingParams(temperature=0), SamplingParams(seed=1, top_k=20, logprobs=2),
+             SamplingParams(top_p=0.9, prompt_logprobs=1)]
+
+    def add_requests(prompt_len: int) -> None:
+        for params in kinds:
+            engine.add_request(list(range(1, prompt_len + 1)),
+                               dataclasses.replace(params, max_tokens=8, ignore_eos=True))
+    add_requests(4)
+    outputs = engine.step() + engine.step()  # compiled and warmed: the next steps are steady
+    add_requests(40)  # chunked over the next steps, beside the first three's decodes
+    to_host = nanoserve.to_host
+    reads = []
+
+    def read_on_purpose(tensor: torch.Tensor) -> list:
+        reads.append(tuple(tensor.shape))
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return to_host(tensor)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+    monkeypatch.setattr(nanoserve, "to_host", read_on_purpose)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            outputs += engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert reads  # the steps read their tokens
+    assert not [o for o in outputs if o.finished and o.outputs[0].finish_reason == "abort"]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
