@@ -22,6 +22,7 @@ the experiments (greedy only), and pass/fail goals for the figures (those are pr
     python bench.py --out bench.json         # about 5 minutes on 2 CPU cores; .ci/gpu: on a GPU
 """
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -29,8 +30,8 @@ import platform
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -327,40 +328,64 @@ def run_online(cfg: BenchConfig, mode: str, prompts, lengths, rate: float) -> di
     """Poisson arrivals at `rate`/s, through the server at cfg.url ("http") or in process."""
     gaps = np.random.default_rng(cfg.seed + 1).exponential(1 / rate, len(prompts))
     arrivals = np.concatenate([[0.0], np.cumsum(gaps[:-1])])  # s after the first
-    if mode == "http":
-        times, tokens = run_online_http(cfg, arrivals, prompts, lengths)
-    else:
+    if mode != "http":
         times = run_online_engine(cfg, mode, arrivals, prompts, lengths)
-        tokens = [len(t) for t in times]  # a token a step
-    return latency_figures(arrivals, times, tokens)
+        return latency_figures(arrivals, times, [len(t) for t in times])  # a token a step
+    times, tokens, client_cpu = run_online_http(cfg, arrivals, prompts, lengths)
+    return latency_figures(arrivals, times, tokens) | dict(client_cpu_fraction=client_cpu)
 
 
-def run_online_http(cfg: BenchConfig, arrivals, prompts, lengths) -> tuple[list, list]:
-    """Each request sent from its own thread at its arrival, streamed: (each one's chunk times,
-    s after the start; each one's tokens)."""
+def run_online_http(cfg: BenchConfig, arrivals, prompts, lengths) -> tuple[list, list, float]:
+    """Each request sent at its arrival, streamed, on a connection of its own, all from one
+    asyncio event loop in this process (not a thread a request: on a few cores the client
+    competes with the server). (Each one's chunk times, s after the start; each one's tokens;
+    the client's cost: this process's CPU time over the run's wall time, a share of one core.)"""
     model = json.load(http_open(cfg.url, "/v1/models"))["data"][0]["id"]  # the first listed
+    bodies = [dict(model=model, prompt=prompt, max_tokens=n, temperature=0, ignore_eos=True,
+                   stream=True, stream_options=dict(include_usage=True))
+              for prompt, n in zip(prompts, lengths)]
+    cpu = time.process_time()
     start = time.perf_counter()
-
-    def send(arrival: float, prompt: list[int], n: int) -> tuple[list[float], int]:
-        time.sleep(max(0.0, start + arrival - time.perf_counter()))
-        body = dict(model=model, prompt=prompt, max_tokens=n, temperature=0, ignore_eos=True,
-                    stream=True, stream_options=dict(include_usage=True))
-        return stream_times(cfg.url, body, start)
-
-    pool = ThreadPoolExecutor(len(prompts))  # a thread a request: each waits for its arrival
-    results = list(pool.map(send, arrivals, prompts, lengths))
+    results = asyncio.run(send_all(cfg.url, arrivals, bodies, start))
+    client_cpu = (time.process_time() - cpu) / (time.perf_counter() - start)
     times = [chunk_times for chunk_times, _ in results]
     tokens = [num_tokens for _, num_tokens in results]
-    return times, tokens
+    return times, tokens, client_cpu
 
 
-def stream_times(url: str, body: dict, start: float) -> tuple[list[float], int]:
+async def send_all(url: str, arrivals, bodies: list[dict], start: float) -> list[tuple]:
+    """Every body POSTed at its arrival (s after start, perf_counter's clock), all at once:
+    each one's stream_times, in order. After an error no request is sent, those in flight are
+    read to their end (the server sees no answer cut off), then the first error is raised."""
+    errors = []
+    sends = [send_at(url, arrival, body, start, errors)
+             for arrival, body in zip(arrivals, bodies)]
+    results = await asyncio.gather(*sends)
+    if errors:
+        raise errors[0]
+    return results
+
+
+async def send_at(url: str, arrival: float, body: dict, start: float,
+                  errors: list) -> tuple[list[float], int] | None:
+    """stream_times at the arrival; None if a request failed before (its error in errors) or
+    this one fails (its error appended)."""
+    await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
+    if errors:  # an earlier request failed: send no more
+        return None
+    try:
+        return await stream_times(url, body, start)
+    except ConnectionError as e:
+        errors.append(e)
+        return None
+
+
+async def stream_times(url: str, body: dict, start: float) -> tuple[list[float], int]:
     """POST a streamed completion: the times (s after start) of its chunks, and its tokens (the
     usage chunk's count; without one, a token a chunk)."""
     times = []
     tokens = None
-    for line in http_open(url, "/v1/completions", body):  # "data: {json}", "data: [DONE]", ""
-        chunk = json.loads(line[5:]) if line.startswith(b"data: {") else {}
+    async for chunk in completion_chunks(url, body):
         if chunk.get("choices"):  # a chunk of text (or held back), as vLLM times them
             times.append(time.perf_counter() - start)
         usage = chunk.get("usage") or {}
@@ -370,6 +395,111 @@ def stream_times(url: str, body: dict, start: float) -> tuple[list[float], int]:
     if not tokens:  # no usage chunk
         return times, len(times)
     return times, tokens
+
+
+async def completion_chunks(url: str, body: dict):
+    """POST body to url's /v1/completions on a connection of its own and yield OpenAI's chunks
+    (dicts) as they arrive. Errors, one line as http_open's: a status other than 200
+    (ConnectionError with the server's answer), an answer that breaks off."""
+    reader, writer = await post(url, "/v1/completions", body)
+    try:
+        status, headers = await response_head(reader)
+        pieces = response_body(reader, headers)
+        if status == 200:
+            async for chunk in stream_chunks(pieces):
+                yield chunk
+            return
+        answer = b"".join([piece async for piece in pieces])
+    except (OSError, EOFError, ValueError) as e:  # cut off, reset, or not HTTP, chunks, JSON
+        raise ConnectionError(f"{url}/v1/completions: a broken answer: {e}") from None
+    finally:
+        writer.close()
+    error = answer.decode(errors="replace")  # the server's: OpenAI's error, as JSON
+    raise ConnectionError(f"{url}/v1/completions answered {status}: {error}")
+
+
+async def stream_chunks(pieces):
+    """Yield OpenAI's chunks from a body's pieces as its server-sent events complete (each ends
+    in a blank line)."""
+    events = b""  # what came of the events not yet complete
+    async for piece in pieces:
+        complete = (events + piece).split(b"\n\n")
+        events = complete.pop()
+        for chunk in sse_chunks(complete):
+            yield chunk
+    for chunk in sse_chunks([events]):  # a last event with no blank line after it
+        yield chunk
+
+
+async def post(url: str, path: str,
+               body: dict) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect to url's host and send POST url + path, body as JSON, in raw HTTP/1.1 with
+    "Connection: close" (the server closes the connection after its answer)."""
+    try:
+        parts = urllib.parse.urlsplit(url.rstrip("/").removesuffix("/v1"))
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("not an http:// URL")
+        https = parts.scheme == "https"
+        port = parts.port or (443 if https else 80)
+        reader, writer = await asyncio.open_connection(parts.hostname, port, ssl=https)
+    except (OSError, ValueError) as e:  # a malformed URL, no server
+        raise ConnectionError(f"cannot reach {url}: {e}") from None
+    data = json.dumps(body).encode()
+    head = (f"POST {parts.path}{path} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+            "Connection: close\r\n\r\n")
+    writer.write(head.encode("latin-1") + data)
+    await writer.drain()
+    return reader, writer
+
+
+async def response_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    """The status line's code and the headers up to the blank line (names in lower case)."""
+    line = await reader.readline()
+    words = line.split()  # b"HTTP/1.1 200 OK"
+    if len(words) < 2 or not words[0].startswith(b"HTTP/") or not words[1].isdigit():
+        raise ValueError(f"not an HTTP answer: {line[:80]!r}")
+    headers = {}
+    while True:
+        line = await reader.readline()
+        if line.strip() == b"":  # the blank line (or the end of the connection)
+            return int(words[1]), headers
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+
+
+async def response_body(reader: asyncio.StreamReader, headers: dict[str, str]):
+    """Yield the body in pieces as they arrive: de-chunked if "Transfer-Encoding: chunked",
+    else Content-Length bytes, else up to the end of the connection (HTTP/1.0's way)."""
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        while True:
+            line = await reader.readline()  # the chunk's size in hex [; extensions]
+            if not line:
+                raise EOFError("the connection closed before the last chunk")
+            size = int(line.split(b";")[0], 16)
+            if size == 0:  # the last chunk (trailers unread: the connection closes)
+                return
+            chunk = await reader.readexactly(size + 2)  # the data and its CRLF
+            yield chunk[:-2]
+    elif "content-length" in headers:
+        yield await reader.readexactly(int(headers["content-length"]))
+    else:
+        while True:
+            piece = await reader.read(65536)
+            if not piece:
+                return
+            yield piece
+
+
+def sse_chunks(events: list[bytes]) -> list[dict]:
+    """OpenAI's chunks in complete server-sent events: each "data: {json}" line's object (the
+    closing "data: [DONE]", comments and other fields skipped)."""
+    chunks = []
+    for event in events:
+        for line in event.splitlines():
+            if line.startswith(b"data: {"):
+                chunks.append(json.loads(line[6:]))
+    return chunks
 
 
 def run_online_engine(cfg: BenchConfig, mode: str, arrivals, prompts, lengths) -> list[list]:
@@ -672,11 +802,15 @@ def online_table(result: dict) -> str:
             for metric in ("ttft", "tpot", "itl", "e2e"):
                 for stat in ("mean", "p50", "p99"):
                     row[f"{metric}_{stat}_ms"] = figures[metric][stat] * 1e3
+            row["client_cpu"] = figures.get("client_cpu_fraction", "")  # over HTTP only
             rows.append(row)
     title = f"Online, limit {result['config']['online_limit']}, Poisson arrivals"
+    if any("http" in runs for runs in result["online"].values()):
+        title += ("; client_cpu: the share of one core that bench's HTTP client used (its CPU "
+                  "time over the run's wall time)")
     return table(title, rows, "rate mode ttft_mean_ms ttft_p50_ms ttft_p99_ms tpot_mean_ms "
                  "itl_p50_ms itl_p99_ms e2e_mean_ms e2e_p50_ms request_throughput "
-                 "output_throughput")
+                 "output_throughput client_cpu")
 
 
 def report(result: dict) -> str:

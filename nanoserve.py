@@ -22,8 +22,11 @@ Left out: beam search, speculative decoding, CUDA graphs, tensor parallelism, mu
 inputs, LoRA.
 """
 import argparse
+import asyncio
 import codecs
+import contextlib
 import dataclasses
+import hmac
 import itertools
 import json
 import math
@@ -35,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http import HTTPStatus
 
 import torch
 
@@ -45,6 +48,7 @@ from model import PRESETS, Detokenizer, load_model
 from paged_cache import BlockTable, allocate_kv_cache, cdiv, kv_bytes_per_token
 from scheduler import POLICIES, Scheduler, SchedulerOutput, Sequence, SequenceStatus
 
+__version__ = "0.1.0"     # pyproject.toml reads it from here
 KV_CACHE_BYTES = 1 << 30  # the default KV cache's memory budget: 1 GiB
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 GREEDY_BELOW = 1e-5       # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
@@ -110,8 +114,8 @@ def add_config_args(parser, cls, skip=()) -> None:
         kwargs = {k: v for k, v in f.metadata.items() if k not in ("low", "high", "open_low")}
         if isinstance(f.default, bool):
             kwargs["action"] = argparse.BooleanOptionalAction
-        elif isinstance(f.default, tuple):
-            kwargs |= dict(nargs="+", type=type(f.default[0]))
+        elif isinstance(f.default, tuple):  # of strings when empty
+            kwargs |= dict(nargs="+", type=type(f.default[0]) if f.default else str)
         elif "type" not in kwargs and "choices" not in kwargs:
             kwargs["type"] = type(f.default)
         parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, **kwargs)
@@ -191,6 +195,36 @@ class EngineConfig:
         if self.attention == "triton" and device.type == "cpu" and self.dtype == "bfloat16":
             raise ValueError("Triton attention cannot run bfloat16 on a CPU (its interpreter "
                              "multiplies bf16 wrongly); use --dtype float32 or float16")
+
+
+@dataclass
+class ServerConfig:
+    """How --serve serves: where, under which model name, to whom, and the limits that keep a
+    slow or silent client from holding anything (uvicorn's and vLLM's flag names)."""
+    host: str = option("127.0.0.1", "the address to bind")
+    port: int = option(8000, "the port (0: any free one)", low=0, high=65535)
+    served_model_name: str | None = option(None, "the model's name in the API; default: the "
+                                           "model's or the preset's", type=str)
+    api_key: str | None = option(None, "/v1/*, /tokenize and /detokenize need 'Authorization: "
+                                 "Bearer KEY'; default: $NANOSERVE_API_KEY", type=str)
+    allowed_origins: tuple = option((), "origins a browser may call from (CORS); * for any")
+    timeout_keep_alive: float = option(5.0, "seconds a connection may stay open with no "
+                                       "request under way", low=0, open_low=True)
+    request_timeout: float = option(30.0, "seconds from a request's first byte to its last "
+                                    "(then 408)", low=0, open_low=True)
+    max_write_buffer: int = option(1 << 20, "bytes a client may leave unread; past that it is "
+                                   "dropped and its request aborted")
+    shutdown_timeout: float = option(5.0, "on SIGTERM, seconds the requests in flight may "
+                                     "still run (then they end with finish_reason abort)", low=0)
+    log_requests: bool = option(False, "an access-log line per request, on stderr")
+
+    def __post_init__(self):
+        self.allowed_origins = tuple(self.allowed_origins)
+        if self.api_key is None:
+            self.api_key = os.environ.get("NANOSERVE_API_KEY") or None
+        check_fields(self)
+        if not all(isinstance(origin, str) and origin for origin in self.allowed_origins):
+            raise ValueError(f"allowed_origins must be strings, got {self.allowed_origins!r}")
 
 
 @dataclass
@@ -788,6 +822,11 @@ def accumulate(whole: dict[str, RequestOutput], delta: RequestOutput) -> None:
 # ----------------------------------------------------------------------------- HTTP server
 
 MAX_BODY_BYTES = 1 << 20  # a larger request body is refused (413)
+MAX_HEADER_BYTES = 64 << 10  # a larger header block is refused (431)
+DRAIN_ANSWER_TIMEOUT = 10.0  # seconds a shutdown waits for aborted requests' answers (a step)
+CORS_PREFLIGHT = {"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                  "Access-Control-Allow-Headers": "Authorization, Content-Type",
+                  "Access-Control-Max-Age": "600"}
 MAX_N = 64                # samples of one prompt in one request at most
 CHAT_TURN_END = "\n\n"    # the chat template ends every turn with a blank line
 FIELDS = {"model", "n", "stream", "stream_options", "user", "max_tokens", "temperature", "top_p",
@@ -846,105 +885,92 @@ class RequestTimes:
 
 
 class EngineThread(threading.Thread):
-    """The one thread that touches the engine. Between steps it runs the calls that handlers
-    put in its inbox (add a request, abort, read the metrics); with no work, it blocks there.
-    Each request's deltas go to the reply queue of the handler that added it."""
+    """The one thread that touches the engine. Between steps it runs the calls the event loop
+    put in its inbox (add a request, abort, read the gauges), blocking there while the engine
+    has no work; after each step it hands the step's outputs, the whole list, to the loop in
+    one call: one wake-up of the loop per step, however many streams are open. Not a daemon:
+    stop() and join() end it before the process exits."""
 
-    def __init__(self, engine: Engine):
-        super().__init__(daemon=True)
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, deliver, died):
+        super().__init__(name="engine")
         self.engine = engine
-        self.inbox: queue.Queue = queue.Queue()       # calls to run between steps
-        self.replies: dict[str, queue.Queue] = {}     # request id -> its handler's queue
-        self.times: dict[str, RequestTimes] = {}      # request id -> its latency so far
-        self.histograms = {name: Histogram() for name in (
-            "time_to_first_token_seconds", "time_per_output_token_seconds",
-            "e2e_request_latency_seconds")}
-        self.on_dead = None  # called once with the error if the engine dies (serve() stops)
+        self.loop = loop
+        self.deliver = deliver  # called on the loop with each step's outputs
+        self.died = died        # called on the loop with the EngineDeadError, if the engine dies
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # calls to run between steps; None: stop
 
     def run(self) -> None:
-        while True:
-            self._run_inbox()
+        while self._run_inbox():
             try:
                 outputs = self.engine.step()
             except EngineDeadError as e:
-                self._die(e)
+                self.loop.call_soon_threadsafe(self.died, e)
+                self._answer_until_stopped()
                 return
-            for out in outputs:
-                self._observe(out)
-                if out.finished:
-                    reply = self.replies.pop(out.request_id)
-                else:
-                    reply = self.replies[out.request_id]
-                reply.put(out)
+            if outputs:
+                self.loop.call_soon_threadsafe(self.deliver, outputs)
 
-    def _die(self, error: EngineDeadError) -> None:
-        """The engine is dead: every open request gets the error at once, and so does every
-        later call in the inbox (until the server, told by on_dead, has stopped)."""
-        for reply in set(self.replies.values()):
-            reply.put(error)
-        self.replies.clear()
-        if self.on_dead is not None:
-            self.on_dead(error)
+    def _answer_until_stopped(self) -> None:
+        """The engine is dead: run what is still asked (adds now fail) until stop()."""
         while True:
             call = self.inbox.get()
+            if call is None:
+                return
             call()
 
-    def _run_inbox(self) -> None:
-        """Run the calls waiting in the inbox; with no work in the engine, wait for one."""
+    def _run_inbox(self) -> bool:
+        """Run the calls waiting in the inbox; with no work in the engine, wait for one first.
+        False once stop() was called."""
+        block = not self.engine.has_unfinished()
+        while True:
+            try:
+                call = self.inbox.get(block=block)
+            except queue.Empty:
+                return True
+            if call is None:
+                return False
+            call()
+            block = False
+
+    def stop(self) -> None:
+        self.inbox.put(None)
+
+    def call(self, fn, *args) -> asyncio.Future:
+        """On the loop: run fn(*args) on this thread between steps; the future gets its result
+        or its exception."""
+        future = self.loop.create_future()
+        self.inbox.put(partial(self._run_call, future, fn, args))
+        return future
+
+    def _run_call(self, future: asyncio.Future, fn, args: tuple) -> None:
         try:
-            call = self.inbox.get(block=not self.engine.has_unfinished())
-            call()
-            while True:
-                call = self.inbox.get_nowait()
-                call()
-        except queue.Empty:
+            result = fn(*args)
+        except Exception as e:  # noqa: BLE001 (the caller, on the loop, gets it)
+            self.loop.call_soon_threadsafe(settle, future, None, e)
             return
+        self.loop.call_soon_threadsafe(settle, future, result, None)
 
-    def add(self, requests: list, arrival: float, reply: queue.Queue) -> None:
-        """All of one HTTP request's sequences, or none of them; reply gets the ids or the error."""
+    def add(self, requests: list, ids: list[str]) -> None:
+        """All of one HTTP request's sequences, or none of them: ValueError names what is wrong
+        (EngineDeadError: the engine is gone)."""
         if self.engine.dead is not None:
-            reply.put(EngineDeadError(self.engine.dead))
-            return
-        ids = []
+            raise EngineDeadError(self.engine.dead)
+        added = []
         try:
-            for prompt, params in requests:
-                request_id = self.engine.add_request(prompt, params)
-                ids.append(request_id)
-                self.replies[request_id] = reply
-                self.times[request_id] = RequestTimes(arrival)
-        except ValueError as e:
-            for request_id in ids:
-                self.engine.abort(request_id)
-            reply.put(e)
-            return
-        reply.put(ids)
+            for (prompt, params), request_id in zip(requests, ids):
+                self.engine.add_request(prompt, params, request_id)
+                added.append(request_id)
+        except ValueError:
+            self.abort(added, "another prompt of its request was refused")
+            raise
 
-    def abort(self, ids: list[str]) -> None:
+    def abort(self, ids: list[str], reason: str) -> None:
         for request_id in ids:
-            self.engine.abort(request_id, "the client disconnected")
+            self.engine.abort(request_id, reason)
 
-    def _observe(self, out: RequestOutput) -> None:
-        """Per request: time to first token, time per output token after it, end to end."""
-        times = self.times[out.request_id]
-        now = time.perf_counter()
-        completion = out.outputs[0]
-        if times.first_token is None and completion.token_ids:
-            times.first_token = now
-            self.histograms["time_to_first_token_seconds"].observe(now - times.arrival)
-        times.num_tokens += len(completion.token_ids)
-        if not out.finished:
-            return
-        del self.times[out.request_id]
-        if completion.finish_reason == "abort":
-            return
-        self.histograms["e2e_request_latency_seconds"].observe(now - times.arrival)
-        if times.num_tokens > 1:
-            time_per_token = (now - times.first_token) / (times.num_tokens - 1)
-            self.histograms["time_per_output_token_seconds"].observe(time_per_token)
-
-    def metrics(self) -> str:
-        """Prometheus' text format: vLLM's metric names, with a nanoserve: prefix; the gauges
-        as the newest step's record left them."""
+    def gauges(self) -> list[str]:
+        """The engine's gauges and counters in Prometheus' text format: vLLM's metric names,
+        with a nanoserve: prefix; the gauges as the newest step's record left them."""
         engine = self.engine
         step = engine.last_step
         num_running = step.num_running if step else 0
@@ -963,9 +989,17 @@ class EngineThread(threading.Thread):
         for name, kind, value in values:
             lines.append(f"# TYPE nanoserve:{name} {kind}")
             lines.append(f"nanoserve:{name} {value}")
-        for name, histogram in self.histograms.items():
-            lines += histogram.lines("nanoserve:" + name)
-        return "\n".join(lines) + "\n"
+        return lines
+
+
+def settle(future: asyncio.Future, result, error: Exception | None) -> None:
+    """Give a future its result or error, unless its waiter has gone (then it was cancelled)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+        return
+    future.set_result(result)
 
 
 def typed(body: dict, name: str, default, *kinds):
@@ -994,9 +1028,7 @@ def parse_request(body: dict, engine: Engine, model_name: str, chat: bool) -> tu
     """An OpenAI request -> its sequences [(prompt, SamplingParams)], n for each prompt, and
     how to answer (stream, include_usage, echo, logprobs k); HTTPError 400 if anything is off."""
     check_known_fields(body, chat)
-    if typed(body, "model", model_name, str) != model_name:
-        raise HTTPError(400, f"model {body['model']!r} is not served here; /v1/models lists "
-                        f"{model_name!r}", "model")
+    check_model(body, model_name)
     fields = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
     fields["stop"] = typed(body, "stop", [], str, list)
     n = typed(body, "n", 1, int)
@@ -1124,166 +1156,33 @@ def chat_logprob_item(tokenizer, token_id: int, logprob: float) -> dict:
                 bytes=list(tokenizer.decode_single_token_bytes(token_id)))
 
 
-class Handler(BaseHTTPRequestHandler):
-    """OpenAI's API, a thread per connection; engine calls go through the EngineThread."""
-    ROUTES = {"/health": ("GET", "health"), "/v1/models": ("GET", "models"),
-              "/metrics": ("GET", "metrics"), "/v1/completions": ("POST", "completions"),
-              "/v1/chat/completions": ("POST", "chat_completions")}
-
-    def route(self) -> None:
-        path = self.path.split("?")[0]
-        try:
-            if path not in self.ROUTES:
-                raise HTTPError(404, f"no such path: {path}")
-            if self.command != self.ROUTES[path][0]:
-                raise HTTPError(405, f"{path} takes {self.ROUTES[path][0]}, not {self.command}")
-            getattr(self, self.ROUTES[path][1])()
-        except ConnectionError:
-            return  # the client went away
-        except Exception as e:  # noqa: BLE001 (the request fails; the server goes on)
-            if not isinstance(e, HTTPError):
-                self.log_error("%s", e := HTTPError(500, f"{type(e).__name__}: {e}"))
-            self.send(e.status, {"error": dict(
-                message=str(e), type="invalid_request_error" if e.status < 500 else "server_error",
-                param=e.param, code=e.status)})
-
-    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = route
-    disable_nagle_algorithm = True  # a streamed chunk goes out at once, not after the last ACK
-
-    def send(self, status: int, obj, content_type="application/json") -> None:
-        data = (obj if isinstance(obj, str) else json.dumps(obj)).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def health(self) -> None:
-        self.send(200, {"status": "ok"})
-
-    def models(self) -> None:
-        self.send(200, dict(object="list", data=[dict(
-            id=self.server.model_name, object="model", created=int(self.server.started),
-            owned_by="nanoserve", max_model_len=self.server.engine_thread.engine.max_model_len)]))
-
-    def metrics(self) -> None:
-        reply = queue.Queue()
-        engine_thread = self.server.engine_thread
-        engine_thread.inbox.put(lambda: reply.put(engine_thread.metrics()))
-        self.send(200, reply.get(), "text/plain; version=0.0.4")
-
-    def chat_completions(self) -> None:
-        self.completions(chat=True)
-
-    def completions(self, chat=False) -> None:
-        length = self.headers.get("Content-Length", "")
-        if not length.isdigit():
-            raise HTTPError(400, "the request needs a JSON body and its Content-Length")
-        if int(length) > MAX_BODY_BYTES:  # read (up to 16x) first: unread, it resets the socket
-            remaining = min(int(length), 16 * MAX_BODY_BYTES)
-            while remaining > 0 and (chunk := self.rfile.read(min(remaining, 65536))):
-                remaining -= len(chunk)
-            raise HTTPError(413, f"the body has {length} bytes; the limit is {MAX_BODY_BYTES}")
-        try:
-            body = json.loads(self.rfile.read(int(length)))
-        except ValueError as e:
-            raise HTTPError(400, f"the body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise HTTPError(400, "the body must be a JSON object")
-        engine_thread = self.server.engine_thread
-        reply = queue.Queue()
-        arrival = time.perf_counter()
-        requests, options = parse_request(body, engine_thread.engine, self.server.model_name, chat)
-        engine_thread.inbox.put(lambda: engine_thread.add(requests, arrival, reply))
-        ids = reply.get()
-        if isinstance(ids, ValueError):
-            raise HTTPError(400, str(ids), "messages" if chat else "prompt")
-        if isinstance(ids, EngineDeadError):
-            raise HTTPError(500, str(ids))
-        if not chat:
-            head = dict(id=f"cmpl-{ids[0]}", object="text_completion")
-        elif options["stream"]:
-            head = dict(id=f"chatcmpl-{ids[0]}", object="chat.completion.chunk")
-        else:
-            head = dict(id=f"chatcmpl-{ids[0]}", object="chat.completion")
-        head |= dict(created=int(time.time()), model=self.server.model_name)
-        self.respond(ids, reply, head, options)
-
-    def respond(self, ids: list[str], reply: queue.Queue, head: dict, options: dict) -> None:
-        """Whole, or streamed as server-sent events (a chunk per delta, the usage if asked,
-        then [DONE]). A client that goes away mid-stream aborts its sequences: blocks freed."""
-        stream = options["stream"]
-        index = {request_id: n for n, request_id in enumerate(ids)}  # the choice's index
-        whole = {}     # request id -> its whole output so far
-        num_sent = {}  # request id -> the characters of its choice streamed so far
-        if stream:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.end_headers()
-        try:
-            while not all(i in whole and whole[i].finished for i in ids):
-                out = reply.get()
-                if isinstance(out, EngineDeadError) and stream:  # the headers are sent
-                    self.event({"error": dict(message=str(out), type="server_error", code=500)})
-                    return
-                if isinstance(out, EngineDeadError):
-                    raise HTTPError(500, str(out))
-                if stream:
-                    is_first = out.request_id not in whole
-                    offset = num_sent.get(out.request_id, 0)
-                    chunk = self.choice(index[out.request_id], out, options, is_first, offset)
-                    num_sent[out.request_id] = offset + len(chunk.get("text", ""))
-                    self.event(head | dict(choices=[chunk]))
-                accumulate(whole, out)
-            usage = usage_of(ids, whole, options["n"])
-            if stream and options["include_usage"]:
-                self.event(head | dict(choices=[], usage=usage))
-            if stream:
-                self.wfile.write(b"data: [DONE]\n\n")
-                return
-        except ConnectionError:
-            engine_thread = self.server.engine_thread
-            engine_thread.inbox.put(lambda: engine_thread.abort(ids))
-            return
-        failed = [o.outputs[0].stop_reason for o in whole.values()
-                  if o.outputs[0].finish_reason == "abort"]
-        if failed:
-            raise HTTPError(500, failed[0])
-        choices = [self.choice(index[i], whole[i], options, True) for i in ids]
-        self.send(200, head | dict(choices=choices, usage=usage))
-
-    def event(self, obj: dict) -> None:
-        """One server-sent event."""
-        self.wfile.write(b"data: %s\n\n" % json.dumps(obj).encode())
-
-    def choice(self, index: int, out: RequestOutput, options: dict, first: bool, offset=0
-               ) -> dict:
-        """One choice of a response, or of a stream's chunk (then from a delta, `offset`
-        characters into the choice's text)."""
-        completion = out.outputs[0]
-        tokenizer = self.server.engine_thread.engine.tokenizer
-        token_ids = completion.token_ids
-        entries = completion.logprobs
-        text = completion.text
-        if first and options["echo"]:  # the prompt (and its log-probabilities) first
-            token_ids = out.prompt_token_ids + token_ids
-            text = (out.prompt or tokenizer.decode(out.prompt_token_ids)) + text
-            if entries is not None:
-                entries = out.prompt_logprobs + entries
-        logprobs = None
+def choice(tokenizer, index: int, out: RequestOutput, options: dict, first: bool, offset=0
+           ) -> dict:
+    """One choice of a response, or of a stream's chunk (then from a delta, `offset`
+    characters into the choice's text)."""
+    completion = out.outputs[0]
+    token_ids = completion.token_ids
+    entries = completion.logprobs
+    text = completion.text
+    if first and options["echo"]:  # the prompt (and its log-probabilities) first
+        token_ids = out.prompt_token_ids + token_ids
+        text = (out.prompt or tokenizer.decode(out.prompt_token_ids)) + text
         if entries is not None:
-            logprobs = logprobs_json(tokenizer, token_ids, entries, options["k"],
-                                     options["chat"], offset)
-        if not options["chat"]:
-            return dict(index=index, text=text, logprobs=logprobs,
-                        finish_reason=completion.finish_reason,
-                        stop_reason=completion.stop_reason)
-        message = dict(content=text)
-        if first:
-            message = dict(role="assistant", content=text)
-        message_key = "delta" if options["stream"] else "message"
-        return {"index": index, message_key: message, "logprobs": logprobs,
-                "finish_reason": completion.finish_reason}
+            entries = out.prompt_logprobs + entries
+    logprobs = None
+    if entries is not None:
+        logprobs = logprobs_json(tokenizer, token_ids, entries, options["k"],
+                                 options["chat"], offset)
+    if not options["chat"]:
+        return dict(index=index, text=text, logprobs=logprobs,
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason)
+    message = dict(content=text)
+    if first:
+        message = dict(role="assistant", content=text)
+    message_key = "delta" if options["stream"] else "message"
+    return {"index": index, message_key: message, "logprobs": logprobs,
+            "finish_reason": completion.finish_reason}
 
 
 def usage_of(ids: list[str], whole: dict[str, RequestOutput], n: int) -> dict:
@@ -1294,34 +1193,611 @@ def usage_of(ids: list[str], whole: dict[str, RequestOutput], n: int) -> dict:
                 total_tokens=prompt_tokens + completion_tokens)
 
 
-def serve(engine: Engine, args: argparse.Namespace) -> None:
-    """--serve: OpenAI's API on host:port, until SIGINT or SIGTERM, or until the engine dies
-    (EngineDeadError, after every open request got a 500)."""
-    server = ThreadingHTTPServer((args.host, args.port), Handler, bind_and_activate=False)
-    server.request_queue_size = 256  # connections waiting to be accepted (socketserver's: 5)
-    server.server_bind()
-    server.server_activate()
-    server.engine_thread = EngineThread(engine)
-    server.started = time.time()
-    server.model_name = engine.config.model or engine.config.preset or "shakespeare"
+@dataclass
+class HTTPRequest:
+    """One request as read off its connection; header names in lower case."""
+    method: str
+    path: str
+    headers: dict[str, str]
+    keep_alive: bool     # HTTP/1.1 unless "Connection: close"; HTTP/1.0 only if asked
+    body: bytes = b""
 
-    def stop_serving(*_) -> None:  # on SIGTERM, or as the engine dies; not on serve_forever's
-        threading.Thread(target=server.shutdown).start()      # thread, which shutdown waits for
-    server.engine_thread.on_dead = stop_serving
-    signal.signal(signal.SIGTERM, stop_serving)
-    server.engine_thread.start()
+
+def parse_head(head: bytes) -> HTTPRequest:
+    """The request line and headers (up to the blank line) -> HTTPRequest; HTTPError 400 if
+    they are not HTTP/1.x."""
+    lines = head.decode("latin-1").lstrip("\r\n").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[0].isalpha() or not parts[1].startswith("/") \
+            or parts[2] not in ("HTTP/1.0", "HTTP/1.1"):
+        raise HTTPError(400, f"malformed request line {lines[0][:80]!r}")
+    method, target, version = parts
+    headers = {}
+    for line in lines[1:]:
+        if not line:
+            continue
+        name, colon, value = line.partition(":")
+        if not colon or not name or name != name.strip():
+            raise HTTPError(400, f"malformed header line {line[:80]!r}")
+        headers[name.lower()] = value.strip()
+    connection = headers.get("connection", "").lower()
+    keep_alive = connection == "keep-alive"
+    if version == "HTTP/1.1":
+        keep_alive = connection != "close"
+    return HTTPRequest(method, target.split("?")[0], headers, keep_alive)
+
+
+class ClientProtocol(asyncio.StreamReaderProtocol):
+    """asyncio's stream protocol for one connection, which also notices at once when the
+    client goes away (closes its side, or the connection drops), so that the request it is
+    waiting for is aborted within a step, streamed or not."""
+
+    def __init__(self, server: "Server"):
+        self.server = server
+        self.gone = False
+        self.waiting: ServedRequest | None = None  # woken if the client goes
+        super().__init__(asyncio.StreamReader(limit=MAX_HEADER_BYTES), self._connected)
+
+    def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        return self.server.handle(self, reader, writer)
+
+    def eof_received(self):
+        self.went_away()
+        return super().eof_received()
+
+    def connection_lost(self, exc) -> None:
+        self.went_away()
+        super().connection_lost(exc)
+
+    def went_away(self) -> None:
+        self.gone = True
+        if self.waiting is not None:
+            self.waiting.wake.set()
+
+
+@dataclass(eq=False)  # compared and hashed by identity: the loop keeps a set of them
+class ServedRequest:
+    """One HTTP request's sequences as the loop sees them: the outputs the engine thread
+    delivered that are not yet written, and the event that wakes the coroutine answering."""
+    ids: list[str]
+    outputs: list[RequestOutput] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    ended_by_server: bool = False         # a shutdown aborted it: not a failure
+    dead: EngineDeadError | None = None   # the engine died under it
+
+
+class Exchange:
+    """One request on its connection and its answer: a whole response, or server-sent events
+    in chunked encoding (so that the connection serves another request after the stream)."""
+
+    def __init__(self, request: HTTPRequest, writer: asyncio.StreamWriter,
+                 client: ClientProtocol, headers: dict[str, str]):
+        self.request = request
+        self.writer = writer
+        self.client = client
+        self.headers = headers   # every response carries them (CORS)
+        self.status = None       # the status answered, once answered
+
+    def send(self, status: int, obj, content_type="application/json") -> None:
+        data = (obj if isinstance(obj, str) else json.dumps(obj)).encode()
+        self._write_head(status, {"Content-Type": content_type, "Content-Length": len(data)})
+        self.writer.write(data)
+
+    def send_error(self, error: "HTTPError") -> None:
+        self.send(error.status, error_body(error))
+
+    def start_stream(self) -> None:
+        self._write_head(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                               "Transfer-Encoding": "chunked"})
+
+    def event(self, obj) -> None:
+        """One server-sent event, as one chunk: a JSON object, or "[DONE]"."""
+        text = obj if isinstance(obj, str) else json.dumps(obj)
+        data = b"data: %s\n\n" % text.encode()
+        self.writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+    def end_stream(self) -> None:
+        self.writer.write(b"0\r\n\r\n")
+
+    def unsent_bytes(self) -> int:
+        return self.writer.transport.get_write_buffer_size()
+
+    def _write_head(self, status: int, headers: dict) -> None:
+        self.status = status
+        lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}"]
+        for name, value in (headers | self.headers).items():
+            lines.append(f"{name}: {value}")
+        if not self.request.keep_alive:
+            lines.append("Connection: close")
+        self.writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+
+
+def error_body(error: "HTTPError") -> dict:
+    """OpenAI's error body."""
+    kind = "invalid_request_error" if error.status < 500 else "server_error"
+    return {"error": dict(message=str(error), type=kind, param=error.param, code=error.status)}
+
+
+class Server:
+    """OpenAI's API on one asyncio event loop: every connection is a coroutine on it; the
+    engine runs on its EngineThread, which hands each step's outputs to the loop in one call
+    (deliver). Requests and aborts go the other way, through the thread's inbox. run() serves
+    until shutdown() (SIGTERM, SIGINT) or until the engine dies."""
+    ROUTES = {"/health": ("GET", "health"), "/version": ("GET", "version"),
+              "/v1/models": ("GET", "models"), "/metrics": ("GET", "metrics"),
+              "/tokenize": ("POST", "tokenize"), "/detokenize": ("POST", "detokenize"),
+              "/v1/completions": ("POST", "completions"),
+              "/v1/chat/completions": ("POST", "chat_completions")}
+    NEEDS_KEY = ("/v1/", "/tokenize", "/detokenize")  # paths (prefixes) the API key guards
+
+    def __init__(self, engine: Engine, config: ServerConfig):
+        self.engine = engine
+        self.config = config
+        self.model_name = (config.served_model_name or engine.config.model
+                           or engine.config.preset or "shakespeare")
+        self.created = int(time.time())
+        self.started = threading.Event()  # set once listening; self.url is then the address
+        self.url = None
+        self.requests: dict[str, ServedRequest] = {}  # request id -> its HTTP request
+        self.in_flight: set[ServedRequest] = set()     # HTTP requests not yet answered
+        self.times: dict[str, RequestTimes] = {}      # request id -> its latency so far
+        self.histograms = {name: Histogram() for name in (
+            "time_to_first_token_seconds", "time_per_output_token_seconds",
+            "e2e_request_latency_seconds")}
+        self.connections: set[asyncio.StreamWriter] = set()
+        self.request_numbers = itertools.count()
+        self.draining = False
+        self.dead: EngineDeadError | None = None
+
+    # -- lifetime
+
+    async def run(self) -> None:
+        """Listen, serve until shutdown() or the engine's death, drain, stop the engine
+        thread. Raises EngineDeadError if the engine died."""
+        loop = asyncio.get_running_loop()
+        self.loop = loop
+        self.shutdown_asked = loop.create_future()  # its result: seconds to let requests run
+        self.idle = asyncio.Event()                 # set whenever nothing is in flight
+        self.idle.set()
+        self.engine_thread = EngineThread(self.engine, loop, self.deliver, self.engine_died)
+        listener = await loop.create_server(partial(ClientProtocol, self), self.config.host,
+                                            self.config.port, backlog=256)
+        host, port = listener.sockets[0].getsockname()[:2]
+        self.url = f"http://{host}:{port}"
+        if threading.current_thread() is threading.main_thread():
+            loop.add_signal_handler(signal.SIGTERM, self.shutdown, self.config.shutdown_timeout)
+            loop.add_signal_handler(signal.SIGINT, self.shutdown, 0)
+        self.engine_thread.start()
+        try:
+            print(f"serving {self.model_name} on {self.url}", file=sys.stderr, flush=True)
+            self.started.set()
+            timeout = await self.shutdown_asked
+            listener.close()  # no new connections
+            await self.drain(timeout)
+        finally:
+            self.engine_thread.stop()
+            self.engine_thread.join()
+        if self.dead is not None:
+            raise self.dead
+
+    def shutdown(self, timeout: float) -> None:
+        """From any thread: stop accepting connections, let the requests in flight run for up
+        to `timeout` seconds, end the rest with finish_reason "abort"; then run() returns."""
+        self.loop.call_soon_threadsafe(self._ask_shutdown, timeout)
+
+    def _ask_shutdown(self, timeout: float) -> None:
+        if not self.shutdown_asked.done():
+            self.shutdown_asked.set_result(timeout)
+
+    async def drain(self, timeout: float) -> None:
+        """Let what is in flight finish for `timeout` seconds (/health: 503 meanwhile), abort
+        the rest (each still gets its answer), then close every connection."""
+        self.draining = True
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.idle.wait(), timeout)
+        for served in self.in_flight:
+            served.ended_by_server = True
+            self.engine_thread.inbox.put(partial(self.engine_thread.abort, served.ids,
+                                                 "the server is shutting down"))
+        with contextlib.suppress(asyncio.TimeoutError):  # the next step ends them all
+            await asyncio.wait_for(self.idle.wait(), DRAIN_ANSWER_TIMEOUT)
+        for writer in list(self.connections):
+            writer.close()
+        await asyncio.sleep(0)  # the connections' coroutines see the close and end
+
+    def engine_died(self, error: EngineDeadError) -> None:
+        """On the loop: every open request gets the error now; then the server stops."""
+        self.dead = error
+        for served in self.in_flight:
+            served.dead = error
+            served.wake.set()
+        self._ask_shutdown(0)
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """On the loop, once per step: each output to the coroutine answering its request."""
+        now = time.perf_counter()
+        for out in outputs:
+            self.observe(out, now)
+            served = self.requests.get(out.request_id)
+            if out.finished:
+                self.requests.pop(out.request_id, None)
+            if served is None:  # its client went away: aborted, nobody to tell
+                continue
+            served.outputs.append(out)
+            served.wake.set()
+
+    # -- a connection
+
+    async def handle(self, client: ClientProtocol, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> None:
+        """Serve one connection: its requests one after another (keep-alive), until the
+        client closes or asks to, breaks the protocol, is too slow, or the server stops."""
+        self.connections.add(writer)
+        try:
+            keep_alive = True
+            while keep_alive and not client.gone:
+                keep_alive = await self.serve_one(client, reader, writer)
+        except ConnectionError:
+            pass  # the client went away mid-answer
+        finally:
+            self.connections.discard(writer)
+            writer.close()
+
+    async def serve_one(self, client: ClientProtocol, reader: asyncio.StreamReader,
+                        writer: asyncio.StreamWriter) -> bool:
+        """Read one request and answer it; whether the connection may serve another."""
+        try:
+            first_byte = await asyncio.wait_for(reader.read(1), self.config.timeout_keep_alive)
+        except asyncio.TimeoutError:
+            return False  # idle for too long: closed without a word, as uvicorn does
+        if not first_byte:
+            return False  # the client closed the connection
+        try:
+            request = await self.read_request(first_byte, reader, writer)
+        except HTTPError as e:  # malformed, too big or too slow: answered, then closed
+            unreadable = HTTPRequest("", "", {}, keep_alive=False)
+            Exchange(unreadable, writer, client, {}).send_error(e)
+            return False
+        if request is None:
+            return False
+        exchange = Exchange(request, writer, client, self.cors_headers(request))
+        await self.answer(exchange)
+        if self.config.log_requests:
+            print(f'"{request.method} {request.path}" {exchange.status}', file=sys.stderr)
+        return request.keep_alive and not client.gone and not writer.is_closing()
+
+    async def read_request(self, first_byte: bytes, reader: asyncio.StreamReader,
+                           writer: asyncio.StreamWriter) -> HTTPRequest | None:
+        """The rest of a request whose first byte came, within --request-timeout (else
+        HTTPError 408): a slow client holds a coroutine, never a thread, and not for long."""
+        try:
+            return await asyncio.wait_for(self._read_rest(first_byte, reader, writer),
+                                          self.config.request_timeout)
+        except asyncio.TimeoutError:
+            raise HTTPError(408, "the request did not arrive within "
+                            f"{self.config.request_timeout} s") from None
+
+    async def _read_rest(self, first_byte: bytes, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> HTTPRequest | None:
+        """The rest of a request whose first byte came: headers, then a Content-Length body.
+        None if the client closed mid-headers; HTTPError for what is not served."""
+        try:
+            head = first_byte + await reader.readuntil(b"\r\n\r\n")
+        except asyncio.LimitOverrunError:
+            raise HTTPError(431, f"the request's headers exceed {MAX_HEADER_BYTES} bytes") \
+                from None
+        except asyncio.IncompleteReadError:
+            return None
+        request = parse_head(head)
+        headers = request.headers
+        if "transfer-encoding" in headers and "content-length" in headers:
+            raise HTTPError(400, "Content-Length and Transfer-Encoding together are ambiguous")
+        if "transfer-encoding" in headers:
+            raise HTTPError(411, "send the body with a Content-Length (Transfer-Encoding is "
+                            "not read)")
+        length_text = headers.get("content-length", "0")
+        if not (length_text.isascii() and length_text.isdigit()):
+            raise HTTPError(400, f"Content-Length must be a number, got {length_text!r}")
+        length = int(length_text)
+        expects_continue = headers.get("expect", "").lower() == "100-continue"
+        if length > MAX_BODY_BYTES:
+            if not expects_continue:  # read (up to 16x) first: unread, closing resets the socket
+                await discard(reader, min(length, 16 * MAX_BODY_BYTES))
+            raise HTTPError(413, f"the body has {length} bytes; the limit is {MAX_BODY_BYTES}")
+        if expects_continue and length:
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        try:
+            request.body = await reader.readexactly(length)
+        except asyncio.IncompleteReadError as e:
+            raise HTTPError(400, f"the body ended after {len(e.partial)} of its {length} "
+                            "bytes") from None
+        return request
+
+    def cors_headers(self, request: HTTPRequest) -> dict[str, str]:
+        """CORS: an allowed Origin is echoed back; none is allowed by default."""
+        origin = request.headers.get("origin")
+        allowed = self.config.allowed_origins
+        if origin is None or not (origin in allowed or "*" in allowed):
+            return {}
+        return {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+
+    async def answer(self, exchange: Exchange) -> None:
+        """Route a request to its method and answer; an error is answered as OpenAI does (a
+        500 for a bug here, logged), and the server goes on."""
+        request = exchange.request
+        try:
+            if request.method == "OPTIONS" and exchange.headers \
+                    and "access-control-request-method" in request.headers:
+                exchange.headers |= CORS_PREFLIGHT  # a browser asking first: no key needed
+                exchange.send(204, "", "text/plain")
+                return
+            self.check_api_key(request)
+            if request.path not in self.ROUTES:
+                raise HTTPError(404, f"no such path: {request.path}")
+            method, name = self.ROUTES[request.path]
+            if request.method != method:
+                raise HTTPError(405, f"{request.path} takes {method}, not {request.method}")
+            await getattr(self, name)(exchange)
+        except HTTPError as e:
+            exchange.send_error(e)
+        except ConnectionError:
+            raise
+        except Exception as e:  # noqa: BLE001 (the request fails; the server goes on)
+            error = HTTPError(500, f"{type(e).__name__}: {e}")
+            print(f"error: {request.method} {request.path}: {error}", file=sys.stderr)
+            if exchange.status is None:  # nothing sent yet
+                exchange.send_error(error)
+
+    def check_api_key(self, request: HTTPRequest) -> None:
+        """With --api-key: HTTPError 401 unless the request carries it (only the paths in
+        NEEDS_KEY; /health and /metrics stay open to probes and scrapers)."""
+        key = self.config.api_key
+        if key is None or not request.path.startswith(self.NEEDS_KEY):
+            return
+        given = request.headers.get("authorization", "")
+        if hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return
+        raise HTTPError(401, "invalid or missing API key: send the header 'Authorization: "
+                        "Bearer <key>'")
+
+    # -- the endpoints
+
+    async def health(self, exchange: Exchange) -> None:
+        if self.draining:
+            exchange.send(503, {"status": "shutting down"})
+            return
+        exchange.send(200, {"status": "ok"})
+
+    async def version(self, exchange: Exchange) -> None:
+        exchange.send(200, {"version": __version__})
+
+    async def models(self, exchange: Exchange) -> None:
+        exchange.send(200, dict(object="list", data=[dict(
+            id=self.model_name, object="model", created=self.created, owned_by="nanoserve",
+            max_model_len=self.engine.max_model_len)]))
+
+    async def metrics(self, exchange: Exchange) -> None:
+        lines = await self.engine_thread.call(self.engine_thread.gauges)
+        for name, histogram in self.histograms.items():
+            lines += histogram.lines("nanoserve:" + name)
+        exchange.send(200, "\n".join(lines) + "\n", "text/plain; version=0.0.4")
+
+    async def tokenize(self, exchange: Exchange) -> None:
+        """vLLM's /tokenize: a prompt's (or chat's) token ids, as the engine encodes them."""
+        body = json_body(exchange.request)
+        check_model(body, self.model_name)
+        if "messages" in body:
+            text = render_chat(body["messages"])
+        else:
+            text = typed(body, "prompt", None, str)
+        if text is None:
+            raise HTTPError(400, "give a prompt (a string) or messages", "prompt")
+        tokens = self.engine.tokenizer.encode(text, allowed_special="all")
+        exchange.send(200, dict(count=len(tokens), max_model_len=self.engine.max_model_len,
+                                tokens=tokens))
+
+    async def detokenize(self, exchange: Exchange) -> None:
+        """vLLM's /detokenize: token ids back to text."""
+        body = json_body(exchange.request)
+        check_model(body, self.model_name)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list):
+            raise HTTPError(400, "tokens must be a list of token ids", "tokens")
+        try:
+            self.engine.parse_prompt(tokens)  # ValueError unless ids of the vocabulary
+            text = self.engine.tokenizer.decode(tokens)
+        except (ValueError, KeyError) as e:
+            raise HTTPError(400, f"tokens: {e}", "tokens") from None
+        exchange.send(200, {"prompt": text})
+
+    async def chat_completions(self, exchange: Exchange) -> None:
+        await self.completions(exchange, chat=True)
+
+    async def completions(self, exchange: Exchange, chat=False) -> None:
+        body = json_body(exchange.request)
+        requests, options = parse_request(body, self.engine, self.model_name, chat)
+        if self.draining:
+            raise HTTPError(503, "the server is shutting down")
+        served = ServedRequest([str(next(self.request_numbers)) for _ in requests])
+        arrival = time.perf_counter()
+        for request_id in served.ids:
+            self.requests[request_id] = served
+            self.times[request_id] = RequestTimes(arrival)
+        self.in_flight.add(served)
+        self.idle.clear()
+        try:
+            await self.add(served, requests, chat)
+            head = dict(id=f"cmpl-{served.ids[0]}", object="text_completion")
+            if chat and options["stream"]:
+                head = dict(id=f"chatcmpl-{served.ids[0]}", object="chat.completion.chunk")
+            elif chat:
+                head = dict(id=f"chatcmpl-{served.ids[0]}", object="chat.completion")
+            head |= dict(created=int(time.time()), model=self.model_name)
+            await self.respond(exchange, served, head, options)
+        finally:
+            self.forget(served)
+
+    async def add(self, served: ServedRequest, requests: list, chat: bool) -> None:
+        """Hand the request's sequences to the engine; HTTPError if it refuses them."""
+        try:
+            await self.engine_thread.call(self.engine_thread.add, requests, served.ids)
+        except ValueError as e:
+            raise HTTPError(400, str(e), "messages" if chat else "prompt") from None
+        except EngineDeadError as e:
+            raise HTTPError(500, str(e)) from None
+
+    def forget(self, served: ServedRequest) -> None:
+        """The request is answered (or its client gone): the loop lets go of it."""
+        for request_id in served.ids:
+            self.requests.pop(request_id, None)
+        self.in_flight.discard(served)
+        if not self.in_flight:
+            self.idle.set()
+
+    async def respond(self, exchange: Exchange, served: ServedRequest, head: dict,
+                      options: dict) -> None:
+        """Whole, or streamed as server-sent events (a chunk per delta, the usage if asked,
+        then [DONE]). A client that goes away, or stops reading, aborts its sequences."""
+        stream = options["stream"]
+        ids = served.ids
+        index = {request_id: n for n, request_id in enumerate(ids)}  # the choice's index
+        whole = {}     # request id -> its whole output so far
+        num_sent = {}  # request id -> the characters of its choice streamed so far
+        tokenizer = self.engine.tokenizer
+        if stream:
+            exchange.start_stream()
+        exchange.client.waiting = served
+        while not all(i in whole and whole[i].finished for i in ids):
+            await served.wake.wait()
+            served.wake.clear()
+            if exchange.client.gone:
+                self.abort(served, "the client disconnected")
+                return
+            if served.dead is not None:
+                self.fail(exchange, served, str(served.dead))
+                return
+            outputs = served.outputs
+            served.outputs = []
+            for out in outputs:
+                failure = self.failure(served, out)
+                if failure is not None:
+                    self.fail(exchange, served, failure)
+                    return
+                if stream:
+                    is_first = out.request_id not in whole
+                    offset = num_sent.get(out.request_id, 0)
+                    chunk = choice(tokenizer, index[out.request_id], out, options, is_first,
+                                   offset)
+                    num_sent[out.request_id] = offset + len(chunk.get("text", ""))
+                    exchange.event(head | dict(choices=[chunk]))
+                accumulate(whole, out)
+            if exchange.unsent_bytes() > self.config.max_write_buffer:
+                self.drop(exchange, served)
+                return
+        exchange.client.waiting = None
+        usage = usage_of(ids, whole, options["n"])
+        if not stream:
+            choices = [choice(tokenizer, index[i], whole[i], options, True) for i in ids]
+            exchange.send(200, head | dict(choices=choices, usage=usage))
+            return
+        if options["include_usage"]:
+            exchange.event(head | dict(choices=[], usage=usage))
+        exchange.event("[DONE]")
+        exchange.end_stream()
+
+    @staticmethod
+    def failure(served: ServedRequest, out: RequestOutput) -> str | None:
+        """Why the engine failed this sequence (its error), or None: it did not, or was ended
+        by a shutdown (then its "abort" is an answer, not a failure)."""
+        completion = out.outputs[0]
+        if completion.finish_reason != "abort" or served.ended_by_server:
+            return None
+        return completion.stop_reason
+
+    def fail(self, exchange: Exchange, served: ServedRequest, message: str) -> None:
+        """The engine failed the request: a 500, or, once streaming, an error event then
+        [DONE] (as vLLM does); its other sequences are aborted."""
+        self.abort(served, "another sequence of its request failed")
+        error = HTTPError(500, message)
+        if exchange.status is None:
+            exchange.send_error(error)
+            return
+        exchange.event(error_body(error))
+        exchange.event("[DONE]")
+        exchange.end_stream()
+
+    def drop(self, exchange: Exchange, served: ServedRequest) -> None:
+        """A client that stopped reading: close its connection, abort its request."""
+        print(f"dropped a client that stopped reading ({exchange.unsent_bytes()} bytes unsent "
+              f"past --max-write-buffer {self.config.max_write_buffer}); its request is "
+              "aborted", file=sys.stderr)
+        exchange.writer.transport.abort()
+        self.abort(served, "the client stopped reading")
+
+    def abort(self, served: ServedRequest, reason: str) -> None:
+        """Abort the request's sequences (their blocks are free after the next step) and let
+        go of it: nothing more is written."""
+        self.engine_thread.inbox.put(partial(self.engine_thread.abort, served.ids, reason))
+        self.forget(served)
+
+    def observe(self, out: RequestOutput, now: float) -> None:
+        """Per request: time to first token, time per output token after it, end to end."""
+        times = self.times.get(out.request_id)
+        if times is None:
+            return
+        completion = out.outputs[0]
+        if times.first_token is None and completion.token_ids:
+            times.first_token = now
+            self.histograms["time_to_first_token_seconds"].observe(now - times.arrival)
+        times.num_tokens += len(completion.token_ids)
+        if not out.finished:
+            return
+        del self.times[out.request_id]
+        if completion.finish_reason == "abort":
+            return
+        self.histograms["e2e_request_latency_seconds"].observe(now - times.arrival)
+        if times.num_tokens > 1:
+            time_per_token = (now - times.first_token) / (times.num_tokens - 1)
+            self.histograms["time_per_output_token_seconds"].observe(time_per_token)
+
+
+async def discard(reader: asyncio.StreamReader, num_bytes: int) -> None:
+    """Read and drop up to num_bytes (fewer if the client stops sending)."""
+    while num_bytes > 0:
+        chunk = await reader.read(min(num_bytes, 65536))
+        if not chunk:
+            return
+        num_bytes -= len(chunk)
+
+
+def json_body(request: HTTPRequest) -> dict:
+    """The request's body as a JSON object; HTTPError 400 if it is not one."""
+    if not request.body:
+        raise HTTPError(400, "the request needs a JSON body and its Content-Length")
     try:
-        if args.host not in ("127.0.0.1", "localhost"):
-            print(f"warning: bound to {args.host}: anyone who can reach this machine can use "
-                  "the server (there is no authentication)", file=sys.stderr)
-        host, port = server.server_address[:2]
-        print(f"serving {server.model_name} on http://{host}:{port}", file=sys.stderr, flush=True)
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    server.server_close()
-    if engine.dead is not None:
-        raise EngineDeadError(engine.dead)
+        body = json.loads(request.body)
+    except ValueError as e:
+        raise HTTPError(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "the body must be a JSON object")
+    return body
+
+
+def check_model(body: dict, model_name: str) -> None:
+    """vLLM's 404 for a request naming a model this server does not serve."""
+    name = typed(body, "model", model_name, str)
+    if name != model_name:
+        raise HTTPError(404, f"The model `{name}` does not exist.", "model")
+
+
+def serve(engine: Engine, config: ServerConfig) -> None:
+    """--serve: OpenAI's API until SIGTERM (requests in flight get config.shutdown_timeout
+    seconds) or SIGINT (at once), or until the engine dies (EngineDeadError, raised after
+    every open request got a 500)."""
+    if config.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
+        print(f"warning: bound to {config.host}: anyone who can reach this machine can use "
+              "the server (give it an --api-key)", file=sys.stderr)
+    asyncio.run(Server(engine, config).run())
     print("server stopped", file=sys.stderr)
 
 
@@ -1338,8 +1814,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trace", action="store_true", help="with --prompt: the step-by-step "
                    "timeline at the end (to stderr)")
     p.add_argument("--serve", action="store_true", help="serve OpenAI's API over HTTP")
-    p.add_argument("--host", default="127.0.0.1", help="--serve: the address to bind")
-    p.add_argument("--port", type=int, default=8000, help="--serve: the port (0: any free one)")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                    help="torch CPU threads: half the cores, so a busy core does not stall steps")
     sampling = p.add_argument_group("sampling (SamplingParams, with the command line's own "
@@ -1355,6 +1829,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     # vLLM's spelling of --no-enable-prefix-caching, accepted but not listed twice in --help
     engine.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    server = p.add_argument_group("server, with --serve (ServerConfig)")
+    add_config_args(server, ServerConfig)
     return p.parse_args(argv)
 
 
@@ -1608,9 +2084,11 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
         config = EngineConfig(**{f.name: getattr(args, f.name)
                                  for f in dataclasses.fields(EngineConfig)})
+        server_config = ServerConfig(**{f.name: getattr(args, f.name)
+                                        for f in dataclasses.fields(ServerConfig)})
         engine = Engine(config)
         if args.serve:
-            serve(engine, args)
+            serve(engine, server_config)
         elif args.prompt:
             run_prompts(engine, args)
         elif sys.stdin.isatty() and not args.jsonl:

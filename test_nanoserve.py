@@ -4,6 +4,7 @@ Everything runs on CPU, offline; the engine tests pin cpu and fp32 wherever they
 the Triton kernel tests also run on CUDA where there is one. Tests that need ../shared/data
 skip with the reason.
 """
+import asyncio
 import contextlib
 import dataclasses
 import io
@@ -1005,24 +1006,45 @@ def test_a_device_error_ends_the_engine_at_once_without_retrying_each_request():
     assert len(tried) == 1
 
 
-def test_engine_thread_answers_every_open_request_when_the_engine_dies():
-    """The server's engine thread, its engine dead: each open request's handler gets the
-    error at once, the server is told to stop, and a request that arrives later gets the
-    error too, instead of waiting forever."""
+def test_server_answers_every_open_request_when_the_engine_dies():
+    """The server's engine dies under a streamed and a non-streamed request: each gets its
+    500 at once (the stream as an error event, then [DONE]), the server stops, and run()
+    raises the EngineDeadError (the command line then exits 1)."""
     engine = tiny().engine
     poison_the_device(engine)
-    thread = nanoserve.EngineThread(engine)
-    told = []
-    thread.on_dead = told.append
-    first = queue.Queue()
-    thread.inbox.put(partial(thread.add, [("hi", GREEDY), ("ho", GREEDY)], 0.0, first))
+    server = nanoserve.Server(engine, nanoserve.ServerConfig(port=0))
+    raised = []
+
+    def run_server() -> None:
+        try:
+            asyncio.run(server.run())
+        except nanoserve.EngineDeadError as e:
+            raised.append(e)
+    thread = threading.Thread(target=run_server)
     thread.start()
-    assert first.get(timeout=10) == ["0", "1"]
-    error = first.get(timeout=10)
-    assert isinstance(error, nanoserve.EngineDeadError) and told == [error]
-    later = queue.Queue()
-    thread.inbox.put(partial(thread.add, [("hey", GREEDY)], 0.0, later))
-    assert isinstance(later.get(timeout=10), nanoserve.EngineDeadError)
+    assert server.started.wait(30)
+    results = {}
+
+    def client(stream: bool) -> None:
+        results[stream] = http(server.url, "/v1/completions",
+                               dict(prompt="hi", max_tokens=5, stream=stream))
+    clients = [threading.Thread(target=client, args=(stream,)) for stream in (False, True)]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join(30)
+    thread.join(30)
+    assert not thread.is_alive() and len(raised) == 1
+    status, body = results[False]
+    assert status == 500 and body["error"]["type"] == "server_error"
+    assert "the device failed" in body["error"]["message"]
+    status, text = results[True]
+    events = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
+    if status == 200:  # the stream had begun: an error event, then [DONE]
+        assert json.loads(events[0])["error"]["type"] == "server_error"
+        assert events[1:] == ["[DONE]"]
+    else:  # the engine was dead before this request reached it
+        assert status == 500
 
 
 @pytest.mark.parametrize("victim_state, blocks_freed, left_the_queue", [
@@ -2237,7 +2259,7 @@ BAD_REQUESTS = [
     ("POST", "/v1/completions", dict(prompt="x", n=0), 400, "n must be"),
     ("POST", "/v1/completions", dict(prompt="x", logprobs=6), 400, "at most 5"),
     ("POST", "/v1/completions", dict(prompt="x", stream="yes"), 400, "stream must be of type bool"),
-    ("POST", "/v1/completions", dict(prompt="x", model="gpt-4"), 400, "not served here"),
+    ("POST", "/v1/completions", dict(prompt="x", model="gpt-4"), 404, "does not exist"),
     ("POST", "/v1/completions", dict(prompt="x", best_of=3), 400, "best_of is not supported"),
     ("POST", "/v1/completions", dict(prompt="x", wat=1), 400, "wat is not supported"),
     ("POST", "/v1/completions", dict(prompt=[]), 400, "prompt must be"),
