@@ -11,8 +11,8 @@ import io
 import json
 import math
 import os
-import queue
 import re
+import select
 import signal
 import socket
 import struct
@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from functools import partial
+from http.client import HTTPConnection, HTTPResponse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -1011,7 +1011,13 @@ def test_server_answers_every_open_request_when_the_engine_dies():
     500 at once (the stream as an error event, then [DONE]), the server stops, and run()
     raises the EngineDeadError (the command line then exits 1)."""
     engine = tiny().engine
-    poison_the_device(engine)
+    working_forward = engine.model.forward
+
+    def forward(*args):  # the device works until both requests are in, then fails
+        if len(engine.seqs) < 2:
+            return working_forward(*args)
+        raise RuntimeError("CUDA error: device-side assert triggered")
+    engine.model.forward = forward
     server = nanoserve.Server(engine, nanoserve.ServerConfig(port=0))
     raised = []
 
@@ -1026,25 +1032,22 @@ def test_server_answers_every_open_request_when_the_engine_dies():
     results = {}
 
     def client(stream: bool) -> None:
-        results[stream] = http(server.url, "/v1/completions",
-                               dict(prompt="hi", max_tokens=5, stream=stream))
-    clients = [threading.Thread(target=client, args=(stream,)) for stream in (False, True)]
+        results[stream] = http(server.url, "/v1/completions", dict(
+            prompt="hi", max_tokens=900, ignore_eos=True, stream=stream))
+    clients = [threading.Thread(target=client, args=(stream,)) for stream in (True, False)]
     for c in clients:
         c.start()
     for c in clients:
-        c.join(30)
+        c.join(60)
     thread.join(30)
     assert not thread.is_alive() and len(raised) == 1
     status, body = results[False]
     assert status == 500 and body["error"]["type"] == "server_error"
     assert "the device failed" in body["error"]["message"]
     status, text = results[True]
-    events = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
-    if status == 200:  # the stream had begun: an error event, then [DONE]
-        assert json.loads(events[0])["error"]["type"] == "server_error"
-        assert events[1:] == ["[DONE]"]
-    else:  # the engine was dead before this request reached it
-        assert status == 500
+    events = parse_events(text)
+    assert status == 200 and events[-2]["error"]["type"] == "server_error"
+    assert events[-1] == "[DONE]"
 
 
 @pytest.mark.parametrize("victim_state, blocks_freed, left_the_queue", [
@@ -2062,47 +2065,163 @@ def test_readme_command_runs_as_written(language, command):
 # A real server (the tiny preset, seed 0) on a free loopback port, and the same weights in
 # this process through LLM.generate: every HTTP answer must equal the offline one exactly.
 
-def start_server(*args) -> tuple[subprocess.Popen, str]:
+
+
+class ServerLog(threading.Thread):
+    """A server's stderr after its serving line, read line by line as it comes (so that the
+    server never blocks on a full pipe)."""
+
+    def __init__(self, stream):
+        super().__init__(daemon=True)
+        self.stream = stream
+        self.lines = []
+
+    def run(self) -> None:
+        for line in self.stream:
+            self.lines.append(line)
+
+    def whole(self) -> str:
+        """All of it: call once the server has exited."""
+        self.join(timeout=30)
+        return "".join(self.lines)
+
+
+def start_server(*args, env=None) -> tuple[subprocess.Popen, str]:
+    """A server process and its URL; proc.log is its stderr after the serving line."""
     proc = subprocess.Popen([sys.executable, "nanoserve.py", "--serve", "--port", "0",
                              "--preset", "tiny", "--device", "cpu", "--dtype", "float32",
-                             "--threads", "1", *args], cwd=HERE,
+                             "--threads", "1", *args], cwd=HERE, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stderr.readline()  # "serving tiny on http://127.0.0.1:PORT"
-    assert "serving tiny on http://" in line, line + proc.stderr.read()
-    threading.Thread(target=proc.stderr.read, daemon=True).start()  # the request log
+    assert line.startswith("serving ") and " on http://" in line, line + proc.stderr.read()
+    proc.log = ServerLog(proc.stderr)
+    proc.log.start()
     return proc, line.split()[-1]
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait()
+
+
+def wait_for_log(proc: subprocess.Popen, text: str, seconds: float = 30) -> bool:
+    """Whether a line of the server's stderr holds `text` (polled for up to `seconds`)."""
+    deadline = time.time() + seconds
+    while not any(text in line for line in proc.log.lines) and time.time() < deadline:
+        time.sleep(0.05)
+    return any(text in line for line in proc.log.lines)
 
 
 @pytest.fixture(scope="module")
 def server():
     proc, url = start_server()
     yield url
-    proc.kill()
-    proc.wait()
+    stop(proc)
 
 
-def http(url: str, path: str, body=None, method=None, raw: bytes | None = None):
-    """(status, parsed JSON or text) of one request."""
+def http(url: str, path: str, body=None, method=None, raw: bytes | None = None,
+         headers: dict | None = None):
+    """(status, parsed JSON or text) of one request, on a connection of its own."""
     import urllib.error
     import urllib.request
     data = raw if raw is not None else None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url + path, data, method=method)
+    request = urllib.request.Request(url + path, data, headers or {}, method=method)
     try:
         with urllib.request.urlopen(request, timeout=60) as r:
             status, text = r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         status, text = e.code, e.read().decode()
+    return status, json_or_text(text)
+
+
+def json_or_text(text: str):
     with contextlib.suppress(ValueError):
-        return status, json.loads(text)
-    return status, text
+        return json.loads(text)
+    return text
+
+
+def parse_events(text: str) -> list:
+    """The server-sent events of a streamed response's body, [DONE] included."""
+    return [e if e == "[DONE]" else json.loads(e)
+            for e in (line.removeprefix("data: ") for line in text.split("\n\n") if line)]
 
 
 def sse(url: str, path: str, body: dict) -> list:
     """The events of a streamed response, [DONE] included."""
     status, text = http(url, path, body)
     assert status == 200, text
-    return [e if e == "[DONE]" else json.loads(e)
-            for e in (line.removeprefix("data: ") for line in text.split("\n\n") if line)]
+    return parse_events(text)
+
+
+def streamed_text(events: list) -> str:
+    """A streamed completion's text: its chunks' texts added up."""
+    return "".join(c["text"] for e in events[:-1] for c in e["choices"])
+
+
+def offline_text(offline: LLM, body: dict) -> str:
+    """The offline API's text for a completion request's prompt and sampling fields."""
+    fields = {name: body[name] for name in nanoserve.SAMPLING_FIELDS if name in body}
+    return offline.generate(body["prompt"], SamplingParams(**fields))[0].outputs[0].text
+
+
+def address(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def connection(url: str) -> HTTPConnection:
+    """A connection that http.client keeps alive from one request to the next."""
+    host, port = address(url)
+    return HTTPConnection(host, port, timeout=60)
+
+
+def request(conn: HTTPConnection, method: str, path: str, body=None, headers=None):
+    """(status, the response (its headers), parsed JSON or text) of a request on `conn`."""
+    data = None if body is None else json.dumps(body)
+    conn.request(method, path, data, headers or {})
+    response = conn.getresponse()
+    text = response.read().decode()
+    return response.status, response, json_or_text(text)
+
+
+def next_event(response: HTTPResponse):
+    """The next server-sent event of a streamed response, read off the socket as it comes:
+    its JSON, or "[DONE]"."""
+    line = response.readline().decode()
+    assert line.startswith("data: ") and response.readline() == b"\n", line
+    data = line.removeprefix("data: ").removesuffix("\n")
+    if data == "[DONE]":
+        return data
+    return json.loads(data)
+
+
+def connect(url: str, timeout: float = 10) -> socket.socket:
+    """A raw socket to the server, for what http.client will not send."""
+    return socket.create_connection(address(url), timeout=timeout)
+
+
+def wire_post(path: str, body: str, headers: str = "") -> bytes:
+    """A POST as it goes on the wire; `headers`: more header lines, each ending in \\r\\n."""
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body.encode())}\r\n"
+            f"{headers}\r\n{body}").encode()
+
+
+def read_response(sock: socket.socket):
+    """(status, the response (its headers), parsed JSON or text) of the next response on a
+    raw socket."""
+    response = HTTPResponse(sock)
+    response.begin()
+    text = response.read().decode()
+    return response.status, response, json_or_text(text)
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server closes the connection (end of file, or a reset) before the socket's
+    timeout; nothing more may arrive first."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
 
 
 @pytest.fixture(scope="module")
@@ -2202,10 +2321,83 @@ def test_32_concurrent_streams_each_get_their_own_output(server, offline):
     assert got == want
 
 
+def test_keep_alive_serves_requests_one_after_another_on_one_connection(server, offline):
+    """HTTP/1.1 keeps the connection: whole answers (with a Content-Length) and streams (in
+    chunked encoding, so that their end is known) follow one another on the same socket,
+    each the offline API's output."""
+    bodies = [dict(prompt="ROMEO:", max_tokens=5, seed=1, ignore_eos=True),
+              dict(prompt="JULIET:", max_tokens=4, seed=2, ignore_eos=True, stream=True),
+              dict(prompt="x" * 20, max_tokens=6, seed=4, ignore_eos=True, stream=True),
+              dict(prompt="A", max_tokens=3, seed=3, ignore_eos=True)]
+    conn = connection(server)
+    conn.connect()
+    sock = conn.sock
+    try:
+        for body in bodies:
+            status, response, got = request(conn, "POST", "/v1/completions", body)
+            assert status == 200, got
+            assert conn.sock is sock  # http.client did not have to reconnect
+            if body.get("stream"):
+                assert response.getheader("Transfer-Encoding") == "chunked"
+                assert streamed_text(parse_events(got)) == offline_text(offline, body)
+            else:
+                assert response.getheader("Content-Length") is not None
+                assert got["choices"][0]["text"] == offline_text(offline, body)
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("version, header", [("HTTP/1.1", "Connection: close\r\n"),
+                                             ("HTTP/1.0", "")], ids=["close", "http-1.0"])
+def test_connection_close_and_http_1_0_get_one_answer_then_the_close(server, version, header):
+    with connect(server) as sock:
+        sock.sendall(f"GET /health {version}\r\nHost: x\r\n{header}\r\n".encode())
+        status, response, got = read_response(sock)
+        assert (status, got) == (200, {"status": "ok"})
+        assert response.getheader("Connection") == "close"
+        assert closed_by_server(sock)
+
+
+def test_two_streams_read_in_turn_token_by_token_each_get_their_own_output(server, offline):
+    """Two streams on two connections, read one event from each in turn: each event comes
+    as its token is made (both first ones while both still run), and each stream is its own
+    offline output."""
+    bodies = [dict(prompt="ROMEO:", max_tokens=60, seed=5, ignore_eos=True, stream=True),
+              dict(prompt="x" * 40, max_tokens=60, seed=6, ignore_eos=True, stream=True)]
+    conns = [connection(server), connection(server)]
+    try:
+        for conn, body in zip(conns, bodies):
+            conn.request("POST", "/v1/completions", json.dumps(body))
+        responses = [conn.getresponse() for conn in conns]
+        events = [[next_event(response)] for response in responses]
+        assert requests_in_engine(server) == 2
+        for _ in range(60):  # 59 more tokens, one event each, then [DONE]
+            for response, got in zip(responses, events):
+                got.append(next_event(response))
+    finally:
+        for conn in conns:
+            conn.close()
+    assert [e[-1] for e in events] == ["[DONE]", "[DONE]"]
+    assert [streamed_text(e) for e in events] == [offline_text(offline, b) for b in bodies]
+
+
 def metric(url: str, name: str) -> float:
     text = http(url, "/metrics")[1]
     return float(next(line.split()[-1] for line in text.splitlines()
                       if line.startswith(f"nanoserve:{name} ")))
+
+
+def wait_until_idle(url: str, seconds: float = 30) -> None:
+    """Poll /metrics until no block is used and nothing runs or waits (or `seconds` pass)."""
+    deadline = time.time() + seconds
+    while time.time() < deadline and (metric(url, "kv_blocks_used") > 0
+                                      or requests_in_engine(url) > 0):
+        time.sleep(0.05)
+
+
+def requests_in_engine(url: str) -> float:
+    """Sequences running or waiting, as the newest step left them."""
+    return metric(url, "num_requests_running") + metric(url, "num_requests_waiting")
 
 
 def test_disconnect_mid_stream_frees_the_blocks(server):
@@ -2220,6 +2412,68 @@ def test_disconnect_mid_stream_frees_the_blocks(server):
     while metric(server, "kv_blocks_used") > 0 and time.time() < deadline:
         time.sleep(0.05)
     assert metric(server, "kv_blocks_used") == 0 and metric(server, "num_requests_running") == 0
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_a_client_that_disconnects_stops_its_generation_within_a_few_tokens(server, stream):
+    """A request for 900 tokens (about two seconds of them) whose client closes the
+    connection once generation has begun: after the close, fewer than 5% of them are made.
+    A server that noticed only when the request ended would make all 900."""
+    max_tokens = 900
+    body = json.dumps(dict(prompt="x" * 100, max_tokens=max_tokens, ignore_eos=True,
+                           stream=stream))
+    before = metric(server, "generation_tokens_total")
+    with connect(server, timeout=60) as sock:
+        sock.sendall(wire_post("/v1/completions", body))
+        if stream:
+            received = b""
+            while received.count(b"data: ") < 2:  # two tokens have come
+                chunk = sock.recv(65536)
+                assert chunk, received
+                received += chunk
+        else:
+            deadline = time.time() + 30
+            while metric(server, "generation_tokens_total") == before and time.time() < deadline:
+                time.sleep(0.01)  # generation has begun
+        at_close = metric(server, "generation_tokens_total")
+    wait_until_idle(server)
+    assert metric(server, "kv_blocks_used") == 0
+    assert at_close > before
+    assert metric(server, "generation_tokens_total") - at_close < 0.05 * max_tokens
+
+
+def test_a_client_that_stops_reading_is_dropped_and_others_go_on(offline):
+    """A client that never reads a long stream (a small receive buffer, and a model name of
+    8000 characters in every event, so that the answer outgrows the kernel's socket buffers
+    within a few hundred tokens): once 4096 bytes wait unsent the server drops it (closes
+    the connection before [DONE]), aborts its request (blocks freed; far fewer tokens than
+    asked) and says so on stderr. A stream beside it is its offline output."""
+    proc, url = start_server("--max-write-buffer", "4096", "--served-model-name", "m" * 8000)
+    slow = socket.socket()
+    try:
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.settimeout(60)
+        slow.connect(address(url))
+        before = metric(url, "generation_tokens_total")
+        body = dict(prompt="x" * 100, n=4, max_tokens=900, ignore_eos=True, logprobs=5,
+                    echo=True, stream=True)
+        slow.sendall(wire_post("/v1/completions", json.dumps(body)))
+        other = dict(prompt="ROMEO:", max_tokens=20, seed=3, ignore_eos=True, stream=True)
+        events = sse(url, "/v1/completions", other)
+        wait_until_idle(url, seconds=60)
+        generated = metric(url, "generation_tokens_total") - before
+        assert streamed_text(events) == offline_text(offline, other)
+        assert metric(url, "kv_blocks_used") == 0
+        assert generated - 20 < 4 * 900
+        assert wait_for_log(proc, "stopped reading")
+        unread = bytearray()
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := slow.recv(65536):  # what was on its way, then the close
+                unread += chunk
+        assert b"data: [DONE]" not in unread
+    finally:
+        slow.close()
+        stop(proc)
 
 
 LATENCIES = ("time_to_first_token_seconds", "time_per_output_token_seconds",
@@ -2259,7 +2513,8 @@ BAD_REQUESTS = [
     ("POST", "/v1/completions", dict(prompt="x", n=0), 400, "n must be"),
     ("POST", "/v1/completions", dict(prompt="x", logprobs=6), 400, "at most 5"),
     ("POST", "/v1/completions", dict(prompt="x", stream="yes"), 400, "stream must be of type bool"),
-    ("POST", "/v1/completions", dict(prompt="x", model="gpt-4"), 404, "does not exist"),
+    ("POST", "/v1/completions", dict(prompt="x", model="gpt-4"), 404,
+     "The model `gpt-4` does not exist."),
     ("POST", "/v1/completions", dict(prompt="x", best_of=3), 400, "best_of is not supported"),
     ("POST", "/v1/completions", dict(prompt="x", wat=1), 400, "wat is not supported"),
     ("POST", "/v1/completions", dict(prompt=[]), 400, "prompt must be"),
@@ -2291,11 +2546,353 @@ def test_http_bad_input_gets_an_openai_error_and_the_server_goes_on(
     assert metric(server, "kv_blocks_used") == 0
 
 
-def test_sigterm_stops_the_server_cleanly():
+@contextlib.contextmanager
+def server_in_process(engine: Engine):
+    """nanoserve.Server on a thread of this process (its loop there), serving `engine`: its
+    URL; stopped at the end (shutdown without waiting, then the thread joined)."""
+    server = nanoserve.Server(engine, nanoserve.ServerConfig(port=0))
+    thread = threading.Thread(target=asyncio.run, args=(server.run(),), daemon=True)
+    thread.start()
+    try:
+        assert server.started.wait(30)
+        yield server.url
+    finally:
+        server.shutdown(timeout=0)
+        thread.join(30)
+    assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_a_request_failing_in_the_engine_gets_a_500_and_a_concurrent_one_goes_on(offline,
+                                                                                 stream):
+    """The model raises whenever one request's marker token is in the batch: that request
+    alone fails, a 500 of type server_error (streamed: an error event, then [DONE]); a
+    stream running beside it gets its offline output; no block is left behind."""
+    engine = tiny().engine
+    normal = dict(prompt="ROMEO:", max_tokens=100, seed=1, ignore_eos=True, stream=True)
+    want = offline.generate("ROMEO:", SamplingParams(max_tokens=100, seed=1, ignore_eos=True))
+    seen = engine.tokenizer.encode("ROMEO:") + want[0].outputs[0].token_ids
+    marker = min(set(range(257)) - set(seen))  # a token the normal request never holds
+    real_forward = engine.model.forward
+
+    def forward(input_ids, *args):
+        if (input_ids == marker).any():
+            raise ValueError("poisoned request")
+        return real_forward(input_ids, *args)
+    engine.model.forward = forward
+    with server_in_process(engine) as url:
+        conn = connection(url)
+        conn.request("POST", "/v1/completions", json.dumps(normal))
+        response = conn.getresponse()
+        first = next_event(response)  # the normal stream is running
+        failing = dict(prompt=[65, marker, 66], max_tokens=5, stream=stream)
+        status, got = http(url, "/v1/completions", failing)
+        rest = parse_events(response.read().decode())
+        conn.close()
+    assert status == (200 if stream else 500)
+    if stream:
+        events = parse_events(got)
+        assert events[-1] == "[DONE]"
+        assert events[-2]["error"]["type"] == "server_error"
+        assert events[-2]["error"]["code"] == 500
+    else:
+        assert got["error"]["type"] == "server_error" and got["error"]["code"] == 500
+    assert streamed_text([first] + rest) == want[0].outputs[0].text
+    assert_no_leaks(engine)
+
+
+MALFORMED = [  # bytes sent, the status answered
+    (b"HELLO\r\n\r\n", 400),
+    (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (64 << 10) + b"\r\n\r\n", 431),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n", 411),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+     b"Transfer-Encoding: chunked\r\n\r\n", 400),
+]
+
+
+@pytest.mark.parametrize("raw, status", MALFORMED,
+                         ids=["garbage", "headers-over-64k", "chunked", "length-and-chunked"])
+def test_malformed_http_gets_an_openai_error_then_the_close_and_the_server_goes_on(
+        server, raw, status):
+    with connect(server) as sock:
+        sock.sendall(raw)
+        got_status, _, got = read_response(sock)
+        assert got_status == status and got["error"]["code"] == status
+        assert set(got["error"]) == {"message", "type", "param", "code"}
+        assert closed_by_server(sock)
+    assert http(server, "/health") == (200, {"status": "ok"})
+
+
+def test_a_body_cut_short_by_the_client_gets_400(server):
+    """Content-Length 10, 5 bytes, then the client's half-close: the body cannot come."""
+    with connect(server) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n"
+                     b'{"pro')
+        sock.shutdown(socket.SHUT_WR)
+        status, _, got = read_response(sock)
+    assert status == 400 and "ended after" in got["error"]["message"]
+
+
+def test_expect_100_continue_is_answered_before_the_body_is_sent(server, offline):
+    body = dict(prompt="A", max_tokens=3, seed=1, ignore_eos=True)
+    data = json.dumps(body).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n"
+            "Expect: 100-continue\r\n\r\n")
+    with connect(server) as sock:
+        sock.sendall(head.encode())
+        interim = b""
+        while not interim.endswith(b"\r\n\r\n"):  # byte by byte: nothing past it is read
+            byte = sock.recv(1)
+            assert byte, interim
+            interim += byte
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(data)
+        status, _, got = read_response(sock)
+    assert status == 200 and got["choices"][0]["text"] == offline_text(offline, body)
+
+
+@pytest.fixture(scope="module")
+def strict_server():
+    """A server of its own whose limits are a second: a request must arrive within one of
+    its first byte; a connection with no request under way is closed after one."""
+    proc, url = start_server("--request-timeout", "1", "--timeout-keep-alive", "1")
+    yield url
+    stop(proc)
+
+
+def test_headers_sent_too_slowly_get_408(strict_server):
+    """A byte every 50 ms: the whole request would take 7 s; the server answers 408 (as soon
+    as it does, the client stops sending)."""
+    raw = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"p" * 100 + b"\r\n\r\n"
+    with connect(strict_server) as sock:
+        for byte in raw:
+            answered = select.select([sock], [], [], 0.05)[0]
+            if answered:
+                break
+            sock.sendall(bytes([byte]))
+        status, _, got = read_response(sock)
+        assert status == 408 and got["error"]["code"] == 408
+        assert closed_by_server(sock)
+
+
+def test_a_body_that_stops_arriving_gets_408(strict_server):
+    with connect(strict_server) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n"
+                     b'{"pro')
+        status, _, got = read_response(sock)
+        assert status == 408 and got["error"]["code"] == 408
+        assert closed_by_server(sock)
+
+
+@pytest.mark.parametrize("requests_before", [0, 1], ids=["fresh", "after-a-request"])
+def test_an_idle_connection_is_closed_silently_after_the_keep_alive_timeout(strict_server,
+                                                                            requests_before):
+    with connect(strict_server) as sock:
+        for _ in range(requests_before):
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert read_response(sock)[0] == 200
+        assert closed_by_server(sock)  # within the socket's 10 s
+
+
+SHUTDOWNS = [  # the signal, the server's flags, each request's max_tokens, how each ends
+    # SIGTERM, requests that cannot finish within the second given: 4 x 900 tokens, one at
+    # a time, take seconds
+    (signal.SIGTERM, ("--shutdown-timeout", "1", "--max-num-seqs", "1"), 900, "abort"),
+    # SIGTERM, requests that finish well within the default 5 s: they run to their end
+    (signal.SIGTERM, (), 200, "length"),
+    # SIGINT (Ctrl-C): the same requests end at once
+    (signal.SIGINT, (), 200, "abort"),
+]
+
+
+@pytest.mark.parametrize("sig, flags, max_tokens, finish_reason", SHUTDOWNS,
+                         ids=["sigterm-past-the-timeout", "sigterm-within-it", "sigint"])
+def test_shutdown_answers_every_request_in_flight_and_exits_0(sig, flags, max_tokens,
+                                                              finish_reason):
+    """Two streams (one asking for usage) and two whole requests in flight when the signal
+    comes: each gets its answer, ending with `finish_reason`: a stream its final chunk (then
+    its usage) and [DONE], a whole request a 200. Then the server exits 0, and stderr
+    after the serving line says only that."""
+    proc, url = start_server(*flags)
+    try:
+        bodies = [dict(prompt=f"{i} ", max_tokens=max_tokens, seed=i, ignore_eos=True,
+                       stream=i < 2) for i in range(4)]
+        bodies[0]["stream_options"] = {"include_usage": True}
+        answers = [None] * 4
+
+        def client(i):
+            answers[i] = http(url, "/v1/completions", bodies[i])
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        deadline = time.time() + 30
+        while requests_in_engine(url) < 4 and time.time() < deadline:
+            time.sleep(0.01)
+        assert requests_in_engine(url) == 4
+        proc.send_signal(sig)
+        for thread in threads:
+            thread.join(60)
+        assert proc.wait(timeout=30) == 0
+        assert [status for status, _ in answers] == [200] * 4
+        with_usage = parse_events(answers[0][1])
+        assert with_usage[-1] == "[DONE]"
+        assert with_usage[-2]["choices"] == [] and "usage" in with_usage[-2]
+        assert with_usage[-3]["choices"][0]["finish_reason"] == finish_reason
+        plain = parse_events(answers[1][1])
+        assert plain[-1] == "[DONE]"
+        assert plain[-2]["choices"][0]["finish_reason"] == finish_reason
+        assert [got["choices"][0]["finish_reason"] for _, got in answers[2:]] == \
+            [finish_reason] * 2
+        assert proc.log.whole() == "server stopped\n"
+    finally:
+        stop(proc)
+
+
+def refuses_connections(url: str) -> bool:
+    try:
+        connect(url, timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def test_health_is_503_on_an_open_connection_while_the_server_drains():
+    """After SIGTERM, while a request in flight may still finish, the server takes no new
+    connection, and /health on one opened before says 503 (a load balancer stops sending)."""
     proc, url = start_server()
-    assert http(url, "/v1/models")[1]["data"][0]["id"] == "tiny"
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0
+    probe = connection(url)
+    try:
+        assert request(probe, "GET", "/health")[0] == 200
+        body = dict(prompt="x" * 100, max_tokens=900, ignore_eos=True)
+        thread = threading.Thread(target=http, args=(url, "/v1/completions", body))
+        thread.start()
+        deadline = time.time() + 30
+        while requests_in_engine(url) < 1 and time.time() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.time() + 30
+        while not refuses_connections(url) and time.time() < deadline:
+            time.sleep(0.01)
+        assert request(probe, "GET", "/health")[0] == 503
+        thread.join(60)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        probe.close()
+        stop(proc)
+
+
+def test_tokenize_and_detokenize_equal_the_engines_tokenizer(server, offline):
+    """/tokenize encodes as the engine does (special tokens too), a chat as its template's
+    text; /detokenize decodes back."""
+    tokenizer = offline.engine.tokenizer
+    text = "ROMEO: é <|endoftext|>\n"
+    ids = tokenizer.encode(text, allowed_special="all")
+    assert http(server, "/tokenize", dict(prompt=text)) == (200, dict(
+        count=len(ids), max_model_len=offline.engine.max_model_len, tokens=ids))
+    messages = [dict(role="system", content="Be brief."), dict(role="user", content="Hi")]
+    status, got = http(server, "/tokenize", dict(messages=messages))
+    assert status == 200
+    assert got["tokens"] == tokenizer.encode(nanoserve.render_chat(messages),
+                                             allowed_special="all")
+    assert http(server, "/detokenize", dict(tokens=ids)) == (200, {"prompt": text})
+    assert http(server, "/detokenize", dict(tokens=[200, 201])) == (
+        200, {"prompt": tokenizer.decode([200, 201])})
+
+
+@pytest.mark.parametrize("bad", [257, -1, 10**9])
+def test_detokenize_refuses_a_token_outside_the_vocabulary(server, bad):
+    status, got = http(server, "/detokenize", dict(tokens=[65, bad]))
+    assert status == 400 and got["error"]["code"] == 400
+
+
+def test_version_is_the_packages(server):
+    assert http(server, "/version") == (200, {"version": nanoserve.__version__})
+
+
+KEY_PATHS = [("/v1/models", None), ("/v1/completions", dict(prompt="A", max_tokens=1)),
+             ("/v1/chat/completions", dict(messages=[dict(role="user", content="A")],
+                                           max_tokens=1)),
+             ("/tokenize", dict(prompt="A")), ("/detokenize", dict(tokens=[65]))]
+
+
+@pytest.mark.parametrize("flags, env", [(("--api-key", "sk-test"), None),
+                                        ((), os.environ | {"NANOSERVE_API_KEY": "sk-test"})],
+                         ids=["flag", "environment"])
+def test_api_key_guards_the_api_and_leaves_probes_open(flags, env):
+    """With a key, the API needs "Authorization: Bearer KEY": without it, or with another
+    key, a 401 in OpenAI's error body; /health, /metrics and /version need none."""
+    proc, url = start_server(*flags, env=env)
+    try:
+        for path, body in KEY_PATHS:
+            for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
+                status, got = http(url, path, body, headers=headers)
+                assert status == 401 and "API key" in got["error"]["message"], path
+                assert set(got["error"]) == {"message", "type", "param", "code"}
+            right = {"Authorization": "Bearer sk-test"}
+            assert http(url, path, body, headers=right)[0] == 200, path
+        for path in ("/health", "/metrics", "/version"):
+            assert http(url, path)[0] == 200, path
+    finally:
+        stop(proc)
+
+
+def test_served_model_name_is_listed_and_the_only_model_accepted(offline):
+    proc, url = start_server("--served-model-name", "nano-1")
+    try:
+        status, models = http(url, "/v1/models")
+        assert status == 200 and [m["id"] for m in models["data"]] == ["nano-1"]
+        body = dict(prompt="A", model="nano-1", max_tokens=3, seed=1, ignore_eos=True)
+        status, got = http(url, "/v1/completions", body)
+        assert status == 200 and got["model"] == "nano-1"
+        assert got["choices"][0]["text"] == offline_text(offline, body)
+        status, got = http(url, "/v1/completions", body | dict(model="tiny"))
+        assert status == 404 and got["error"]["message"] == "The model `tiny` does not exist."
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def cors_server():
+    """A server of its own that lets one origin call it, and needs a key."""
+    proc, url = start_server("--allowed-origins", "https://ok.example", "--api-key", "sk-test")
+    yield url
+    stop(proc)
+
+
+def test_cors_headers_go_to_an_allowed_origin_only(cors_server, server):
+    key = {"Authorization": "Bearer sk-test"}
+    conn = connection(cors_server)
+    try:
+        status, response, _ = request(conn, "GET", "/v1/models", None,
+                                      key | {"Origin": "https://ok.example"})
+        assert status == 200
+        assert response.getheader("Access-Control-Allow-Origin") == "https://ok.example"
+        status, response, _ = request(conn, "GET", "/v1/models", None,
+                                      key | {"Origin": "https://other.example"})
+        assert status == 200 and response.getheader("Access-Control-Allow-Origin") is None
+    finally:
+        conn.close()
+    conn = connection(server)  # no --allowed-origins: no CORS header ever
+    try:
+        status, response, _ = request(conn, "GET", "/v1/models", None,
+                                      {"Origin": "https://ok.example"})
+        assert status == 200 and response.getheader("Access-Control-Allow-Origin") is None
+    finally:
+        conn.close()
+
+
+def test_cors_preflight_of_an_allowed_origin_gets_204_without_the_key(cors_server):
+    conn = connection(cors_server)
+    try:
+        status, response, _ = request(conn, "OPTIONS", "/v1/completions", None, {
+            "Origin": "https://ok.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+    finally:
+        conn.close()
+    assert status == 204
+    assert response.getheader("Access-Control-Allow-Origin") == "https://ok.example"
+    assert "POST" in response.getheader("Access-Control-Allow-Methods")
+    assert "authorization" in response.getheader("Access-Control-Allow-Headers").lower()
 
 
 def test_server_warns_when_bound_beyond_loopback():
@@ -2305,9 +2902,10 @@ def test_server_warns_when_bound_beyond_loopback():
     try:
         assert "warning: bound to 0.0.0.0" in proc.stderr.readline()
         assert "serving tiny on http://0.0.0.0:" in proc.stderr.readline()
-    finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
+    finally:
+        stop(proc)  # never left running, whatever failed
 
 
 # ----------------------------------------------------------------------------- bench.py
