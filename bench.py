@@ -726,19 +726,28 @@ def decode_batches(largest: int) -> list[int]:
 
 @torch.inference_mode()
 def sampling_time(cfg: BenchConfig, rows: int = 64, reps: int = 50, rounds: int = 5) -> dict:
-    """Sampling `rows` seeded requests (T 0.8, top-p 0.95) as the engine does, in ms."""
-    engine = make_engine(cfg, max_num_seqs=rows, max_num_batched_tokens=rows,
-                         kv_cache_tokens=rows * cfg.block_size)
+    """Sampling `rows` seeded requests (T 0.8, top-p 0.95) of cfg.prompt_len tokens as the
+    engine does, in ms: as they are, then with presence, frequency and repetition penalties
+    (whose per-row token counts each call builds, as each step does)."""
+    engine = make_engine(cfg, max_num_seqs=rows, max_num_batched_tokens=rows * cfg.prompt_len,
+                         kv_cache_tokens=rows * (cfg.prompt_len + cfg.block_size))
+    plain = SamplingParams(temperature=0.8, top_p=0.95)
     for i, prompt in enumerate(make_workload(cfg, rows, 1)[0]):
-        engine.add_request(prompt[:1], SamplingParams(temperature=0.8, top_p=0.95, seed=i))
+        engine.add_request(prompt, replace(plain, seed=i))
     out = engine.execute(engine.scheduler.schedule())  # one step's logits, not applied
     seqs = list(out.sampled_token_ids)
 
     def step():
         return sample(out.logits, engine.sampling_tensors(seqs), engine.generator)
 
-    times = [per_call(step, reps, cfg.device) for _ in range(rounds)]
-    return dict(rows=len(seqs), vocab=out.logits.shape[1], sample_ms=1e3 * np.median(times))
+    plain_times = [per_call(step, reps, cfg.device) for _ in range(rounds)]
+    for seq in seqs:
+        seq.params = replace(seq.params, presence_penalty=0.5, frequency_penalty=0.5,
+                             repetition_penalty=1.2)
+    penalty_times = [per_call(step, reps, cfg.device) for _ in range(rounds)]
+    return dict(rows=len(seqs), vocab=out.logits.shape[1], tokens_per_row=cfg.prompt_len,
+                sample_ms=1e3 * np.median(plain_times),
+                sample_with_penalties_ms=1e3 * np.median(penalty_times))
 
 
 # ----------------------------------------------------------------------------- report

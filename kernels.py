@@ -320,17 +320,40 @@ class SamplingTensors:
     generators: list                # per row: its own torch.Generator, or None (the engine's)
     all_greedy: bool
     any_top_k_top_p: bool
+    # Built only when some row uses them (None otherwise: the fast path pays nothing).
+    logit_bias: torch.Tensor | None = None      # (n, vocab) fp32: logit_bias, -inf where
+                                                # min_tokens bans a token (end-of-text, stop ids)
+    min_p: torch.Tensor | None = None           # (n,) fp32; 0 where off
+    penalties: "Penalties | None" = None
+
+
+@dataclass
+class Penalties:
+    """What the penalties need, per row that samples (zeros and ones on rows without them)."""
+    output_counts: torch.Tensor     # (n, vocab) fp32: each token's count in the row's output
+    seen: torch.Tensor              # (n, vocab) bool: the token is in the prompt or the output
+    presence: torch.Tensor          # (n,) fp32; 0 where off
+    frequency: torch.Tensor         # (n,) fp32; 0 where off
+    repetition: torch.Tensor        # (n,) fp32; 1 where off
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors, generator: torch.Generator) -> torch.Tensor:
-    """One token per row of logits (n, vocab) -> (n,), the whole batch at once: greedy rows
-    the argmax; the others temperature, top-k, top-p, then the Gumbel-max trick, argmax(probs /
-    E) with E ~ Exponential(1), a draw from probs. A seeded row's E comes from its own generator
-    and no row depends on another's parameters: its tokens do not depend on its batch."""
+    """One token per row of logits (n, vocab) -> (n,), the whole batch at once, in vLLM's
+    order: logit_bias (and min_tokens' bans), then the penalties; greedy rows take the argmax;
+    the others temperature, min_p, top-k, top-p, then the Gumbel-max trick, argmax(probs / E)
+    with E ~ Exponential(1), a draw from probs. A seeded row's E comes from its own generator
+    and no row depends on another's parameters: its tokens do not depend on its batch. The
+    logits are not changed in place: log-probabilities are the model's own, before all this."""
+    if t.logit_bias is not None:
+        logits = logits + t.logit_bias
+    if t.penalties is not None:
+        logits = apply_penalties(logits, t.penalties)
     greedy = logits.argmax(dim=-1)
     if t.all_greedy:
         return greedy
     logits = logits / t.temperature[:, None]
+    if t.min_p is not None:
+        logits = apply_min_p(logits, t.min_p)
     if t.any_top_k_top_p:
         logits = apply_top_k_top_p(logits, t.top_k, t.top_p)
     probs = logits.softmax(dim=-1)
@@ -355,3 +378,22 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     drop = below <= 1 - top_p[:, None]
     drop[:, -1] = False  # the most likely token always stays, whatever rounding did to `below`
     return torch.empty_like(logits).scatter_(1, order, ascending.masked_fill(drop, float("-inf")))
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """The repetition penalty (transformers' and vLLM's): a token of the prompt or the output
+    has its logit divided by it if positive, multiplied by it if negative. Then OpenAI's
+    frequency and presence penalties, over the output only: logit - frequency x count -
+    presence x [count > 0]. Elementwise over (n, vocab), without a wait for the device."""
+    repetition = torch.where(p.seen, p.repetition[:, None], 1.0)
+    logits = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = logits - p.frequency[:, None] * p.output_counts
+    return logits - p.presence[:, None] * (p.output_counts > 0)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask each row's tokens whose probability is below min_p times its most likely token's
+    (after temperature, before top-k and top-p, as vLLM). min_p = 0 leaves a row as it was."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))

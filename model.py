@@ -277,21 +277,25 @@ class Detokenizer:
     text and the longest one's overlap; text that could start one is held back until it
     cannot, so what was streamed is never taken back."""
 
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, stop: list[str], include_stop: bool = False):
         self.tokenizer = tokenizer
         self.stop = stop
+        self.include_stop = include_stop  # the text ends after the stop string, not before
         self.max_stop_len = max(map(len, stop), default=0)
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text = ""
         self.num_sent_chars = 0  # text returned by new_text so far
 
-    def append(self, token: int) -> str | None:
+    def append(self, token: int, check_stop: bool = True) -> str | None:
         """Add a token's text (none for end-of-text, or an id past the tokenizer); return the
-        stop string it completed, the text cut before it."""
+        stop string it completed (unless not check_stop: before min_tokens), the text cut
+        before it (or after it, if include_stop)."""
         tok = self.tokenizer
         search_from = max(0, len(self.text) - self.max_stop_len + 1)  # a stop string's overlap
         new_bytes = tok.decode_single_token_bytes(token) if token < tok.eot_token else b""
         self.text += self.decoder.decode(new_bytes)
+        if not check_stop:
+            return None
         # One token can complete several stop strings: the earliest in the text wins, whatever
         # the list's order; of those found at the same place ("ab" and "abc"), the longest.
         found = None
@@ -305,7 +309,10 @@ class Detokenizer:
                 found_at = at
         if found is None:
             return None
-        self.text = self.text[:found_at]
+        end = found_at
+        if self.include_stop:
+            end = found_at + len(found)
+        self.text = self.text[:end]
         return found
 
     def flush(self) -> None:

@@ -42,7 +42,7 @@ from http import HTTPStatus
 
 import torch
 
-from kernels import (AttentionMetadata, SamplingTensors, keep_freed_memory, sample,
+from kernels import (AttentionMetadata, Penalties, SamplingTensors, keep_freed_memory, sample,
                      select_attention)
 from model import PRESETS, Detokenizer, load_model
 from paged_cache import BlockTable, allocate_kv_cache, cdiv, kv_bytes_per_token
@@ -137,6 +137,23 @@ class SamplingParams:
                                   low=0, high=MAX_LOGPROBS, type=int)
     prompt_logprobs: int | None = option(None, "each prompt token's log-probability and the "
                                          "top k", low=0, high=MAX_LOGPROBS, type=int)
+    presence_penalty: float = option(0.0, "minus this from the logit of every token generated "
+                                     "so far (OpenAI's)", low=-2, high=2)
+    frequency_penalty: float = option(0.0, "minus this times its count from the logit of every "
+                                      "token generated so far (OpenAI's)", low=-2, high=2)
+    repetition_penalty: float = option(1.0, "divide the positive logits (multiply the negative) "
+                                       "of every token of the prompt and output by this",
+                                       low=0, open_low=True)
+    min_p: float = option(0.0, "drop tokens less likely than min_p times the most likely",
+                          low=0, high=1)
+    min_tokens: int = option(0, "no end-of-text, stop token or stop string before this many "
+                             "tokens", low=0)
+    stop_token_ids: list[int] | None = option(None, "stop after any of these tokens (kept in "
+                                              "token_ids, not in the text)", type=list)
+    include_stop_str_in_output: bool = option(False, "keep the stop string (or stop token) at "
+                                              "the end of the text")
+    logit_bias: dict[int, float] | None = option(None, "token id -> a bias in [-100, 100] "
+                                                 "added to its logit (OpenAI's)", type=dict)
 
     def __post_init__(self):
         try:  # a string, or any iterable of strings, read once here (a generator is used up)
@@ -145,8 +162,49 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or strings, got {self.stop!r}") from None
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        self.stop_token_ids = parse_token_ids("stop_token_ids", self.stop_token_ids)
+        self.logit_bias = parse_logit_bias(self.logit_bias)
         check_fields(self)
         self.top_k = max(self.top_k, 0)  # vLLM's -1 and 0 both mean off
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens "
+                             f"({self.max_tokens})")
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the sampler needs this row's token counts."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 \
+            or self.repetition_penalty != 1
+
+
+def parse_token_ids(name: str, value) -> list[int]:
+    """None or token ids -> a new list; ValueError naming `name` unless ints >= 0 (a bool is
+    not; the vocabulary's bound is the engine's to check)."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list of token ids, got {value!r}")
+    for token_id in value:
+        check_int(name, token_id, 0)
+    return list(value)
+
+
+def parse_logit_bias(value) -> dict[int, float]:
+    """None or {token id: bias} -> a new dict; ValueError unless ids are ints >= 0 (or their
+    decimal strings, as JSON sends them) and biases numbers in [-100, 100], as OpenAI's."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be a map of token id to bias, got {value!r}")
+    bias = {}
+    for key, number in value.items():
+        token_id = key
+        if isinstance(key, str) and key.isascii() and key.isdigit():
+            token_id = int(key)
+        check_int("logit_bias's token id", token_id, 0)
+        check_float("logit_bias's bias", number, -100, 100, open_low=False)
+        bias[token_id] = float(number)
+    return bias
 
 
 @dataclass
@@ -456,7 +514,8 @@ class Engine:
         if params.seed is not None:
             generator = torch.Generator(self.config.device).manual_seed(params.seed)
         seq = Sequence(request_id, text, token_ids, params, BlockTable(self.block_pool),
-                       generator, Detokenizer(self.tokenizer, params.stop))
+                       generator, Detokenizer(self.tokenizer, params.stop,
+                                              params.include_stop_str_in_output))
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # the first prompt token has no log-probability
         with self._lock:  # abort() may run on another thread
@@ -491,6 +550,13 @@ class Engine:
             raise ValueError("prompt is empty: it needs at least one token")
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
+        vocab_size = self.model.config.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", list(params.logit_bias))):
+            unknown = [token_id for token_id in ids if token_id >= vocab_size]
+            if unknown:
+                raise ValueError(f"{name}: token id {unknown[0]} is not in the vocabulary "
+                                 f"(0 to {vocab_size - 1})")
         if num_tokens > self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens and max_tokens is "
                              f"{params.max_tokens}: {num_tokens} tokens; the model's context "
@@ -588,7 +654,15 @@ class Engine:
         """Add seq's new token to its text, finish it at a stop string, make its output; an
         error here fails this request alone."""
         try:
-            stop = seq.detokenizer.append(seq.token_ids[-1])
+            token = seq.token_ids[-1]
+            params = seq.params
+            ended_by_stop_token = seq.is_finished and seq.stop_reason == token
+            if ended_by_stop_token and not params.include_stop_str_in_output:
+                seq.detokenizer.flush()  # the stop token stays in token_ids, not in the text
+                return self._output(seq)
+            # As vLLM: stop strings count only once the output is longer than min_tokens.
+            check_stop = seq.num_output_tokens > params.min_tokens
+            stop = seq.detokenizer.append(token, check_stop)
             if stop is not None:
                 seq.stop_reason = stop
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
@@ -695,11 +769,76 @@ class Engine:
         floats = self._upload(dict(temperature=temperature, top_p=top_p), torch.float32)
         ints = self._upload(dict(top_k=top_k, greedy=greedy), torch.int64)
         any_top_k_top_p = any(k < vocab_size or p < 1 for k, p in zip(top_k, top_p))
-        return SamplingTensors(
+        tensors = SamplingTensors(
             temperature=floats["temperature"], top_p=floats["top_p"],
             greedy=ints["greedy"].bool(), top_k=ints["top_k"],
             generators=[seq.generator for seq in seqs], all_greedy=all(greedy),
             any_top_k_top_p=any_top_k_top_p)
+        if any(seq.params.min_p > 0 for seq in seqs):
+            min_p = [seq.params.min_p for seq in seqs]
+            tensors.min_p = self._upload(dict(min_p=min_p), torch.float32)["min_p"]
+        tensors.logit_bias = self._logit_bias(seqs)
+        if any(seq.params.has_penalties for seq in seqs):
+            tensors.penalties = self._penalties(seqs)
+        return tensors
+
+    def _logit_bias(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """(n, vocab): each row's logit_bias, and -inf on the tokens that would end it while
+        it has fewer than min_tokens (end-of-text unless ignored, its stop_token_ids); None if
+        no row has either. One scatter from one upload."""
+        rows = []
+        token_ids = []
+        biases = []
+        for row, seq in enumerate(seqs):
+            params = seq.params
+            banned = []
+            if seq.num_output_tokens < params.min_tokens:
+                banned = list(params.stop_token_ids)
+                if not params.ignore_eos:
+                    banned.append(self.tokenizer.eot_token)
+            entries = list(params.logit_bias.items()) + [(i, -math.inf) for i in banned]
+            for token_id, bias in entries:
+                rows.append(row)
+                token_ids.append(token_id)
+                biases.append(bias)
+        if not rows:
+            return None
+        index = self._upload(dict(rows=rows, token_ids=token_ids), torch.int64)
+        values = self._upload(dict(biases=biases), torch.float32)["biases"]
+        logit_bias = torch.zeros(len(seqs), self.model.config.vocab_size,
+                                 device=self.config.device)
+        return logit_bias.index_put_((index["rows"], index["token_ids"]), values,
+                                     accumulate=True)
+
+    def _penalties(self, seqs: list[Sequence]) -> Penalties:
+        """The penalized rows' token counts, built on the device from this step's tokens: one
+        upload and one scatter-add for the output counts, one scatter for the tokens seen
+        (prompt and output). Rebuilt each step rather than kept: a row's tokens change by one
+        a step, but its place in the batch changes whenever the batch does."""
+        vocab_size = self.model.config.vocab_size
+        ints = dict(output_rows=[], output_ids=[], seen_rows=[], seen_ids=[])
+        for row, seq in enumerate(seqs):
+            if not seq.params.has_penalties:
+                continue
+            output = seq.token_ids[len(seq.prompt_token_ids):]
+            ints["output_rows"] += [row] * len(output)
+            ints["output_ids"] += output
+            ints["seen_rows"] += [row] * len(seq.token_ids)
+            ints["seen_ids"] += seq.token_ids
+        index = self._upload(ints, torch.int64)
+        values = self._upload(dict(
+            presence=[seq.params.presence_penalty for seq in seqs],
+            frequency=[seq.params.frequency_penalty for seq in seqs],
+            repetition=[seq.params.repetition_penalty for seq in seqs],
+            ones=[1.0] * len(ints["output_ids"])), torch.float32)
+        device = self.config.device
+        counts = torch.zeros(len(seqs), vocab_size, device=device)
+        counts.index_put_((index["output_rows"], index["output_ids"]), values["ones"],
+                          accumulate=True)
+        seen = torch.zeros(len(seqs), vocab_size, dtype=torch.bool, device=device)
+        seen[index["seen_rows"], index["seen_ids"]] = True
+        return Penalties(output_counts=counts, seen=seen, presence=values["presence"],
+                         frequency=values["frequency"], repetition=values["repetition"])
 
     def _upload(self, host_lists: dict[str, list], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Named host lists -> device tensors of one dtype, by the same names: one pinned
@@ -726,6 +865,67 @@ def as_prompt_list(prompts) -> list:
     return list(prompts)
 
 
+def progress_wanted(use_tqdm) -> bool:
+    """Whether to draw the progress line: use_tqdm True or False says so; None (the default)
+    only when stderr is a terminal, never into a pipe or a log."""
+    if use_tqdm is None:
+        return sys.stderr.isatty()
+    if not isinstance(use_tqdm, bool):
+        raise ValueError(f"use_tqdm must be None, True or False, got {use_tqdm!r}")
+    return use_tqdm
+
+
+class Progress:
+    """A long job's progress: one line on stderr, redrawn in place ("\\r") at most 10 times a
+    second (and whenever every prompt is done): prompts done of total, elapsed time, input
+    tokens/s (a prompt counts once its first token is out) and output tokens/s. clear() blanks
+    it, the cursor back at column 0: called before anything goes to stdout and at the end, so
+    the line and the results never garble each other. Disabled, it draws nothing."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total = total      # prompts to serve (piped stdin adds each line it submits)
+        self.enabled = enabled
+        self.done = 0
+        self.input_tokens = 0
+        self.output_tokens = 0
+        self.started = set()    # ids of the requests with output so far, not finished yet
+        self.start = time.perf_counter()
+        self.drawn_at = -math.inf
+        self.width = 0          # characters on the line now: what clear() blanks
+
+    def count(self, delta: RequestOutput) -> None:
+        """Add a delta output's tokens: its prompt's with its request's first output."""
+        if delta.request_id not in self.started:
+            self.started.add(delta.request_id)
+            self.input_tokens += len(delta.prompt_token_ids)
+        self.output_tokens += len(delta.outputs[0].token_ids)
+        if delta.finished:
+            self.started.discard(delta.request_id)
+            self.done += 1
+
+    def draw(self) -> None:
+        """Redraw the line, unless it was drawn under 0.1 s ago and prompts are left to do."""
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if now - self.drawn_at < 0.1 and self.done < self.total:
+            return
+        self.drawn_at = now
+        elapsed = now - self.start
+        line = (f"{self.done}/{self.total} prompts, {elapsed:.1f} s, input "
+                f"{self.input_tokens / elapsed:.0f} tok/s, output "
+                f"{self.output_tokens / elapsed:.0f} tok/s").ljust(self.width)
+        print("\r" + line, end="", file=sys.stderr, flush=True)
+        self.width = len(line)
+
+    def clear(self) -> None:
+        """Blank the line, the cursor back at column 0."""
+        if not self.width:  # nothing drawn since the last clear
+            return
+        print("\r" + " " * self.width + "\r", end="", file=sys.stderr, flush=True)
+        self.width = 0
+
+
 class LLM:
     """vLLM's offline API: LLM(model=..., **EngineConfig fields).generate(prompts, params)."""
 
@@ -733,9 +933,11 @@ class LLM:
         self.engine = Engine(EngineConfig(model=model, **engine_args))
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 trace: bool = False) -> list[RequestOutput]:
+                 trace: bool = False, use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Serve all prompts (any form add_request takes) as one batch; whole outputs, in order.
-        trace: print the step-by-step timeline to stderr at the end."""
+        trace: print the step-by-step timeline to stderr at the end. use_tqdm (vLLM's name):
+        the progress line on stderr (Progress); None: only when stderr is a terminal."""
+        show_progress = progress_wanted(use_tqdm)
         prompts = as_prompt_list(prompts)
         if not isinstance(params, (list, tuple)):
             params = [params or SamplingParams()] * len(prompts)
@@ -744,18 +946,23 @@ class LLM:
         ids = []
         whole = {}
         self.engine.step_records = [] if trace else None
+        progress = Progress(len(prompts), show_progress)
         try:
             for prompt, prompt_params in zip(prompts, params):
                 ids.append(self.engine.add_request(prompt, prompt_params))
             while any(i not in whole or not whole[i].finished for i in ids):
                 for delta in self.engine.step():
                     accumulate(whole, delta)
+                    progress.count(delta)
+                progress.draw()
         except BaseException:  # all or nothing: a failed or interrupted batch leaves nothing
             for request_id in ids:
                 self.engine.abort(request_id, "withdrawn: generate() did not finish")
             if self.engine.dead is None:
                 self.engine.step()
             raise
+        finally:
+            progress.clear()
         if trace:
             print(render_trace(self.engine.step_records, ids), file=sys.stderr)
         return [whole[i] for i in ids]
@@ -829,13 +1036,15 @@ CORS_PREFLIGHT = {"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
                   "Access-Control-Max-Age": "600"}
 MAX_N = 64                # samples of one prompt in one request at most
 CHAT_TURN_END = "\n\n"    # the chat template ends every turn with a blank line
-FIELDS = {"model", "n", "stream", "stream_options", "user", "max_tokens", "temperature", "top_p",
-          "top_k", "seed", "stop", "ignore_eos", "logprobs"}  # both endpoints serve these
+# SamplingParams' fields a request may set, OpenAI's and vLLM's extra ones (top_k, min_p, ...)
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                   "stop_token_ids", "include_stop_str_in_output", "logit_bias")
+FIELDS = {"model", "n", "stream", "stream_options", "user", "stop", "logprobs",
+          *SAMPLING_FIELDS}  # both endpoints serve these
 CHAT_FIELDS = {"messages", "top_logprobs", "max_completion_tokens"}
 COMPLETION_FIELDS = {"prompt", "echo"}
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
-NEUTRAL = dict(frequency_penalty=0, presence_penalty=0, repetition_penalty=1, min_tokens=0,
-               best_of=1, logit_bias={}, suffix="")  # accepted at these values only
+NEUTRAL = dict(best_of=1, suffix="")  # accepted at these values only
 BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
 
 
@@ -1821,8 +2030,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     sampling.add_argument("--max-tokens", type=int, default=argparse.SUPPRESS,
                           help="default: 200, or what the context has left")
     sampling.add_argument("--stop", action="append", help="stop before this string (repeatable)")
-    add_config_args(sampling, SamplingParams,
-                    skip=("max_tokens", "stop", "seed", "logprobs", "prompt_logprobs"))
+    sampling.add_argument("--stop-token-ids", type=int, nargs="+", metavar="ID",
+                          help="stop after any of these tokens")
+    # logit_bias is a map: --jsonl lines, the REPL's /set and the HTTP API take it
+    add_config_args(sampling, SamplingParams, skip=(
+        "max_tokens", "stop", "seed", "logprobs", "prompt_logprobs", "stop_token_ids",
+        "logit_bias"))
     p.set_defaults(temperature=0.8, top_p=0.95)
     engine = p.add_argument_group("engine (EngineConfig)")
     add_config_args(engine, EngineConfig)
@@ -1841,6 +2054,9 @@ def argparse_error(parser: argparse.ArgumentParser, message: str) -> None:
 # Control characters (random weights emit any byte) print as visible escapes, not raw.
 VISIBLE = {c: f"\\x{c:02x}" for c in [*range(32), *range(127, 160)] if c not in (9, 10)}
 CLI_MAX_TOKENS = 200  # the command line's max_tokens, unless --max-tokens or the context says
+CLI_SAMPLING = ("temperature", "top_k", "top_p", "stop", "ignore_eos", "presence_penalty",
+                "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+                "stop_token_ids", "include_stop_str_in_output")  # the flags cli_params reads
 
 
 def cli_params(engine: Engine, args: argparse.Namespace, prompt, **fields) -> SamplingParams:
@@ -1848,8 +2064,7 @@ def cli_params(engine: Engine, args: argparse.Namespace, prompt, **fields) -> Sa
     200, or what the context leaves (at least 1: a prompt too long then says why)."""
     _, token_ids = engine.parse_prompt(prompt)
     room_left = engine.max_model_len - len(token_ids)
-    params = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p", "stop",
-                                                     "ignore_eos")}
+    params = {name: getattr(args, name) for name in CLI_SAMPLING}
     params["max_tokens"] = getattr(args, "max_tokens", max(1, min(CLI_MAX_TOKENS, room_left)))
     params |= fields
     return SamplingParams(**params)
@@ -1927,7 +2142,17 @@ def run_stdin(engine: Engine, args: argparse.Namespace) -> tuple[int, int]:
     """Piped stdin: each line is submitted as it is read, all served as one continuous batch;
     each completion is printed whole, in input order, an error in its place (--jsonl: a JSON
     object a line in and out, an error as {"error": ...}, blank lines skipped; else errors go
-    to stderr). Returns (lines that failed, lines submitted)."""
+    to stderr). When stderr is a terminal, it shows the progress line (Progress), blanked
+    before each result is printed and at the end. Returns (lines that failed, lines submitted)."""
+    progress = Progress(0, sys.stderr.isatty())
+    try:
+        return serve_stdin(engine, args, progress)
+    finally:
+        progress.clear()
+
+
+def serve_stdin(engine: Engine, args: argparse.Namespace, progress: Progress) -> tuple[int, int]:
+    """run_stdin's loop: read, submit, step, print in order; `progress` counts and draws."""
     lines = queue.Queue()
     threading.Thread(target=read_lines, args=(sys.stdin, lines), daemon=True).start()
     whole = {}          # request id -> its whole output so far
@@ -1950,16 +2175,20 @@ def run_stdin(engine: Engine, args: argparse.Namespace) -> tuple[int, int]:
                     else:  # a request id
                         result_index[submitted] = len(results)
                         results.append(None)
+                        progress.total += 1
         for delta in engine.step():
             accumulate(whole, delta)
+            progress.count(delta)
             if delta.finished:
                 results[result_index.pop(delta.request_id)] = whole.pop(delta.request_id)
         while num_printed < len(results) and results[num_printed] is not None:
             result = results[num_printed]
+            progress.clear()
             print_result(result, args.jsonl)
             num_printed += 1
             if isinstance(result, ValueError) or result.outputs[0].finish_reason == "abort":
                 num_failed += 1
+        progress.draw()
     return num_failed, len(results)
 
 
@@ -2013,8 +2242,10 @@ def print_result(result: RequestOutput | ValueError, jsonl: bool) -> None:
 
 
 REPL_HELP = ("/set NAME VALUE sets a sampling field (max_tokens, temperature, top_k, top_p, "
-             "seed, stop, ignore_eos; /set NAME alone resets it), /help, /quit.\nCtrl-C stops "
-             "a completion; at the prompt, Ctrl-C or Ctrl-D ends.")
+             "min_p, seed, stop, ignore_eos, presence_penalty, frequency_penalty, "
+             "repetition_penalty, min_tokens, stop_token_ids, logit_bias, ...; /set NAME alone "
+             "resets it), /help, /quit.\nCtrl-C stops a completion; at the prompt, Ctrl-C or "
+             "Ctrl-D ends.")
 
 
 def run_terminal(engine: Engine, args: argparse.Namespace) -> None:

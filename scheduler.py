@@ -49,7 +49,8 @@ class Sequence:
     num_computed_tokens: int = 0              # tokens whose K/V are in the cache
     status: SequenceStatus = SequenceStatus.WAITING
     arrival_step: int = 0
-    stop_reason: str | None = None            # the stop string that ended it, or why it aborted
+    stop_reason: str | int | None = None      # the stop string or stop token id that ended it,
+                                              # or why it aborted
     num_sent_tokens: int = 0                  # output tokens already returned in outputs
     logprobs: list = field(default_factory=list)         # per output token: {token id: logprob}
     prompt_logprobs: list = field(default_factory=list)  # per prompt token, the first's None
@@ -313,13 +314,17 @@ class Scheduler:
     def update(self, num_scheduled_tokens: dict[Sequence, int],
                sampled: dict[Sequence, int]) -> None:
         """After the model ran: advance each scheduled sequence's num_computed_tokens and cache
-        the blocks it filled, append the sampled tokens, finish at end-of-text or max_tokens."""
+        the blocks it filled, append the sampled tokens, finish at end-of-text, a stop token or
+        max_tokens."""
         for seq, num_new in num_scheduled_tokens.items():
             seq.num_computed_tokens += num_new
             seq.block_table.cache_full_blocks(seq.token_ids, seq.num_computed_tokens)
         for seq, token in sampled.items():
             seq.token_ids.append(token)
             if token == self.eos_token_id and not seq.params.ignore_eos:
+                self.finish(seq, SequenceStatus.FINISHED_STOPPED)
+            elif token in seq.params.stop_token_ids:  # masked before min_tokens (the sampler)
+                seq.stop_reason = token
                 self.finish(seq, SequenceStatus.FINISHED_STOPPED)
             elif seq.num_output_tokens == seq.params.max_tokens:
                 self.finish(seq, SequenceStatus.FINISHED_LENGTH)

@@ -793,6 +793,14 @@ BAD_PARAMS = {
     "seed": [-1, 2**64, 1.5, True],
     "stop": [[""], [1], 5],
     "ignore_eos": ["yes"],
+    "presence_penalty": [float("nan"), 2.5, True, "0.1"],
+    "frequency_penalty": [-3, float("inf")],
+    "repetition_penalty": [0, -1, float("nan"), True],
+    "min_p": [-0.1, 1.5, float("nan")],
+    "min_tokens": [-1, 1.5, True],
+    "stop_token_ids": [[-1], [True], 5, ["a"]],
+    "include_stop_str_in_output": ["yes"],
+    "logit_bias": [{1: 101}, {1: float("nan")}, {-1: 0}, {"a": 1}, [1], {True: 1}],
 }
 
 
@@ -800,6 +808,174 @@ BAD_PARAMS = {
 def test_bad_sampling_param_is_rejected_by_name(name, value):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**{name: value})
+
+
+# ----------------------------------------------------------------------------- penalties and stops
+# vLLM's sampling fields beyond temperature, top-k and top-p. The reference is a dense loop
+# written here from the definitions; it is compared only where its top two logits differ by
+# more than NEAR_TIE (random weights make near-ties, which rounding may decide either way).
+
+NEAR_TIE = 1e-3  # top-two logits this close: two float32 implementations may pick either
+PENALTIES = dict(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.6)
+
+
+def penalized_reference(model: M.GPT, prompt: list[int], num_tokens: int, presence: float,
+                        frequency: float, repetition: float) -> tuple[list[int], int]:
+    """Greedy decoding from dense forwards with the penalties applied as their definitions say
+    (repetition over prompt and output, then frequency and presence over the output); the
+    tokens, and how many of them were decided by more than NEAR_TIE."""
+    ids = list(prompt)
+    num_decided = None
+    for _ in range(num_tokens):
+        logits = model.forward_dense(torch.tensor([ids]))[0, -1].double()
+        output = ids[len(prompt):]
+        counts = Counter(output)
+        for token_id in set(ids):
+            if logits[token_id] > 0:
+                logits[token_id] /= repetition
+            else:
+                logits[token_id] *= repetition
+        for token_id, count in counts.items():
+            logits[token_id] -= frequency * count + presence
+        top_two = logits.topk(2).values
+        if num_decided is None and top_two[0] - top_two[1] < NEAR_TIE:
+            num_decided = len(output)  # this token may go either way, and the next follow it
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt):], num_decided or num_tokens
+
+
+def test_penalties_equal_a_dense_reference_loop():
+    llm = tiny()
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, **PENALTIES)
+    compared = 0
+    for prompt in ([5, 6, 5, 6, 7], [100, 101, 102], [65] * 8):
+        got = llm.generate([prompt], params)[0].outputs[0].token_ids
+        want, num_decided = penalized_reference(llm.engine.model, prompt, 24, 0.7, 0.4, 1.6)
+        assert got[:num_decided] == want[:num_decided]
+        compared += num_decided
+    plain = tiny().generate([[65] * 8], SamplingParams(max_tokens=24, temperature=0,
+                                                       ignore_eos=True))[0].outputs[0].token_ids
+    assert compared >= 24 and plain != got  # the penalties changed something
+
+
+def test_penalties_do_not_depend_on_batching_chunking_or_preemption():
+    """Penalized greedy requests, alone, equal themselves in a batch beside plain ones, in
+    16-token chunks, in a KV cache that forces preemption; a seeded one equals itself too."""
+    penalized = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, **PENALTIES)
+    plain = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    alone = [tiny().generate([p], penalized)[0].outputs[0].token_ids for p in PROMPTS]
+    llm = tiny(kv_cache_tokens=192, max_num_batched_tokens=16)
+    mixed = [penalized, plain] * len(PROMPTS)
+    together = llm.generate([p for p in PROMPTS for _ in range(2)], mixed)
+    assert token_ids(together)[0::2] == alone
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_no_leaks(llm.engine)
+    seeded = SamplingParams(max_tokens=12, seed=3, ignore_eos=True, **PENALTIES)
+    assert tiny().generate([PROMPTS[0]], seeded)[0].outputs[0].token_ids == \
+        tiny().generate([PROMPTS[0], PROMPTS[1]], [seeded, plain])[0].outputs[0].token_ids
+
+
+def test_no_count_tensor_is_built_when_no_row_has_a_penalty(monkeypatch):
+    built = []
+    penalties = Engine._penalties
+
+    def counting(self, seqs):
+        built.append(len(seqs))
+        return penalties(self, seqs)
+    monkeypatch.setattr(Engine, "_penalties", counting)
+    llm = tiny()
+    llm.generate(PROMPTS[:3], SamplingParams(max_tokens=4, seed=1, top_k=5, min_p=0.1))
+    assert built == []
+    llm.generate(PROMPTS[:3], [SamplingParams(max_tokens=4), SamplingParams(
+        max_tokens=4, presence_penalty=0.5), SamplingParams(max_tokens=4)])
+    assert built and max(built) == 3
+
+
+def test_logprobs_are_the_models_own_before_penalties_and_bias():
+    llm = tiny()
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0,
+                            repetition_penalty=3.0, logit_bias={7: 5.0})
+    out = llm.generate([[5, 6, 7]], params)[0].outputs[0]
+    ids = [5, 6, 7] + out.token_ids
+    dense = llm.engine.model.forward_dense(torch.tensor([ids])).log_softmax(-1)[0]
+    for i, (token_id, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert entry[token_id] == pytest.approx(dense[2 + i, token_id].item(), abs=1e-5)
+
+
+def test_logit_bias_forces_and_bans_a_token():
+    llm = tiny()
+    forced = SamplingParams(max_tokens=5, seed=0, ignore_eos=True, logit_bias={65: 100})
+    assert llm.generate(["ab"], forced)[0].outputs[0].token_ids == [65] * 5
+    greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    first = llm.generate(["ab"], greedy)[0].outputs[0].token_ids[0]
+    banned = dataclasses.replace(greedy, logit_bias={first: -100})
+    assert first not in llm.generate(["ab"], banned)[0].outputs[0].token_ids
+
+
+def test_min_p_of_one_keeps_only_the_most_likely_token():
+    llm = tiny()
+    greedy = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0,
+                                                      ignore_eos=True))
+    sampled = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=1.5, seed=4,
+                                                       min_p=1.0, ignore_eos=True))
+    assert token_ids(sampled) == token_ids(greedy)
+
+
+def test_min_tokens_holds_back_end_of_text_and_stop_tokens():
+    """End-of-text biased to certain: never among the first min_tokens tokens, then at once."""
+    llm = tiny()
+    eot = llm.engine.tokenizer.eot_token
+    params = SamplingParams(max_tokens=20, temperature=0, min_tokens=5, logit_bias={eot: 100})
+    out = llm.generate(["ab"], params)[0].outputs[0]
+    assert out.token_ids[5:] == [eot] and eot not in out.token_ids[:5]
+    assert out.finish_reason == "stop"
+    stop_id = 66
+    params = SamplingParams(max_tokens=20, temperature=0, min_tokens=3, ignore_eos=True,
+                            stop_token_ids=[stop_id], logit_bias={stop_id: 100})
+    out = llm.generate(["ab"], params)[0].outputs[0]
+    assert out.token_ids[3:] == [stop_id] and (out.finish_reason, out.stop_reason) == (
+        "stop", stop_id)
+
+
+def test_stop_token_ids_end_the_request_with_the_token_kept_out_of_the_text():
+    llm = tiny()
+    free = SamplingParams(max_tokens=16, seed=2, ignore_eos=True)
+    tokens = llm.generate(["ROMEO:"], free)[0].outputs[0].token_ids
+    stop_id = tokens[5]
+    end = tokens.index(stop_id) + 1
+    params = dataclasses.replace(free, stop_token_ids=[stop_id])
+    out = llm.generate(["ROMEO:"], params)[0].outputs[0]
+    assert out.token_ids == tokens[:end]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+    tokenizer = llm.engine.tokenizer
+    assert out.text == tokenizer.decode(tokens[:end - 1])
+    kept = llm.generate(["ROMEO:"], dataclasses.replace(params, include_stop_str_in_output=True))
+    assert kept[0].outputs[0].text == tokenizer.decode(tokens[:end])
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string():
+    llm = tiny()
+    free = SamplingParams(max_tokens=16, seed=2, ignore_eos=True)
+    text = llm.generate(["ROMEO:"], free)[0].outputs[0].text
+    stop = text[4:6]
+    cut = llm.generate(["ROMEO:"], dataclasses.replace(free, stop=[stop]))[0].outputs[0]
+    kept = llm.generate(["ROMEO:"], dataclasses.replace(
+        free, stop=[stop], include_stop_str_in_output=True))[0].outputs[0]
+    assert cut.text == text[:text.index(stop)]
+    assert kept.text == text[:text.index(stop) + len(stop)]
+    assert kept.stop_reason == cut.stop_reason == stop
+
+
+@pytest.mark.parametrize("field, value", [("stop_token_ids", [10**6]),
+                                          ("logit_bias", {10**6: 1.0})])
+def test_a_token_id_outside_the_vocabulary_is_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=f"{field}: token id 1000000 is not in the vocabulary"):
+        tiny().engine.add_request("x", SamplingParams(**{field: value}))
+
+
+def test_min_tokens_above_max_tokens_is_refused():
+    with pytest.raises(ValueError, match=r"min_tokens \(9\) must be at most max_tokens \(8\)"):
+        SamplingParams(max_tokens=8, min_tokens=9)
 
 
 BAD_CONFIGS = [("max_num_seqs", 1.5), ("block_size", 16.0), ("max_num_batched_tokens", math.nan),
@@ -911,6 +1087,41 @@ def test_generate_withdraws_its_batch_on_any_exception(alone):
     llm.engine.step = real_step
     assert_no_leaks(llm.engine)
     assert token_ids(llm.generate(PROMPTS[:2], GREEDY)) == alone[:2]
+
+
+def progress_frames(err: str) -> list[str]:
+    """What each redraw of the progress line wrote (each starts with "\\r")."""
+    assert err.startswith("\r") and "\n" not in err, f"not one line redrawn in place: {err!r}"
+    return err.split("\r")[1:]
+
+
+def test_generate_progress_line_counts_every_prompt_then_is_blanked(capsys):
+    tiny().generate(PROMPTS, GREEDY, use_tqdm=True)
+    *drawn, blank, after = progress_frames(capsys.readouterr().err)
+    assert drawn[-1].startswith(f"{len(PROMPTS)}/{len(PROMPTS)} prompts, ")
+    assert re.search(r"input \d+ tok/s, output \d+ tok/s", drawn[-1])
+    assert (blank, after) == (" " * len(drawn[-1]), "")  # blanked, the cursor at column 0
+
+
+def test_generate_progress_by_default_only_when_stderr_is_a_terminal(capsys, monkeypatch):
+    llm = tiny()
+    llm.generate(PROMPTS[:2], GREEDY)
+    assert capsys.readouterr().err == ""  # capsys's stderr is not a terminal
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # now it says it is
+    llm.generate(PROMPTS[:2], GREEDY)
+    assert "2/2 prompts, " in capsys.readouterr().err
+
+
+def test_generate_progress_off_draws_nothing_even_at_a_terminal(capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # capsys's stderr, as a terminal
+    tiny().generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("use_tqdm", [1, 0, "yes"])
+def test_generate_rejects_a_use_tqdm_that_is_not_none_or_a_bool(use_tqdm):
+    with pytest.raises(ValueError, match="use_tqdm must be None, True or False"):
+        tiny().generate(PROMPTS[:2], GREEDY, use_tqdm=use_tqdm)
 
 
 def test_automatic_request_ids_never_collide_with_chosen_ones():
@@ -1705,6 +1916,67 @@ def test_corrupt_safetensors_header_is_reported(tmp_path, header):
         M.load_checkpoint(str(tmp_path))
 
 
+REPETITION_PENALTY_FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".ci",
+                                          "fixtures", "repetition_penalty.json")
+
+
+def straddling_gpt2_state() -> dict[str, torch.Tensor]:
+    """hf_gpt2_state(SMALL) with the most likely tokens' logits straddling 0, so that both of
+    the repetition penalty's rules (divide a positive logit, multiply a negative one) pick
+    tokens: every token's embedding is -1 in channel 0 (the position embeddings' +1 there
+    cancels it in the input), so the tied head adds the same -h[0] to every logit, and ln_f's
+    bias in channel 0 is raised by 1.5 to make that about -1.5: it moves all logits alike, so
+    their ranking is what it would be without it."""
+    state = hf_gpt2_state(SMALL)
+    state["transformer.wte.weight"][:, 0] = -1.0  # lm_head.weight is the same tensor
+    state["transformer.wpe.weight"][:, 0] += 1.0
+    state["transformer.ln_f.bias"][0] += 1.5
+    return state
+
+
+def write_random_gpt2(path) -> None:
+    """straddling_gpt2_state() as a Hugging Face GPT-2 directory that LLM(model=path) loads:
+    the weights plus byte-level tokenizer files (ids 0-255 the bytes, 256 <|endoftext|>).
+    .ci/make_repetition_penalty_fixture.py loads the same directory."""
+    write_hf_checkpoint(path, straddling_gpt2_state(), SMALL, "safetensors")
+    vocab = {ch: i for i, (_, ch) in enumerate(M.gpt2_byte_chars())} | {M.EOT: 256}
+    with open(os.path.join(path, "vocab.json"), "w", encoding="utf-8") as f:
+        json.dump(vocab, f)
+    with open(os.path.join(path, "merges.txt"), "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n")  # bytes only: no merges
+
+
+def tokens_before_near_tie(gaps: list[float]) -> int:
+    """How many leading tokens of a greedy reference any correct implementation must match:
+    those before the first whose top-two logits were within NEAR_TIE (there either token is
+    right, and after it the two continue from different texts)."""
+    return next((i for i, gap in enumerate(gaps) if gap < NEAR_TIE), len(gaps))
+
+
+def test_greedy_repetition_penalty_equals_transformers(tmp_path):
+    """Greedy decoding with repetition_penalty picks the tokens that Hugging Face transformers'
+    generate(do_sample=False, repetition_penalty=p) picks on the same random GPT-2, several
+    penalties (above and below 1) batched together. The reference is a fixture that
+    .ci/make_repetition_penalty_fixture.py recorded, so the tests do not need transformers."""
+    if not os.path.exists(REPETITION_PENALTY_FIXTURE):
+        pytest.skip(f"{REPETITION_PENALTY_FIXTURE} is missing; make it with "
+                    "python .ci/make_repetition_penalty_fixture.py (needs transformers)")
+    with open(REPETITION_PENALTY_FIXTURE) as f:
+        cases = json.load(f)["cases"]
+    write_random_gpt2(tmp_path)
+    llm = LLM(model=str(tmp_path), device="cpu", dtype="float32")
+    params = [SamplingParams(max_tokens=len(case["token_ids"]), temperature=0, ignore_eos=True,
+                             repetition_penalty=case["repetition_penalty"]) for case in cases]
+    outputs = token_ids(llm.generate([case["prompt_token_ids"] for case in cases], params))
+    compared = 0
+    for case, got in zip(cases, outputs):
+        n = tokens_before_near_tie(case["top_two_gaps"])
+        assert got[:n] == case["token_ids"][:n], case
+        compared += n
+    total = sum(len(case["token_ids"]) for case in cases)
+    assert compared >= total // 2, f"near-ties left only {compared} of {total} tokens to compare"
+
+
 @needs_shared
 def test_gpt2_tokenizer_from_shared_files_gives_gpt2_ids_and_round_trips_text():
     enc = M.load_tokenizer(SHARED_GPT2)
@@ -1898,12 +2170,57 @@ def test_jsonl_answers_every_line_in_order(capsys, monkeypatch):
         assert (got[i]["text"], got[i]["token_ids"], got[i]["finish_reason"]) == (
             want.text, want.token_ids, want.finish_reason)
     assert got[1]["error"].startswith("line 2: not JSON (Expecting value")
+    fields = ", ".join(f.name for f in dataclasses.fields(SamplingParams))
     assert got[3] == {"error": "line 6: unknown field 'foo'; a line holds \"prompt\" and any of "
-                      "max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, logprobs, "
-                      "prompt_logprobs"}
+                      + fields}
+    assert fields.startswith("max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos")
     assert got[4] == {"error": "line 7: temperature must be a number in [0, inf], got nan"}
     assert got[2]["stop_reason"] == "e" and got[5]["prompt"] is None
     assert (status, err) == (1, "error: 3 of 6 lines failed\n")
+
+
+def read_until_closed(fd: int, chunks: list[bytes]) -> None:
+    """Append what comes out of a pseudo-terminal to `chunks` until its other end is closed
+    (Linux: EIO; elsewhere: an empty read). A thread's target: a full terminal blocks writers."""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            return
+        if not chunk:
+            return
+        chunks.append(chunk)
+
+
+def test_piped_lines_draw_progress_on_a_terminal_stderr_and_leave_stdout_alone():
+    """stdin and stdout pipes, stderr a terminal: stderr holds the progress line, redrawn in
+    place, counting to the end and blanked; stdout is what it is with stderr a pipe (which
+    gets no progress line): the results alone."""
+    import pty
+    command = [sys.executable, "nanoserve.py", "--preset", "tiny", "--device", "cpu", "--dtype",
+               "float32", "--max-tokens", "30", "--temperature", "0"]
+    prompts = "ROMEO:\nJULIET:\nKING:\n"
+    piped = subprocess.run(command, cwd=HERE, input=prompts, capture_output=True, text=True,
+                           timeout=120)
+    assert (piped.returncode, piped.stderr) == (0, "")
+    terminal, child_end = pty.openpty()
+    run = subprocess.Popen(command, cwd=HERE, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           stderr=child_end, text=True)
+    os.close(child_end)
+    chunks = []
+    reader = threading.Thread(target=read_until_closed, args=(terminal, chunks), daemon=True)
+    reader.start()
+    try:
+        out, _ = run.communicate(prompts, timeout=120)
+        reader.join(timeout=30)
+    finally:
+        run.kill()
+        run.wait()
+        os.close(terminal)
+    *drawn, blank, after = progress_frames(b"".join(chunks).decode())
+    assert (run.returncode, out) == (0, piped.stdout) and out.startswith("ROMEO:")
+    assert drawn[-1].startswith("3/3 prompts, ")
+    assert (blank, after) == (" " * len(drawn[-1]), "")
 
 
 def test_repl_at_a_terminal_streams_sets_and_stops_on_ctrl_c():
@@ -2305,6 +2622,18 @@ def test_http_chat_uses_the_documented_template(server, offline):
     assert "".join(e["choices"][0]["delta"]["content"] for e in events[:-1]) == want.text
 
 
+def test_http_penalties_and_vllm_sampling_fields_equal_offline(server, offline):
+    fields = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3,
+                  min_p=0.05, min_tokens=2, stop_token_ids=[70], include_stop_str_in_output=True)
+    want = offline.generate("ROMEO:", SamplingParams(max_tokens=12, seed=5, logit_bias={65: 2.0},
+                                                     **fields))[0].outputs[0]
+    body = dict(prompt="ROMEO:", max_tokens=12, seed=5, logit_bias={"65": 2.0}, **fields)
+    status, got = http(server, "/v1/completions", body)
+    assert status == 200 and got["choices"][0]["text"] == want.text
+    chat = dict(messages=[dict(role="user", content="Hi")], max_tokens=6, seed=5, **fields)
+    assert http(server, "/v1/chat/completions", chat)[0] == 200
+
+
 def test_32_concurrent_streams_each_get_their_own_output(server, offline):
     prompts = [f"{i} " * (1 + i % 5) for i in range(32)]
     params = [SamplingParams(max_tokens=6 + i % 4, seed=i, ignore_eos=True) for i in range(32)]
@@ -2516,6 +2845,9 @@ BAD_REQUESTS = [
     ("POST", "/v1/completions", dict(prompt="x", model="gpt-4"), 404,
      "The model `gpt-4` does not exist."),
     ("POST", "/v1/completions", dict(prompt="x", best_of=3), 400, "best_of is not supported"),
+    ("POST", "/v1/completions", dict(prompt="x", presence_penalty=3), 400, "presence_penalty"),
+    ("POST", "/v1/completions", dict(prompt="x", logit_bias={"a": 1}), 400, "logit_bias"),
+    ("POST", "/v1/completions", dict(prompt="x", max_tokens=2, min_tokens=3), 400, "min_tokens"),
     ("POST", "/v1/completions", dict(prompt="x", wat=1), 400, "wat is not supported"),
     ("POST", "/v1/completions", dict(prompt=[]), 400, "prompt must be"),
     ("POST", "/v1/completions", dict(prompt=[[1], [99999]]), 400, "token ids must be"),
@@ -3049,8 +3381,9 @@ def test_bench_hardware_view_figures_agree(bench_run):
     assert [(d["batch"], d["prompt_len"], d["output_len"]) for d in host] == [
         (4, 52, 1 + 39 / 2), (4, 16, 20 + 39 / 2)]
     sampling = hw["sampling"]
-    assert set(sampling) == {"rows", "vocab", "sample_ms"}
-    assert (sampling["rows"], sampling["vocab"]) == (64, 257)
+    assert set(sampling) == {"rows", "vocab", "tokens_per_row", "sample_ms",
+                             "sample_with_penalties_ms"}
+    assert (sampling["rows"], sampling["vocab"], sampling["tokens_per_row"]) == (64, 257, 16)
 
 
 def test_bench_naive_baseline_pads_and_matches_the_engine():
