@@ -124,6 +124,7 @@ def add_config_args(parser, cls, skip=()) -> None:
 @dataclass
 class SamplingParams:
     """Per-request sampling, as vLLM and the OpenAI API name it."""
+    n: int = option(1, "samples of the prompt, one request (a seeded sample i uses seed + i)")
     max_tokens: int = option(16, "tokens to generate at most")
     temperature: float = option(1.0, "0 (or below 1e-5): greedy", low=0)
     top_k: int = option(0, "keep the k most likely tokens; 0 or -1: all", low=-1)
@@ -413,7 +414,8 @@ class Engine:
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
                                    config.policy, self.tokenizer.eot_token)
         self.generator = torch.Generator(config.device).manual_seed(config.seed)
-        self.seqs: dict[str, Sequence] = {}
+        self.seqs: dict[str, Sequence] = {}            # sequence id -> its sequence
+        self.requests: dict[str, list[Sequence]] = {}  # request id -> its n samples
         self.stats = EngineStats()
         self.last_step: StepRecord | None = None           # the newest step's record
         self.step_records: list[StepRecord] | None = None  # every record, once made a list
@@ -508,21 +510,36 @@ class Engine:
         params = dataclasses.replace(params)  # a copy, validated again
         text, token_ids = self.parse_prompt(prompt)
         if request_id is None:  # the next free number: never a caller's id
-            request_id = next(i for i in map(str, self._ids) if i not in self.seqs)
+            request_id = next(i for i in map(str, self._ids) if i not in self.requests)
         self._validate(token_ids, params, request_id)
+        seqs = [self._sample_sequence(request_id, index, text, token_ids, params)
+                for index in range(params.n)]
+        with self._lock:  # abort() may run on another thread
+            self.requests[request_id] = seqs
+            for seq in seqs:
+                self.seqs[seq.seq_id] = seq
+                self.scheduler.add(seq)
+        self.stats.num_prompt_tokens += len(token_ids)
+        return request_id
+
+    def _sample_sequence(self, request_id: str, index: int, text: str | None,
+                         token_ids: list[int], params: SamplingParams) -> Sequence:
+        """Sample `index` of a request: each of its n samples is a sequence of its own (vLLM's
+        fan-out), id "{index}_{request_id}" when n > 1; a seeded one's seed is seed + index."""
+        seq_id = request_id
+        if params.n > 1:
+            seq_id = f"{index}_{request_id}"
+        if params.seed is not None:
+            params = dataclasses.replace(params, seed=(params.seed + index) % 2**64)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(self.config.device).manual_seed(params.seed)
-        seq = Sequence(request_id, text, token_ids, params, BlockTable(self.block_pool),
-                       generator, Detokenizer(self.tokenizer, params.stop,
-                                              params.include_stop_str_in_output))
+        seq = Sequence(seq_id, text, token_ids, params, BlockTable(self.block_pool), generator,
+                       Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output),
+                       request_id=request_id, index=index)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # the first prompt token has no log-probability
-        with self._lock:  # abort() may run on another thread
-            self.seqs[request_id] = seq
-            self.scheduler.add(seq)
-        self.stats.num_prompt_tokens += len(token_ids)
-        return request_id
+        return seq
 
     def parse_prompt(self, prompt) -> tuple[str | None, list[int]]:
         """A prompt in any form add_request takes -> (its text, its token ids); the text is
@@ -548,7 +565,7 @@ class Engine:
             raise ValueError(f"request_id must be a string, got {request_id!r}")
         if not token_ids:
             raise ValueError("prompt is empty: it needs at least one token")
-        if request_id in self.seqs:
+        if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab_size = self.model.config.vocab_size
         for name, ids in (("stop_token_ids", params.stop_token_ids),
@@ -572,8 +589,9 @@ class Engine:
         """Stop a request and free its blocks now (after any step in flight); its last output
         (finish_reason "abort", stop_reason `reason`) comes from the next step()."""
         with self._lock:
-            if request_id in self.seqs:
-                self._aborted_outputs.append(self._abort(self.seqs[request_id], reason))
+            for seq in self.requests.get(request_id, []):
+                if not seq.is_finished:
+                    self._aborted_outputs.append(self._abort(seq, reason))
 
     def _abort(self, seq: Sequence, reason: str) -> RequestOutput:
         self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
@@ -684,16 +702,27 @@ class Engine:
         if seq.params.logprobs is not None:
             new_logprobs = seq.logprobs[num_sent:]
         completion = CompletionOutput(
-            index=0, text=seq.detokenizer.new_text(finished), token_ids=new_token_ids,
+            index=seq.index, text=seq.detokenizer.new_text(finished), token_ids=new_token_ids,
             finish_reason=seq.status.value if finished else None, stop_reason=seq.stop_reason,
             logprobs=new_logprobs)
         prompt_logprobs = None
         if is_first_output and seq.prompt_logprobs:
             prompt_logprobs = list(seq.prompt_logprobs)
+        request_finished = False
         if finished:
-            self.seqs.pop(seq.seq_id, None)
-        return RequestOutput(seq.seq_id, seq.prompt, list(seq.prompt_token_ids), [completion],
-                             finished, prompt_logprobs)
+            request_finished = self._release(seq)
+        return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids),
+                             [completion], request_finished, prompt_logprobs)
+
+    def _release(self, seq: Sequence) -> bool:
+        """A finished sequence leaves the engine. Whether it was the last of its request: only
+        the output that ends a request's last sample says the request is finished."""
+        self.seqs.pop(seq.seq_id, None)
+        samples = self.requests.get(seq.request_id, [])
+        if any(sample.seq_id in self.seqs for sample in samples):
+            return False
+        self.requests.pop(seq.request_id, None)
+        return True
 
     def _prepare_inputs(self, num_scheduled_tokens: dict[Sequence, int]) -> Batch:
         """The step's inputs, flattened over the scheduled sequences and sent to the device in
@@ -898,7 +927,8 @@ class Progress:
         if delta.request_id not in self.started:
             self.started.add(delta.request_id)
             self.input_tokens += len(delta.prompt_token_ids)
-        self.output_tokens += len(delta.outputs[0].token_ids)
+        for completion in delta.outputs:  # one sample's new tokens (a request may have n)
+            self.output_tokens += len(completion.token_ids)
         if delta.finished:
             self.started.discard(delta.request_id)
             self.done += 1
@@ -1009,21 +1039,39 @@ def render_trace(records: list[StepRecord], request_ids: list[str]) -> str:
 
 
 def accumulate(whole: dict[str, RequestOutput], delta: RequestOutput) -> None:
-    """Add a delta output to its request's whole output so far, kept in `whole` by request id.
-    The deltas are left as they were (the whole output starts as a copy of the first)."""
-    if delta.request_id not in whole:
-        first_completion = dataclasses.replace(delta.outputs[0])
-        whole[delta.request_id] = dataclasses.replace(delta, outputs=[first_completion])
-        return
-    so_far = whole[delta.request_id].outputs[0]
-    new = delta.outputs[0]
-    so_far.text += new.text
-    so_far.token_ids = so_far.token_ids + new.token_ids  # a new list: the first delta's stays
-    if so_far.logprobs is not None:
-        so_far.logprobs = so_far.logprobs + new.logprobs
-    so_far.finish_reason = new.finish_reason
-    so_far.stop_reason = new.stop_reason
-    whole[delta.request_id].finished = delta.finished
+    """Add a delta output to its request's whole output so far, kept in `whole` by request id,
+    each completion under its index (a request's n samples arrive interleaved, in any order).
+    The deltas are left as they were (a whole completion starts as a copy of its first)."""
+    request = whole.get(delta.request_id)
+    if request is None:
+        request = dataclasses.replace(delta, outputs=[])
+        whole[delta.request_id] = request
+    for new in delta.outputs:
+        so_far = completion_at(request, new.index)
+        if so_far is None:
+            request.outputs.append(dataclasses.replace(new))
+            request.outputs.sort(key=completion_index)
+            continue
+        so_far.text += new.text
+        so_far.token_ids = so_far.token_ids + new.token_ids  # a new list: the first delta's stays
+        if so_far.logprobs is not None:
+            so_far.logprobs = so_far.logprobs + new.logprobs
+        so_far.finish_reason = new.finish_reason
+        so_far.stop_reason = new.stop_reason
+    if delta.prompt_logprobs is not None:
+        request.prompt_logprobs = delta.prompt_logprobs
+    request.finished = delta.finished
+
+
+def completion_at(request: RequestOutput, index: int) -> CompletionOutput | None:
+    for completion in request.outputs:
+        if completion.index == index:
+            return completion
+    return None
+
+
+def completion_index(completion: CompletionOutput) -> int:
+    return completion.index
 
 
 # ----------------------------------------------------------------------------- HTTP server
@@ -1260,8 +1308,8 @@ def parse_request(body: dict, engine: Engine, model_name: str, chat: bool) -> tu
     options = dict(stream=typed(body, "stream", False, bool), chat=chat, n=n,
                    k=fields["logprobs"] or 0, echo=echo,
                    include_usage=typed(stream_options, "include_usage", False, bool))
-    samples = sample_params(fields, n, chat, typed(body, "top_logprobs", 0, int))
-    return [(prompt, params) for prompt in prompts for params in samples], options
+    params = sample_params(fields, n, chat, typed(body, "top_logprobs", 0, int))
+    return [(prompt, params) for prompt in prompts], options
 
 
 def check_known_fields(body: dict, chat: bool) -> None:
@@ -1297,21 +1345,20 @@ def completion_prompts(body: dict) -> list:
                     "those", "prompt")
 
 
-def sample_params(fields: dict, n: int, chat: bool, top_logprobs: int) -> list[SamplingParams]:
-    """The SamplingParams of each of the n samples: a seeded request's sample i gets seed + i;
-    a chat reply also stops at the end of its turn. HTTPError 400 naming a bad field."""
+def sample_params(fields: dict, n: int, chat: bool, top_logprobs: int) -> SamplingParams:
+    """The request's SamplingParams (its n samples are the engine's fan-out: sample i of a
+    seeded request uses seed + i); a chat reply also stops at the end of its turn. HTTPError
+    400 naming a bad field."""
     try:
         check_int("n", n, 1, MAX_N)
         check_int("top_logprobs", top_logprobs, 0, MAX_LOGPROBS)
-        params = SamplingParams(**fields)
+        params = SamplingParams(n=n, **fields)
     except ValueError as e:
         bad_field = next((f for f in [*fields, "n", "top_logprobs"] if str(e).startswith(f)), None)
         raise HTTPError(400, str(e), bad_field) from None
     if chat:
         params = dataclasses.replace(params, stop=params.stop + [CHAT_TURN_END])
-    if params.seed is None:
-        return [params] * n
-    return [dataclasses.replace(params, seed=(params.seed + i) % 2**64) for i in range(n)]
+    return params
 
 
 def token_text(tokenizer, token_id: int) -> str:
@@ -1365,11 +1412,10 @@ def chat_logprob_item(tokenizer, token_id: int, logprob: float) -> dict:
                 bytes=list(tokenizer.decode_single_token_bytes(token_id)))
 
 
-def choice(tokenizer, index: int, out: RequestOutput, options: dict, first: bool, offset=0
-           ) -> dict:
-    """One choice of a response, or of a stream's chunk (then from a delta, `offset`
-    characters into the choice's text)."""
-    completion = out.outputs[0]
+def choice(tokenizer, index: int, out: RequestOutput, completion: CompletionOutput,
+           options: dict, first: bool, offset=0) -> dict:
+    """One choice (`completion`, one of out's samples) of a response, or of a stream's chunk
+    (then from a delta, `offset` characters into the choice's text)."""
     token_ids = completion.token_ids
     entries = completion.logprobs
     text = completion.text
@@ -1394,10 +1440,10 @@ def choice(tokenizer, index: int, out: RequestOutput, options: dict, first: bool
             "finish_reason": completion.finish_reason}
 
 
-def usage_of(ids: list[str], whole: dict[str, RequestOutput], n: int) -> dict:
-    """OpenAI's usage of one request: each prompt counted once (ids hold n samples of each)."""
-    prompt_tokens = sum(len(whole[i].prompt_token_ids) for i in ids[::n])
-    completion_tokens = sum(len(whole[i].outputs[0].token_ids) for i in ids)
+def usage_of(ids: list[str], whole: dict[str, RequestOutput]) -> dict:
+    """OpenAI's usage of one HTTP request: each prompt once, every sample's tokens."""
+    prompt_tokens = sum(len(whole[i].prompt_token_ids) for i in ids)
+    completion_tokens = sum(len(c.token_ids) for i in ids for c in whole[i].outputs)
     return dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                 total_tokens=prompt_tokens + completion_tokens)
 
@@ -1843,6 +1889,9 @@ class Server:
                 head = dict(id=f"chatcmpl-{served.ids[0]}", object="chat.completion")
             head |= dict(created=int(time.time()), model=self.model_name)
             await self.respond(exchange, served, head, options)
+        except Exception:  # refused (nothing to abort), or a bug here: its blocks are freed
+            self.abort(served, "the server could not answer")
+            raise
         finally:
             self.forget(served)
 
@@ -1869,9 +1918,10 @@ class Server:
         then [DONE]). A client that goes away, or stops reading, aborts its sequences."""
         stream = options["stream"]
         ids = served.ids
-        index = {request_id: n for n, request_id in enumerate(ids)}  # the choice's index
+        n = options["n"]
+        first_choice = {request_id: n * k for k, request_id in enumerate(ids)}  # its 1st index
         whole = {}     # request id -> its whole output so far
-        num_sent = {}  # request id -> the characters of its choice streamed so far
+        num_sent = {}  # (request id, sample) -> the characters of its choice streamed so far
         tokenizer = self.engine.tokenizer
         if stream:
             exchange.start_stream()
@@ -1893,20 +1943,17 @@ class Server:
                     self.fail(exchange, served, failure)
                     return
                 if stream:
-                    is_first = out.request_id not in whole
-                    offset = num_sent.get(out.request_id, 0)
-                    chunk = choice(tokenizer, index[out.request_id], out, options, is_first,
-                                   offset)
-                    num_sent[out.request_id] = offset + len(chunk.get("text", ""))
-                    exchange.event(head | dict(choices=[chunk]))
+                    self.stream_delta(exchange, head, out, options, first_choice[out.request_id],
+                                      num_sent)
                 accumulate(whole, out)
             if exchange.unsent_bytes() > self.config.max_write_buffer:
                 self.drop(exchange, served)
                 return
         exchange.client.waiting = None
-        usage = usage_of(ids, whole, options["n"])
+        usage = usage_of(ids, whole)
         if not stream:
-            choices = [choice(tokenizer, index[i], whole[i], options, True) for i in ids]
+            choices = [choice(tokenizer, first_choice[i] + c.index, whole[i], c, options, True)
+                       for i in ids for c in whole[i].outputs]
             exchange.send(200, head | dict(choices=choices, usage=usage))
             return
         if options["include_usage"]:
@@ -1914,14 +1961,28 @@ class Server:
         exchange.event("[DONE]")
         exchange.end_stream()
 
+    def stream_delta(self, exchange: Exchange, head: dict, out: RequestOutput, options: dict,
+                     first_choice: int, num_sent: dict) -> None:
+        """A chunk for each sample in a delta; num_sent[(request id, sample)]: the characters
+        of that choice streamed so far (its logprobs' text offsets go on from there)."""
+        for completion in out.outputs:
+            key = (out.request_id, completion.index)
+            offset = num_sent.get(key, 0)
+            chunk = choice(self.engine.tokenizer, first_choice + completion.index, out,
+                           completion, options, key not in num_sent, offset)
+            num_sent[key] = offset + len(chunk.get("text", ""))
+            exchange.event(head | dict(choices=[chunk]))
+
     @staticmethod
     def failure(served: ServedRequest, out: RequestOutput) -> str | None:
         """Why the engine failed this sequence (its error), or None: it did not, or was ended
         by a shutdown (then its "abort" is an answer, not a failure)."""
-        completion = out.outputs[0]
-        if completion.finish_reason != "abort" or served.ended_by_server:
+        if served.ended_by_server:
             return None
-        return completion.stop_reason
+        for completion in out.outputs:
+            if completion.finish_reason == "abort":
+                return completion.stop_reason
+        return None
 
     def fail(self, exchange: Exchange, served: ServedRequest, message: str) -> None:
         """The engine failed the request: a 500, or, once streaming, an error event then
@@ -1954,15 +2015,15 @@ class Server:
         times = self.times.get(out.request_id)
         if times is None:
             return
-        completion = out.outputs[0]
-        if times.first_token is None and completion.token_ids:
+        num_new_tokens = sum(len(completion.token_ids) for completion in out.outputs)
+        if times.first_token is None and num_new_tokens:
             times.first_token = now
             self.histograms["time_to_first_token_seconds"].observe(now - times.arrival)
-        times.num_tokens += len(completion.token_ids)
+        times.num_tokens += num_new_tokens
         if not out.finished:
             return
         del self.times[out.request_id]
-        if completion.finish_reason == "abort":
+        if any(completion.finish_reason == "abort" for completion in out.outputs):
             return
         self.histograms["e2e_request_latency_seconds"].observe(now - times.arrival)
         if times.num_tokens > 1:
@@ -2054,7 +2115,7 @@ def argparse_error(parser: argparse.ArgumentParser, message: str) -> None:
 # Control characters (random weights emit any byte) print as visible escapes, not raw.
 VISIBLE = {c: f"\\x{c:02x}" for c in [*range(32), *range(127, 160)] if c not in (9, 10)}
 CLI_MAX_TOKENS = 200  # the command line's max_tokens, unless --max-tokens or the context says
-CLI_SAMPLING = ("temperature", "top_k", "top_p", "stop", "ignore_eos", "presence_penalty",
+CLI_SAMPLING = ("n", "temperature", "top_k", "top_p", "stop", "ignore_eos", "presence_penalty",
                 "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
                 "stop_token_ids", "include_stop_str_in_output")  # the flags cli_params reads
 
@@ -2070,27 +2131,41 @@ def cli_params(engine: Engine, args: argparse.Namespace, prompt, **fields) -> Sa
     return SamplingParams(**params)
 
 
+def line_params(engine: Engine, args: argparse.Namespace, prompt, **fields) -> SamplingParams:
+    """cli_params for a piped line or a REPL prompt, which print one completion each."""
+    params = cli_params(engine, args, prompt, **fields)
+    if params.n > 1:
+        raise ValueError(f"n is {params.n}, but piped lines and the REPL print one completion "
+                         "each; n above 1 is for --prompt, the Python API and the server")
+    return params
+
+
 def run_prompts(engine: Engine, args: argparse.Namespace) -> None:
-    """Serve every --prompt as one batch; stream each one in turn; a summary, Ctrl-C or not."""
+    """Serve every --prompt as one batch; stream each one's samples in turn (--n: each under
+    its index); a summary, Ctrl-C or not."""
     ids = [engine.add_request(prompt, cli_params(engine, args, prompt)) for prompt in args.prompt]
-    later = {request_id: [] for request_id in ids}  # deltas of requests not printed yet
-    current = 0  # the request being printed
+    samples = [(k, request_id, index) for k, request_id in enumerate(ids)
+               for index in range(args.n)]  # in the order they print
+    later = {(request_id, index): [] for _, request_id, index in samples}  # deltas not printed
+    current = 0  # the sample being printed
     start = time.perf_counter()
     if args.trace:
         engine.step_records = []
-    print(args.prompt[0].translate(VISIBLE), end="", flush=True)
+    print(sample_heading(args, 0, 0), end="", flush=True)
     try:
         while engine.has_unfinished():
             for out in engine.step():
-                later[out.request_id].append(out)
-            while current < len(ids) and later[ids[current]]:
-                out = later[ids[current]].pop(0)
-                print_delta(out)
-                if not out.finished:
+                for completion in out.outputs:
+                    later[(out.request_id, completion.index)].append(completion)
+            while current < len(samples) and later[samples[current][1:]]:
+                completion = later[samples[current][1:]].pop(0)
+                print_delta(completion)
+                if completion.finish_reason is None:
                     continue
                 current += 1
-                if current < len(ids):  # the next prompt, whose completion prints next
-                    print("\n\n" + args.prompt[current].translate(VISIBLE), end="", flush=True)
+                if current < len(samples):  # the next sample, which prints next
+                    prompt_number, _, index = samples[current]
+                    print(sample_heading(args, prompt_number, index), end="", flush=True)
     except KeyboardInterrupt:
         print("\n[interrupted]", end="", file=sys.stderr)
         print_summary(engine, time.perf_counter() - start, ids if args.trace else None)
@@ -2098,9 +2173,21 @@ def run_prompts(engine: Engine, args: argparse.Namespace) -> None:
     print_summary(engine, time.perf_counter() - start, ids if args.trace else None)
 
 
-def print_delta(out: RequestOutput) -> None:
+def sample_heading(args: argparse.Namespace, prompt_number: int, index: int) -> str:
+    """What prints before a sample's text: its prompt, before the prompt's first sample (after
+    a blank line, but for the very first); with --n above 1, the sample's index too."""
+    heading = ""
+    if index == 0:
+        heading = args.prompt[prompt_number].translate(VISIBLE)
+    if index == 0 and prompt_number > 0:
+        heading = "\n\n" + heading
+    if args.n > 1:
+        heading += f"\n[{index}] "
+    return heading
+
+
+def print_delta(completion: CompletionOutput) -> None:
     """A delta's new text, as it comes; why a request aborted, on stderr."""
-    completion = out.outputs[0]
     print(completion.text.translate(VISIBLE), end="", flush=True)
     if completion.finish_reason == "abort":
         print(f"\n[{completion.stop_reason}]", file=sys.stderr)
@@ -2200,7 +2287,7 @@ def submit_line(engine: Engine, args: argparse.Namespace, line: str, line_number
         if args.jsonl:
             fields = parse_jsonl_line(line)
         prompt = fields.pop("prompt")
-        return engine.add_request(prompt, cli_params(engine, args, prompt, **fields))
+        return engine.add_request(prompt, line_params(engine, args, prompt, **fields))
     except ValueError as e:
         return ValueError(f"line {line_number}: {e}")
 
@@ -2264,7 +2351,7 @@ def run_terminal(engine: Engine, args: argparse.Namespace) -> None:
             print(repl_command(line, settings, engine, args))
             continue
         try:
-            request_id = engine.add_request(line, cli_params(engine, args, line, **settings))
+            request_id = engine.add_request(line, line_params(engine, args, line, **settings))
         except ValueError as e:
             print(f"error: {e}")
             continue
@@ -2295,7 +2382,7 @@ def repl_command(line: str, settings: dict, engine: Engine, args: argparse.Names
         return f"{name} reset"
     try:
         parsed = [codecs.decode(value, "unicode_escape")] if name == "stop" else json.loads(value)
-        cli_params(engine, args, "", **settings | {name: parsed})  # validates
+        line_params(engine, args, "", **settings | {name: parsed})  # validates
     except ValueError as e:
         return f"error: {e}"
     settings[name] = parsed

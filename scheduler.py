@@ -57,9 +57,14 @@ class Sequence:
     queue_entry: int | None = None            # its live entry in the waiting queue
     num_cached_tokens: int | None = None      # prompt tokens the prefix cache supplied at its
                                               # first admission (None: not admitted yet)
+    request_id: str | None = None             # its request's (one of params.n samples); None:
+                                              # the same as seq_id (n = 1)
+    index: int = 0                            # which of the request's samples it is
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
+        if self.request_id is None:
+            self.request_id = self.seq_id
 
     @property
     def num_output_tokens(self) -> int:

@@ -978,6 +978,57 @@ def test_min_tokens_above_max_tokens_is_refused():
         SamplingParams(max_tokens=8, min_tokens=9)
 
 
+# ----------------------------------------------------------------------------- n samples
+# A request with n > 1 is n sequences (vLLM's fan-out) and one request: one id, one abort, one
+# finished output, its completions indexed 0..n-1.
+
+def test_n_samples_are_one_request_each_equal_to_its_seed_alone():
+    llm = tiny()
+    params = SamplingParams(n=3, seed=5, max_tokens=6, ignore_eos=True)
+    together = llm.generate(["ab"], params)
+    assert len(together) == 1 and [c.index for c in together[0].outputs] == [0, 1, 2]
+    for completion in together[0].outputs:
+        alone = dataclasses.replace(params, n=1, seed=5 + completion.index)
+        assert completion.token_ids == llm.generate(["ab"], alone)[0].outputs[0].token_ids
+    greedy = llm.generate(["ab"], SamplingParams(n=2, max_tokens=6, temperature=0))[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+
+
+def test_a_request_of_n_samples_says_finished_once_in_its_last_output():
+    engine = tiny().engine
+    request_id = engine.add_request("ab", SamplingParams(n=4, seed=1, max_tokens=12))
+    deltas = []
+    while engine.has_unfinished():
+        deltas += engine.step()
+    assert [d.finished for d in deltas].count(True) == 1 and deltas[-1].finished
+    assert {d.request_id for d in deltas} == {request_id}
+    assert_no_leaks(engine)
+
+
+def test_abort_ends_every_sample_of_a_request():
+    engine = tiny().engine
+    request_id = engine.add_request("ab", SamplingParams(n=3, max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.abort(request_id, "enough")
+    last = engine.step()
+    assert sorted(c.index for d in last for c in d.outputs) == [0, 1, 2]
+    assert all(c.finish_reason == "abort" for d in last for c in d.outputs)
+    assert [d.finished for d in last].count(True) == 1 and not engine.has_unfinished()
+    assert_no_leaks(engine)
+
+
+def test_cli_n_prints_each_sample_under_its_index(capsys):
+    status, out, _ = nanoserve_main(capsys, "--preset", "tiny", "--device", "cpu", "--prompt",
+                                    "ab", "--n", "2", "--max-tokens", "3", "--seed", "0")
+    assert status == 0 and out.startswith("ab\n[0] ") and "\n[1] " in out
+
+
+def test_piped_lines_refuse_n_above_one(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO('{"prompt": "ab", "n": 2}\n'))
+    status, out, _ = nanoserve_main(capsys, "--preset", "tiny", "--device", "cpu", "--jsonl")
+    assert status == 1 and "n is 2, but piped lines and the REPL print one completion" in out
+
+
 BAD_CONFIGS = [("max_num_seqs", 1.5), ("block_size", 16.0), ("max_num_batched_tokens", math.nan),
                ("kv_cache_tokens", True), ("max_model_len", 0), ("seed", -1),
                ("enable_chunked_prefill", 1), ("policy", "lifo"), ("dtype", "int8"),
@@ -2173,7 +2224,7 @@ def test_jsonl_answers_every_line_in_order(capsys, monkeypatch):
     fields = ", ".join(f.name for f in dataclasses.fields(SamplingParams))
     assert got[3] == {"error": "line 6: unknown field 'foo'; a line holds \"prompt\" and any of "
                       + fields}
-    assert fields.startswith("max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos")
+    assert "max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos" in fields
     assert got[4] == {"error": "line 7: temperature must be a number in [0, inf], got nan"}
     assert got[2]["stop_reason"] == "e" and got[5]["prompt"] is None
     assert (status, err) == (1, "error: 3 of 6 lines failed\n")
@@ -2563,6 +2614,17 @@ def test_http_completion_equals_offline_generate(server, offline):
     assert events[-1] == "[DONE]" and events[-2]["usage"] == got["usage"]
     assert "".join(c["text"] for e in events[:-2] for c in e["choices"]) == want.text
     assert events[-3]["choices"][0]["finish_reason"] == "length"
+
+
+def test_http_n_streams_each_choice_under_its_index(server, offline):
+    want = offline.generate("A", SamplingParams(n=3, seed=8, max_tokens=5, ignore_eos=True))
+    events = sse(server, "/v1/completions", dict(prompt="A", n=3, seed=8, max_tokens=5,
+                                                 ignore_eos=True, stream=True))
+    texts = ["", "", ""]
+    for event in events[:-1]:
+        for c in event["choices"]:
+            texts[c["index"]] += c["text"]
+    assert texts == [c.text for c in want[0].outputs]
 
 
 def test_http_prompt_list_and_n_give_each_choice_its_offline_output(server, offline):
