@@ -966,6 +966,36 @@ def test_include_stop_str_in_output_keeps_the_stop_string():
     assert kept.stop_reason == cut.stop_reason == stop
 
 
+def test_stop_strings_count_only_after_min_tokens():
+    """Every token the same (biased to certain) and its text the stop string: the first token
+    ends it; with min_tokens 8 the stop string is looked for only once the output is longer,
+    as vLLM does."""
+    llm = tiny()
+    text = llm.engine.tokenizer.decode([65])
+    free = SamplingParams(max_tokens=16, seed=2, ignore_eos=True, logit_bias={65: 100},
+                          stop=[text])
+    early = llm.generate(["ROMEO:"], free)[0].outputs[0]
+    held = llm.generate(["ROMEO:"], dataclasses.replace(free, min_tokens=8))[0].outputs[0]
+    assert len(early.token_ids) == 1 and early.text == ""
+    assert len(held.token_ids) == 9 and held.text == text * 8
+
+
+def test_the_repl_and_the_command_line_take_the_new_sampling_fields(capsys):
+    engine = tiny().engine
+    args = nanoserve.parse_args(["--presence-penalty", "0.5", "--min-p", "0.1",
+                                 "--stop-token-ids", "7", "8", "--n", "2"])
+    params = nanoserve.cli_params(engine, args, "x")
+    assert (params.presence_penalty, params.min_p, params.stop_token_ids, params.n) == (
+        0.5, 0.1, [7, 8], 2)
+    settings = {}
+    reply = nanoserve.repl_command('/set logit_bias {"65": 5}', settings, engine,
+                                   nanoserve.parse_args([]))
+    assert reply == "logit_bias = {'65': 5}" and settings == {"logit_bias": {"65": 5}}
+    reply = nanoserve.repl_command("/set repetition_penalty 0", settings, engine,
+                                   nanoserve.parse_args([]))
+    assert reply.startswith("error: repetition_penalty must be a number in (0, inf]")
+
+
 @pytest.mark.parametrize("field, value", [("stop_token_ids", [10**6]),
                                           ("logit_bias", {10**6: 1.0})])
 def test_a_token_id_outside_the_vocabulary_is_refused_by_name(field, value):
