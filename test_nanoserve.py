@@ -3319,6 +3319,21 @@ def test_cors_preflight_of_an_allowed_origin_gets_204_without_the_key(cors_serve
     assert "authorization" in response.getheader("Access-Control-Allow-Headers").lower()
 
 
+def test_requests_are_logged_only_with_log_requests():
+    quiet, quiet_url = start_server()
+    logged, logged_url = start_server("--log-requests")
+    try:
+        http(quiet_url, "/health")
+        http(logged_url, "/health")
+        http(logged_url, "/v2/nothing")
+        assert wait_for_log(logged, '"GET /health" 200')
+        assert wait_for_log(logged, '"GET /v2/nothing" 404')
+        assert not wait_for_log(quiet, "GET /health", seconds=0.5)
+    finally:
+        stop(quiet)
+        stop(logged)
+
+
 def test_server_warns_when_bound_beyond_loopback():
     proc = subprocess.Popen([sys.executable, "nanoserve.py", "--serve", "--port", "0", "--host",
                              "0.0.0.0", "--preset", "tiny"], cwd=HERE, stderr=subprocess.PIPE,
