@@ -1899,8 +1899,12 @@ class Server:
         """Hand the request's sequences to the engine; HTTPError if it refuses them."""
         try:
             await self.engine_thread.call(self.engine_thread.add, requests, served.ids)
-        except ValueError as e:
-            raise HTTPError(400, str(e), "messages" if chat else "prompt") from None
+        except ValueError as e:  # the prompt's, unless a token id field's (checked here)
+            param = "messages" if chat else "prompt"
+            for name in ("stop_token_ids", "logit_bias"):
+                if str(e).startswith(name):
+                    param = name
+            raise HTTPError(400, str(e), param) from None
         except EngineDeadError as e:
             raise HTTPError(500, str(e)) from None
 

@@ -2726,6 +2726,13 @@ def test_http_penalties_and_vllm_sampling_fields_equal_offline(server, offline):
     assert http(server, "/v1/chat/completions", chat)[0] == 200
 
 
+@pytest.mark.parametrize("field, value", [("logit_bias", {"300": 1}), ("stop_token_ids", [300]),
+                                          ("min_p", 2), ("presence_penalty", True)])
+def test_http_error_param_names_the_bad_sampling_field(server, field, value):
+    status, got = http(server, "/v1/completions", {"prompt": "x", field: value})
+    assert (status, got["error"]["param"]) == (400, field)
+
+
 def test_32_concurrent_streams_each_get_their_own_output(server, offline):
     prompts = [f"{i} " * (1 + i % 5) for i in range(32)]
     params = [SamplingParams(max_tokens=6 + i % 4, seed=i, ignore_eos=True) for i in range(32)]
@@ -2939,6 +2946,8 @@ BAD_REQUESTS = [
     ("POST", "/v1/completions", dict(prompt="x", best_of=3), 400, "best_of is not supported"),
     ("POST", "/v1/completions", dict(prompt="x", presence_penalty=3), 400, "presence_penalty"),
     ("POST", "/v1/completions", dict(prompt="x", logit_bias={"a": 1}), 400, "logit_bias"),
+    ("POST", "/v1/completions", dict(prompt="x", logit_bias={"300": 1}), 400,
+     "logit_bias: token id 300 is not in the vocabulary"),
     ("POST", "/v1/completions", dict(prompt="x", max_tokens=2, min_tokens=3), 400, "min_tokens"),
     ("POST", "/v1/completions", dict(prompt="x", wat=1), 400, "wat is not supported"),
     ("POST", "/v1/completions", dict(prompt=[]), 400, "prompt must be"),
