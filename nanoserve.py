@@ -7,9 +7,11 @@ for each sequence with no uncomputed token left), update (advance, append, detok
 and free), record (a StepRecord of what it did). Everything else loops over step().
 
 In this file, in order, each part under a one-line banner: configuration (the option()
-fields that are also flags, SamplingParams, EngineConfig, the outputs); the engine (Batch,
+fields that are also flags, SamplingParams, EngineConfig, ServerConfig, the outputs); the
+engine (Batch,
 ModelOutput, StepRecord, EngineStats, Engine with step() at its top); the offline API (LLM,
-the trace, accumulate); the HTTP server (OpenAI's completions and chat, /metrics); the
+the trace, accumulate); the HTTP server (OpenAI's completions and chat, /tokenize, /metrics:
+one asyncio event loop for every connection, the engine on its own thread); the
 command line (--prompt, piped stdin and --jsonl, the REPL, main). It uses the scheduler
 (scheduler.py), the block pool (paged_cache.py), the model (model.py) and the attention and
 sampling ops (kernels.py). The offline API has vLLM's shape and argument names, so moving to
