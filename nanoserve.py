@@ -382,6 +382,15 @@ def is_device_error(error: Exception) -> bool:
     return isinstance(error, torch.AcceleratorError) or "CUDA error" in str(error)
 
 
+def sample_id(request_id: str, index: int) -> str:
+    """The sequence id of a request's sample `index`: the request's own id for sample 0 (so a
+    request of one sample is one id, and the trace's row for a request is its first sample),
+    "{index}_{request_id}" for the others (vLLM's form)."""
+    if index == 0:
+        return request_id
+    return f"{index}_{request_id}"
+
+
 def to_host(tensor: torch.Tensor) -> list:
     """A device tensor's values as (nested) Python lists. The only place a step waits for the
     device: a CUDA test runs whole steps with every other wait made an error."""
@@ -490,7 +499,8 @@ class Engine:
         self.last_step = StepRecord(
             scheduled={seq.seq_id: num_new for seq, num_new in scheduled.items()},
             sampled=[seq.seq_id for seq in model_output.sampled_token_ids],
-            finished=[output.request_id for output in outputs if output.finished],
+            finished=[sample_id(output.request_id, completion.index) for output in outputs
+                      for completion in output.outputs if completion.finish_reason is not None],
             preempted=[seq.seq_id for seq in scheduler_output.preempted],
             num_cached_tokens={seq.seq_id: num_cached for seq, num_cached
                                in scheduler_output.newly_admitted.items() if num_cached > 0},
@@ -527,10 +537,8 @@ class Engine:
     def _sample_sequence(self, request_id: str, index: int, text: str | None,
                          token_ids: list[int], params: SamplingParams) -> Sequence:
         """Sample `index` of a request: each of its n samples is a sequence of its own (vLLM's
-        fan-out), id "{index}_{request_id}" when n > 1; a seeded one's seed is seed + index."""
-        seq_id = request_id
-        if params.n > 1:
-            seq_id = f"{index}_{request_id}"
+        fan-out, ids from sample_id); a seeded one's seed is seed + index."""
+        seq_id = sample_id(request_id, index)
         if params.seed is not None:
             params = dataclasses.replace(params, seed=(params.seed + index) % 2**64)
         generator = None
@@ -567,7 +575,8 @@ class Engine:
             raise ValueError(f"request_id must be a string, got {request_id!r}")
         if not token_ids:
             raise ValueError("prompt is empty: it needs at least one token")
-        if request_id in self.requests:
+        sample_ids = [sample_id(request_id, index) for index in range(params.n)]
+        if request_id in self.requests or any(i in self.seqs for i in sample_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab_size = self.model.config.vocab_size
         for name, ids in (("stop_token_ids", params.stop_token_ids),

@@ -1047,6 +1047,24 @@ def test_abort_ends_every_sample_of_a_request():
     assert_no_leaks(engine)
 
 
+def test_a_request_id_that_names_another_requests_sample_is_refused():
+    """Sample 1 of request "5" is sequence "1_5": a request "1_5" beside it is refused."""
+    engine = tiny().engine
+    engine.add_request("ab", SamplingParams(n=2, max_tokens=4), "5")
+    with pytest.raises(ValueError, match="request id '1_5' is already in use"):
+        engine.add_request("ab", SamplingParams(max_tokens=4), "1_5")
+
+
+def test_the_trace_draws_a_request_of_n_samples_as_its_first_sample(capsys):
+    llm = tiny(max_num_seqs=2)
+    outputs = llm.generate(["ab", "cd"], SamplingParams(n=2, max_tokens=3, ignore_eos=True),
+                           trace=True)
+    rows = capsys.readouterr().err.splitlines()
+    marks = [row.split(" | ")[1] for row in rows[1:3]]
+    assert marks[0] == "oo*" and marks[1].startswith("...")  # two sequences at a time
+    assert [len(o.outputs) for o in outputs] == [2, 2]
+
+
 def test_cli_n_prints_each_sample_under_its_index(capsys):
     status, out, _ = nanoserve_main(capsys, "--preset", "tiny", "--device", "cpu", "--prompt",
                                     "ab", "--n", "2", "--max-tokens", "3", "--seed", "0")
