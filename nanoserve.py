@@ -869,12 +869,11 @@ class Engine:
         values = self._upload(dict(
             presence=[seq.params.presence_penalty for seq in seqs],
             frequency=[seq.params.frequency_penalty for seq in seqs],
-            repetition=[seq.params.repetition_penalty for seq in seqs],
-            ones=[1.0] * len(ints["output_ids"])), torch.float32)
+            repetition=[seq.params.repetition_penalty for seq in seqs]), torch.float32)
         device = self.config.device
         counts = torch.zeros(len(seqs), vocab_size, device=device)
-        counts.index_put_((index["output_rows"], index["output_ids"]), values["ones"],
-                          accumulate=True)
+        ones = torch.ones(len(ints["output_ids"]), device=device)  # made there, not uploaded
+        counts.index_put_((index["output_rows"], index["output_ids"]), ones, accumulate=True)
         seen = torch.zeros(len(seqs), vocab_size, dtype=torch.bool, device=device)
         seen[index["seen_rows"], index["seen_ids"]] = True
         return Penalties(output_counts=counts, seen=seen, presence=values["presence"],
@@ -1728,6 +1727,7 @@ class Server:
             return False
         exchange = Exchange(request, writer, client, self.cors_headers(request))
         await self.answer(exchange)
+        client.waiting = None  # answered, or abandoned early: nothing of it to wake any more
         if self.config.log_requests:
             print(f'"{request.method} {request.path}" {exchange.status}', file=sys.stderr)
         return request.keep_alive and not client.gone and not writer.is_closing()
@@ -1964,7 +1964,6 @@ class Server:
             if exchange.unsent_bytes() > self.config.max_write_buffer:
                 self.drop(exchange, served)
                 return
-        exchange.client.waiting = None
         usage = usage_of(ids, whole)
         if not stream:
             choices = [choice(tokenizer, first_choice[i] + c.index, whole[i], c, options, True)
