@@ -8,6 +8,8 @@ What it measures, in the order it runs:
 - the hardware view: the paged engine's decode step (its model forward, its host part) beside a
   dense-cache step and a roofline measured in the same run; the host cost by output length; the
   cost of sampling;
+- grouped-query attention: llama-tiny against the same model with a K/V head per query head,
+  at equal KV memory: sequences a step and tokens/s;
 - online: Poisson arrivals, vLLM's latency metrics (TTFT, TPOT, ITL, E2E), in process or against
   an OpenAI-compatible server (--url URL; README: Over HTTP).
 Tables go to stdout, every figure to JSON (--out).
@@ -39,6 +41,7 @@ import torch
 
 from model import PRESETS, DenseKVCache
 from kernels import sample
+from paged_cache import kv_bytes_per_token
 from nanoserve import (Engine, EngineConfig, SamplingParams, accumulate, add_config_args,
                        check_fields, option)
 
@@ -76,6 +79,8 @@ class BenchConfig:
     device: str = option("cpu", "cpu or cuda")
     threads: int = option(1, "torch CPU threads (0: torch's default); 1: steadier on shared cores",
                           low=0)
+    grouped_query: bool = option(True, "the grouped-query experiment: llama-tiny (2 K/V heads "
+                                 "for 8) against llama-tiny-mha (8 for 8) at equal KV memory")
     hardware_preset: str = option("", "also the hardware view of this shape, batch 1/8/32/64, "
                                   "torch's default threads (gpt2: ~1 min)", choices=["", *PRESETS])
     seed: int = option(0, "seeds the weights, prompts, lengths and arrivals", low=0)
@@ -320,6 +325,35 @@ def add_ratios(runs: dict) -> None:
         run["steps_vs_static"] = None
         if "static" in runs:
             run["steps_vs_static"] = runs["static"]["steps"] / run["steps"]
+
+
+def grouped_query(cfg: BenchConfig, progress) -> dict:
+    """At equal KV memory, how much grouped-query attention buys: llama-tiny (8 query heads
+    sharing 2 K/V heads) against llama-tiny-mha (a K/V head per query head), fcfs, the same
+    requests, each given the bytes that kv_budget tokens of llama-tiny-mha take. The grouped
+    model's cache holds 4x the tokens, so more sequences run a step (up to
+    memory_max_num_seqs); tokens/s says what that is worth on this device."""
+    found = {}
+    mha = PRESETS["llama-tiny-mha"]
+    budget_bytes = cfg.kv_budget * kv_bytes_per_token(mha.n_layer, mha.n_kv_head, mha.head_dim,
+                                                      torch.float32)
+    for limit in cfg.limits:
+        prompts, lengths = make_workload(cfg, cfg.num_requests, limit, shared=True)
+        runs = {}
+        for preset in ("llama-tiny-mha", "llama-tiny"):
+            c = PRESETS[preset]
+            bytes_per_token = kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_dim,
+                                                 torch.float32)
+            run_cfg = replace(cfg, preset=preset, kv_cache_tokens=budget_bytes // bytes_per_token,
+                              max_num_seqs=cfg.memory_max_num_seqs)
+            run, _ = run_offline_engine(run_cfg, "fcfs", prompts, lengths, limit)
+            runs[preset] = run | dict(kv_heads=c.n_kv_head, kv_tokens=run_cfg.kv_cache_tokens)
+            progress(f"grouped query, limit {limit}, {preset}: {run['tok_s']:.0f} tok/s, "
+                     f"{run['seqs_per_step']:.1f} sequences a step")
+        for run in runs.values():
+            run["vs_mha"] = run["tok_s"] / runs["llama-tiny-mha"]["tok_s"]
+        found[str(limit)] = runs
+    return found
 
 
 # ----------------------------------------------------------------------------- online runs
@@ -788,6 +822,19 @@ def offline_table(result: dict) -> str:
                  "kv_slots_mean kv_slots_peak kv_real_share preemptions")
 
 
+def grouped_query_table(result: dict) -> str:
+    cfg = result["config"]
+    rows = []
+    for limit, runs in result["grouped_query"].items():
+        for preset, figures in runs.items():
+            rows.append(dict(limit=limit, model=preset) | figures)
+    title = (f"Grouped-query attention at equal KV memory (what {cfg['kv_budget']} tokens of "
+             "llama-tiny-mha take, fp32), fcfs: the KV tokens that memory holds, sequences a "
+             "step, useful output tokens/s")
+    return table(title, rows, "limit model kv_heads kv_tokens seqs_per_step seqs_peak "
+                 "tokens_per_step tok_s vs_mha steps preemptions")
+
+
 def decode_table(hw: dict) -> str:
     rows = []
     for d in hw["decode"] + hw["host_cost"]:
@@ -828,6 +875,8 @@ def report(result: dict) -> str:
     if "hardware" in result:  # the in-process experiments ran
         tables.append(offline_table(result))
         tables.append(decode_table(result["hardware"]))
+    if "grouped_query" in result:
+        tables.append(grouped_query_table(result))
     if "hardware_big" in result:
         tables.append(decode_table(result["hardware_big"]))
     tables.append(online_table(result))
@@ -849,6 +898,8 @@ def run_in_process(cfg: BenchConfig, result: dict, progress) -> None:
     hw["sampling"] = sampling_time(cfg)
     result["hardware"] = hw
     progress("hardware view")
+    if cfg.grouped_query:
+        result["grouped_query"] = grouped_query(cfg, progress)
 
 
 def online_modes(cfg: BenchConfig) -> list[str]:

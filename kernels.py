@@ -7,8 +7,14 @@ tokens (one query each) and prefill chunks (many queries). The new tokens' K/V a
 written into the paged cache at `slot_mapping`; then each query attends to every token of its
 own sequence that has K/V in the cache, up to and including its own position (causal within
 the chunk, full over what earlier steps computed). Shape legend: N tokens in the flat batch,
-S sequences, H heads, D head dim, NB blocks in the cache, BS block size (tokens per block),
-MB max blocks a sequence.
+S sequences, H query heads, Hkv KV heads (H a multiple of Hkv), D head dim, NB blocks in the
+cache, BS block size (tokens per block), MB max blocks a sequence.
+
+Grouped-query attention (GQA: Llama 3, Qwen) keeps Hkv < H heads of K/V, a G = H // Hkv times
+smaller cache; query head h reads KV head h // G, so each KV head serves a contiguous group
+of G query heads (Hugging Face's repeat_kv). Hkv == H (G = 1) is plain multi-head attention
+(GPT-2). The fast paths read each K/V once per KV head for its whole group, never copying it
+per query head.
 
 In this file, in order: AttentionMetadata and store_kv; paged_attention_ref (the spec), then
 paged_attention_cpu (the CPU default) and the Triton kernel with its launcher paged_attention
@@ -16,11 +22,11 @@ paged_attention_cpu (the CPU default) and the Triton kernel with its launcher pa
 sample, apply_top_k_top_p). model.py calls the attention function it is given; the engine
 (nanoserve.py) builds the metadata and calls sample().
 
-Left out on purpose: sliding windows, ALiBi, GQA, fp8 caches, split-K decode. Checked on a CPU
+Left out on purpose: sliding windows, ALiBi, fp8 caches, split-K decode. Checked on a CPU
 only (test_nanoserve.py): the kernel against the reference in Triton's interpreter (fp32,
-fp16, bf16), and its sm_80/sm_90 build as launched (fp16/bf16, head dim 64: <= 128 registers,
-no spills, < 64 KB of shared memory, K/V by pipelined cp.async). Not checked: speed, or
-results, on a GPU."""
+fp16, bf16; G = 1, 2, 3, 4, 7), and its sm_80/sm_90 build as launched (fp16/bf16, head dim
+64, G = 1, 4 and 7: <= 128 registers, no spills, < 64 KB of shared memory, K/V by pipelined
+cp.async). Not checked: speed, or results, on a GPU."""
 import contextlib
 import ctypes
 import os
@@ -53,8 +59,8 @@ class AttentionMetadata:
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Write new keys/values (N, H, D) into the caches (NB, BS, H, D) at their flat slots (N,):
-    one indexed copy, a slot being a row of the cache viewed as (NB * BS, H, D)."""
+    """Write new keys/values (N, Hkv, D) into the caches (NB, BS, Hkv, D) at their flat slots
+    (N,): one indexed copy, a slot being a row of the cache viewed as (NB * BS, Hkv, D)."""
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
@@ -71,41 +77,72 @@ def keep_freed_memory() -> None:
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Attention of queries q (N, H, D) over the paged caches k_cache, v_cache (NB, BS, H, D).
+    """Attention of queries q (N, H, D) over the paged caches k_cache, v_cache (NB, BS, Hkv, D),
+    H a multiple of Hkv.
 
     Returns (N, H, D). Query j of sequence s (of q_len queries, context_len tokens with K/V in
     the cache, its own included) sits at position context_len - q_len + j and sees positions
-    0..that position.
+    0..that position. Query head h reads KV head h // G, G = H // Hkv: here each KV head is
+    repeated G times over (repeat_interleave, as Hugging Face's repeat_kv), and query head h
+    reads head h of that.
     The specification of paged_attention (Triton) and paged_attention_cpu: one sequence at a
     time, its blocks gathered in the order of its block table."""
+    heads_per_kv = _heads_per_kv(q, k_cache)
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
     for s in range(len(starts) - 1):
         rows = slice(starts[s], starts[s + 1])
-        out[rows] = _attend(q[rows], k_cache, v_cache, meta, s, scale)
+        k, v = _gather_sequence(k_cache, v_cache, meta, s)  # (T, Hkv, D) each
+        k = k.repeat_interleave(heads_per_kv, dim=1)        # (T, H, D): KV heads 0,0,..,1,1,..
+        v = v.repeat_interleave(heads_per_kv, dim=1)        # (T, H, D)
+        out[rows] = _attend(q[rows], k, v, scale)
     return out
 
 
-def _attend(q, k_cache, v_cache, meta, s, scale):
-    """Causal attention of sequence s's queries q (L, H, D) over its T tokens with K/V in the
-    cache: (L, H, D)."""
+def _heads_per_kv(q: torch.Tensor, k_cache: torch.Tensor) -> int:
+    """G = H // Hkv, the query heads of q (N, H, D) that share each KV head of the cache
+    (NB, BS, Hkv, D). An H that Hkv does not divide would pair heads with the wrong K/V."""
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"q has {num_heads} heads, not a multiple of the cache's "
+                         f"{num_kv_heads} KV heads")
+    return num_heads // num_kv_heads
+
+
+def _gather_sequence(k_cache, v_cache, meta, s):
+    """Sequence s's K and V, its T tokens in order, from the caches (NB, BS, Hkv, D):
+    (T, Hkv, D) each."""
     ctx_len = int(meta.context_lens[s])
     blocks = meta.block_tables[s, :cdiv(ctx_len, k_cache.shape[1])]       # (nb,)
     # index_select, not k_cache[blocks]: twice as fast on a CPU
-    k = torch.index_select(k_cache, 0, blocks).flatten(0, 1)[:ctx_len]    # (T, H, D)
-    v = torch.index_select(v_cache, 0, blocks).flatten(0, 1)[:ctx_len]    # (T, H, D)
-    q_pos = ctx_len - len(q) + torch.arange(len(q), device=q.device)      # (L,)
-    visible = torch.arange(ctx_len, device=q.device) <= q_pos[:, None]    # (L, T)
-    return torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-        attn_mask=visible, scale=scale).transpose(0, 1)
+    k = torch.index_select(k_cache, 0, blocks).flatten(0, 1)[:ctx_len]    # (T, Hkv, D)
+    v = torch.index_select(v_cache, 0, blocks).flatten(0, 1)[:ctx_len]    # (T, Hkv, D)
+    return k, v
+
+
+def _attend(q, k, v, scale):
+    """Causal attention of a sequence's last L queries q (L, H, D) over its T tokens' keys and
+    values k, v (T, Hkv, D): (L, H, D), query head h reading KV head h // (H // Hkv).
+
+    SDPA's enable_gqa maps heads so (a no-op when Hkv == H). Inputs are 4-D, a batch of one:
+    on a CPU that takes SDPA's flash kernel, which reads each KV head in place for its query
+    heads, where 3-D inputs take its math path, which copies K/V per query head and was slower
+    even without GQA (a 256-token chunk over 512 tokens, 14 heads: 4.4 ms, now 3.3 ms, 2-core
+    EPYC)."""
+    num_queries, ctx_len = len(q), len(k)
+    q_pos = ctx_len - num_queries + torch.arange(num_queries, device=q.device)  # (L,)
+    visible = torch.arange(ctx_len, device=q.device) <= q_pos[:, None]          # (L, T)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        attn_mask=visible, scale=scale, enable_gqa=True)  # (1, H, L, D)
+    return out[0].transpose(0, 1)
 
 
 @dataclass
 class DecodePlan:
     """How paged_attention_cpu attends a step's decodes, made by its first layer for all."""
     groups: list    # by context length: rows (g,), flat block ids (g * nb,), mask (g, 1, 1, T)
-    buffers: tuple  # K and V gathered for one group: (g * nb, BS, H, D) each
+    buffers: tuple  # K and V gathered for one group: (g * nb, BS, Hkv, D) each
 
 
 def plan_decodes(meta: AttentionMetadata, decode: list, k_cache: torch.Tensor) -> DecodePlan:
@@ -115,7 +152,8 @@ def plan_decodes(meta: AttentionMetadata, decode: list, k_cache: torch.Tensor) -
     block_size = k_cache.shape[1]
     decode = sorted(decode, key=lens.__getitem__)
     longest = lens[decode[-1]]
-    bytes_per_decode = 2 * longest * k_cache[0, 0].nbytes  # its K and V, at the longest context
+    # its K and V at the longest context: k_cache[0, 0] is one token's (Hkv, D), the KV heads
+    bytes_per_decode = 2 * longest * k_cache[0, 0].nbytes
     group_size = max(1, min(DECODE_GROUP, DECODE_BYTES // bytes_per_decode))
     groups = []
     for i in range(0, len(decode), group_size):
@@ -139,7 +177,10 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     not per layer. Every group of every layer gathers K/V into the same two buffers, which stay
     in the CPU's caches while attention reads them: each K/V in the cache is read once from
     memory, where a fresh gather per group wrote then re-read it (38% of a batch-32 decode
-    step, 2-core EPYC)."""
+    step, 2-core EPYC). With GQA each KV head is gathered once and serves its G query heads
+    as G query rows: K/V are never copied per query head."""
+    _, num_heads, head_dim = q.shape
+    heads_per_kv = _heads_per_kv(q, k_cache)
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
     q_lens = [end - start for start, end in zip(starts, starts[1:])]
@@ -149,24 +190,28 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             decodes.append(s)
             continue
         chunk = slice(starts[s], starts[s + 1])  # a prefill chunk
-        out[chunk] = _attend(q[chunk], k_cache, v_cache, meta, s, scale)
+        k, v = _gather_sequence(k_cache, v_cache, meta, s)  # (T, Hkv, D) each
+        out[chunk] = _attend(q[chunk], k, v, scale)
     if not decodes:
         return out
     if meta.decode_plan is None:
         meta.decode_plan = plan_decodes(meta, decodes, k_cache)
     k_buffer, v_buffer = meta.decode_plan.buffers
     for rows, blocks, mask in meta.decode_plan.groups:
-        k = _gather_blocks(k_cache, blocks, k_buffer, len(rows))  # (g, H, T, D)
-        v = _gather_blocks(v_cache, blocks, v_buffer, len(rows))  # (g, H, T, D)
+        k = _gather_blocks(k_cache, blocks, k_buffer, len(rows))  # (g, Hkv, T, D)
+        v = _gather_blocks(v_cache, blocks, v_buffer, len(rows))  # (g, Hkv, T, D)
+        # A KV head's G query heads (contiguous in q) are G query rows; the mask broadcasts.
+        q_rows = q[rows].view(len(rows), -1, heads_per_kv, head_dim)  # (g, Hkv, G, D)
         out[rows] = torch.nn.functional.scaled_dot_product_attention(
-            q[rows, :, None], k, v, attn_mask=mask, scale=scale)[:, :, 0]  # (g, H, D)
+            q_rows, k, v, attn_mask=mask, scale=scale).view(len(rows), num_heads, head_dim)
     return out
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, buffer: torch.Tensor,
                    num_seqs: int) -> torch.Tensor:
-    """A group's blocks (g * nb,) of cache (NB, BS, H, D) gathered into buffer: (g, H, T, D)."""
-    gathered = torch.index_select(cache, 0, blocks, out=buffer[:len(blocks)])  # (g * nb, BS, H, D)
+    """A group's blocks (g * nb,) of cache (NB, BS, Hkv, D) gathered into buffer:
+    (g, Hkv, T, D)."""
+    gathered = torch.index_select(cache, 0, blocks, out=buffer[:len(blocks)])  # (g*nb, BS, Hkv, D)
     return gathered.view(num_seqs, -1, *cache.shape[2:]).transpose(1, 2)
 
 
@@ -188,41 +233,53 @@ def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, context_lens_ptr, query_start_loc_ptr, sm_scale,
     stride_qn, stride_qh, stride_qd,             # q (N, H, D)
-    stride_kb, stride_kt, stride_kh, stride_kd,  # k_cache (NB, BS, H, D)
-    stride_vb, stride_vt, stride_vh, stride_vd,  # v_cache (NB, BS, H, D)
+    stride_kb, stride_kt, stride_kh, stride_kd,  # k_cache (NB, BS, Hkv, D)
+    stride_vb, stride_vt, stride_vh, stride_vd,  # v_cache (NB, BS, Hkv, D)
     stride_on, stride_oh, stride_od, stride_bts,  # out (N, H, D); block_tables (S, MB), rows dense
+    HEADS_PER_KV: tl.constexpr,                     # G = H // Hkv, query heads a KV head serves
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  # D; D padded to a power of 2 >= 16 (tl.dot)
     CACHE_BLOCK_SIZE: tl.constexpr,                 # BS, tokens per cache block
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,   # queries per program; keys per step (any BS)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,   # rows per program; keys per step (any BS)
     DOT_IN_FP32: tl.constexpr,                      # only Triton's interpreter on bf16: see _dot
 ):
-    """FlashAttention-style forward over a paged cache; one program per (sequence, head, q tile).
+    """FlashAttention-style forward over a paged cache; one program per (sequence, KV head,
+    tile of BLOCK_M rows).
 
-    The tile's BLOCK_M queries are loaded once; keys and values stream past BLOCK_N tokens at a
-    time, each token's row gathered through the block table, with an online softmax (m_i, l_i,
-    acc) in fp32. Keys stop at the last position the tile's last query can see."""
+    A row is a (query, query head) pair of the KV head's group of G heads, stacked query by
+    query: row r is query r // G for query head kv_head * G + r % G. A decode fills G rows, a
+    chunk of L queries L * G, and each K/V tile, loaded once, serves the whole group (with
+    G = 1, a row is a query). The tile's rows are loaded once; keys and values stream past
+    BLOCK_N tokens at a time, each token's row gathered through the block table, with an
+    online softmax (m_i, l_i, acc) in fp32. Keys stop at the last position the tile's last
+    query can see."""
     seq = tl.program_id(0)
-    head = tl.program_id(1)
-    pid_m = tl.program_id(2)  # which tile of BLOCK_M queries
+    kv_head = tl.program_id(1)
+    pid_m = tl.program_id(2)  # which tile of BLOCK_M rows
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if pid_m * BLOCK_M >= q_len:  # this sequence has fewer query tiles than the longest one
+    if pid_m * BLOCK_M >= q_len * HEADS_PER_KV:  # this sequence has fewer tiles than the longest
         return
     context_len = tl.load(context_lens_ptr + seq)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the sequence
+    offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row index within the sequence's rows
+    offs_m = offs_r // HEADS_PER_KV                   # its query index within the sequence
+    heads = kv_head * HEADS_PER_KV + offs_r % HEADS_PER_KV  # its query head
     offs_d = tl.arange(0, BLOCK_D)
     mask_m = offs_m < q_len       # past the sequence's last query
     mask_d = offs_d < HEAD_DIM    # past the real head dim
-    q_pos = context_len - q_len + offs_m  # absolute position of each query
-    # rows of the flat batch, int64: rows * stride_qn passes 2**31 at ~900k tokens a step
-    rows = (q_start + offs_m).to(tl.int64)
+    q_pos = context_len - q_len + offs_m  # absolute position of each row's query
+    # each row's query token in the flat batch, int64: tokens * stride_qn passes 2**31 at ~900k
+    # tokens a step
+    tokens = (q_start + offs_m).to(tl.int64)
     mask_md = mask_m[:, None] & mask_d[None, :]  # past the last query or the real head dim
-    q_offs = rows[:, None] * stride_qn + head * stride_qh + offs_d[None, :] * stride_qd
+    q_offs = tokens[:, None] * stride_qn + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
     q = tl.load(q_ptr + q_offs, mask=mask_md, other=0.0)  # (BLOCK_M, BLOCK_D)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max of the scores
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                # running softmax denominator
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)       # running unnormalized output
-    kv_end = context_len - q_len + tl.minimum(q_len, (pid_m + 1) * BLOCK_M)
+    # The tile's rows reach query num_seen - 1 (its last row's, or the sequence's last query):
+    # keys stop at the last position that query sees.
+    num_seen = tl.minimum(q_len, ((pid_m + 1) * BLOCK_M - 1) // HEADS_PER_KV + 1)
+    kv_end = context_len - q_len + num_seen
     for start_n in range(0, kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)  # token positions in this step
         mask_n = offs_n < kv_end
@@ -231,8 +288,8 @@ def _paged_attention_kernel(
                             mask=mask_n, other=0).to(tl.int64)  # int64: big caches pass 2**31
         offs_in_block = offs_n % CACHE_BLOCK_SIZE
         # K tile, loaded transposed (BLOCK_D, BLOCK_N): masked past kv_end and the real head dim.
-        k_offs = (block_ids * stride_kb + offs_in_block * stride_kt)[None, :] + head * stride_kh \
-            + offs_d[:, None] * stride_kd
+        k_offs = (block_ids * stride_kb + offs_in_block * stride_kt)[None, :] \
+            + kv_head * stride_kh + offs_d[:, None] * stride_kd
         k = tl.load(k_cache_ptr + k_offs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
         scores = _dot(q, k, DOT_IN_FP32) * sm_scale  # (BLOCK_M, BLOCK_N) fp32
         visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]  # causal + tail
@@ -244,15 +301,15 @@ def _paged_attention_kernel(
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         # V tile (BLOCK_N, BLOCK_D): masked like K; masked rows give 0 and have p == 0 anyway.
-        v_offs = (block_ids * stride_vb + offs_in_block * stride_vt)[:, None] + head * stride_vh \
-            + offs_d[None, :] * stride_vd
+        v_offs = (block_ids * stride_vb + offs_in_block * stride_vt)[:, None] \
+            + kv_head * stride_vh + offs_d[None, :] * stride_vd
         v = tl.load(v_cache_ptr + v_offs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_IN_FP32)
-    o_offs = rows[:, None] * stride_on + head * stride_oh + offs_d[None, :] * stride_od
+    o_offs = tokens[:, None] * stride_on + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
     tl.store(out_ptr + o_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_md)
 
 
-BLOCK_M = 16  # queries per program: tl.dot's minimum (a decode fills 1 row of it)
+BLOCK_M = 16  # (query, head) rows per program: tl.dot's minimum (a decode fills G of them)
 BLOCK_N = 64  # keys per inner step
 # K/V addresses come from a block-id load, so Triton's pipeliner needs 5 stages to keep step
 # n+1's K/V copies in flight during step n's math (at 3 it waits for every copy): 37 KB of
@@ -264,16 +321,20 @@ NUM_STAGES = {2: 5, 4: 3}  # pipeline stages by element size in bytes
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Triton twin of paged_attention_ref: same arguments, same result. The launch reads no
-    tensor's value (so never waits for the GPU) and runs on q's device, current or not."""
+    tensor's value (so never waits for the GPU) and runs on q's device, current or not.
+    One program per (sequence, KV head, tile of BLOCK_M (query, head) rows): each sequence's
+    max_query_len * G rows at most, G = H // Hkv."""
     num_tokens, num_heads, head_dim = q.shape
+    heads_per_kv = _heads_per_kv(q, k_cache)  # the caches' heads divide q's, or ValueError
     tables = meta.block_tables
     lens = meta.context_lens
     starts = meta.query_start_loc
     assert all(t.device == q.device for t in (k_cache, v_cache, tables, lens, starts)), \
         "q, caches and metadata must share one device"
     assert q.dtype == k_cache.dtype == v_cache.dtype and k_cache.shape == v_cache.shape \
-        and k_cache.shape[2:] == (num_heads, head_dim) and k_cache.is_contiguous() \
-        and v_cache.is_contiguous(), f"q {q.dtype} vs caches {k_cache.dtype} {k_cache.shape}"
+        and k_cache.shape[3] == head_dim and k_cache.is_contiguous() and v_cache.is_contiguous(), \
+        f"q {q.dtype} {tuple(q.shape)} vs caches {k_cache.dtype} {tuple(k_cache.shape)}, " \
+        f"{tuple(v_cache.shape)}: one dtype, one head dim, caches contiguous and alike"
     dot_in_fp32 = triton.knobs.runtime.interpret and q.dtype == torch.bfloat16  # see _dot
     assert q.stride(-1) == 1, "q's head dim must be contiguous"  # rows may be qkv-strided
     assert tables.dtype == lens.dtype == starts.dtype == torch.int32, "metadata must be int32"
@@ -281,11 +342,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert lens.is_contiguous() and starts.is_contiguous(), "context_lens and query_start_loc " \
         "are read as dense arrays"
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    grid = (len(lens), num_heads, cdiv(meta.max_query_len, BLOCK_M))
+    grid = (len(lens), k_cache.shape[2], cdiv(meta.max_query_len * heads_per_kv, BLOCK_M))
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, tables, lens, starts, scale,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), tables.stride(0),
+            HEADS_PER_KV=heads_per_kv,
             HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             CACHE_BLOCK_SIZE=k_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
             DOT_IN_FP32=dot_in_fp32,

@@ -1,23 +1,30 @@
-"""model.py: GPT-2, shaped for serving, and what loads and trains it.
+"""model.py: a decoder-only transformer shaped for serving (GPT-2, Llama, Qwen2, Qwen3, Mistral),
+and what loads and trains it.
 
 In order:
-- the model: GPTConfig and its PRESETS; CausalSelfAttention, MLP, Block, GPT. Two forward paths
-  run the same layers. `GPT.forward` is the engine's: one flat batch of tokens (N, C), every op
-  but attention on all scheduled tokens at once (Orca's "selective batching"), attention reading
-  and writing the paged KV cache through kernels.py, told where everything is by an
-  AttentionMetadata. `GPT.forward_dense` is plain GPT-2 on (B, T): the training path and the
-  paged path's reference; `GPT.dense_hidden_states` is its body, which can also keep K/V in a
-  DenseKVCache, contiguous per sequence as Hugging Face keeps them (bench.py's naive baseline).
+- the model: GPTConfig (the few fields in which those families differ) and its PRESETS;
+  RMSNorm, RotaryEmbedding (RoPE, Llama 3's rescaling included), Attention (grouped-query: fewer
+  K/V heads than query heads), MLP (GELU or SwiGLU), Block, GPT. Two forward paths run the same
+  layers. `GPT.forward` is the engine's: one flat batch of tokens (N, C), every op but attention
+  on all scheduled tokens at once (Orca's "selective batching"), positions rotating q and k per
+  token, attention reading and writing the paged KV cache through kernels.py, told where
+  everything is by an AttentionMetadata. `GPT.forward_dense` is the plain model on (B, T): the
+  training path and the paged path's reference; `GPT.dense_hidden_states` is its body, which
+  can also keep K/V in a DenseKVCache, contiguous per sequence as Hugging Face keeps them
+  (bench.py's naive baseline).
 - tokenizers: the byte-level one of the presets, GPT-2's BPE files (tiktoken does the encoding),
   and the Detokenizer that turns a request's tokens into text a step at a time, stop strings
   included (each request's scheduler.Sequence holds one).
-- checkpoints: Hugging Face GPT-2 directories read and written (safetensors by hand, Conv1D
-  weights transposed on load), the hub download, load_model (what nanoserve.py calls).
+- configs: config_from_hf, an allow-list from a Hugging Face config.json to a GPTConfig.
+- checkpoints: Hugging Face directories read (safetensors by hand; parameters named as in
+  Hugging Face's Llama, GPT-2's renamed and its Conv1D weights transposed) and GPT-2's written,
+  the hub download, load_model (what nanoserve.py calls).
 - training: `python model.py --train FILE` trains the shipped byte-level model.
 
-Left out: dropout, every architecture but GPT-2's (no rotary embeddings, no grouped-query
-attention), tensor parallelism and quantisation.
-Shape legend: N tokens in the flat batch, B batch, T time, C n_embd, H heads, D head dim.
+Left out: dropout, sliding-window attention, mixture-of-experts, RoPE scalings but Llama 3's,
+tensor parallelism and quantisation.
+Shape legend: N tokens in the flat batch, B batch, T time, C n_embd, H query heads, Hkv K/V
+heads, D head dim.
 """
 import argparse
 import codecs
@@ -28,7 +35,7 @@ import os
 import sys
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import tiktoken
 import torch
@@ -40,33 +47,70 @@ from kernels import AttentionMetadata, paged_attention_ref, store_kv
 
 @dataclass
 class GPTConfig:
+    """The model's shape. GPT-2 and the Llama family (Llama, Qwen2, Qwen3, Mistral) differ only
+    in these fields, so one set of modules serves them all; config_from_hf maps a Hugging Face
+    config.json onto them. The defaults are the byte-level GPT-2 of the "tiny" preset."""
     vocab_size: int = 257             # 256 bytes + <|endoftext|> (GPT-2: 50257)
     n_positions: int = 1024           # context length: prompt + generated tokens
     n_embd: int = 256
     n_layer: int = 4
     n_head: int = 4
-    layer_norm_epsilon: float = 1e-5
+    n_kv_head: int | None = None      # K/V heads (grouped-query attention); None: n_head
+    head_dim: int | None = None       # None: n_embd // n_head (Qwen3 sets its own)
+    intermediate_size: int | None = None  # the MLP's hidden width; None: 4 * n_embd
+    norm: str = "layernorm"           # "layernorm" (GPT-2, with a bias) or "rmsnorm" (Llama)
+    norm_eps: float = 1e-5
+    position_encoding: str = "learned"  # "learned" (a table added to x) or "rope" (q, k rotated)
+    mlp: str = "gelu"                 # "gelu" (GPT-2's) or "swiglu" (Llama's gated MLP)
+    qkv_bias: bool = True             # biases on the q, k, v projections (GPT-2, Qwen2)
+    o_bias: bool = True               # a bias on attention's output projection (GPT-2)
+    mlp_bias: bool = True             # biases in the MLP (GPT-2)
+    qk_norm: bool = False             # Qwen3: RMSNorm over each head of q and k, before RoPE
+    tie_word_embeddings: bool = True  # the LM head is the token embedding
+    rope_theta: float = 10000.0       # RoPE's base: head-dim pair i turns at theta ** (-2i / D)
+    rope_scaling: dict | None = None  # Llama 3's {"rope_type": "llama3", "factor": ...} or None
 
     def __post_init__(self):
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.head_dim is None:
+            if self.n_embd % self.n_head:
+                raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
+            self.head_dim = self.n_embd // self.n_head
+        if self.intermediate_size is None:
+            self.intermediate_size = 4 * self.n_embd
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head {self.n_head} is not a multiple of n_kv_head "
+                             f"{self.n_kv_head}: each K/V head serves a whole group")
+        for name, value, allowed in (("norm", self.norm, ("layernorm", "rmsnorm")),
+                                     ("position_encoding", self.position_encoding,
+                                      ("learned", "rope")),
+                                     ("mlp", self.mlp, ("gelu", "swiglu"))):
+            if value not in allowed:
+                raise ValueError(f"{name} {value!r}: choose {' or '.join(allowed)}")
 
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
 
-
+LLAMA_TINY = dict(norm="rmsnorm", position_encoding="rope", mlp="swiglu", qkv_bias=False,
+                  o_bias=False, mlp_bias=False, norm_eps=1e-6)
 PRESETS = {"tiny": GPTConfig(),  # 3.5M parameters: tests, benchmarks, quick runs
-           "gpt2": GPTConfig(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12)}
+           "gpt2": GPTConfig(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12),
+           # Llama's layout at tiny's size (3.4M parameters), 8 query heads sharing 2 K/V heads:
+           # a quarter of tiny's KV cache a token
+           "llama-tiny": GPTConfig(n_head=8, n_kv_head=2, head_dim=32, intermediate_size=688,
+                                   **LLAMA_TINY),
+           # the same with a K/V head per query head: bench.py's grouped-query experiment
+           "llama-tiny-mha": GPTConfig(n_head=8, head_dim=32, intermediate_size=688,
+                                       **LLAMA_TINY)}
 
 
 @dataclass
 class DenseKVCache:
     """K/V kept contiguous per sequence, as Hugging Face's generate keeps them: per layer, keys
-    and values (B, H, max_len, D), a row per sequence. Positions 0..length hold K/V; a forward
-    writes its T new tokens' at length..length + T, then length moves past them. Memory for
-    max_len positions is taken up front for every row, whatever each will use: what the paged
-    cache (kernels.py, paged_cache.py) avoids. bench.py's naive baseline runs on it."""
+    and values (B, Hkv, max_len, D), a row per sequence. Positions 0..length hold K/V; a
+    forward writes its T new tokens' at length..length + T, then length moves past them.
+    Memory for max_len positions is taken up front for every row, whatever each will use:
+    what the paged cache (kernels.py, paged_cache.py) avoids. bench.py's naive baseline runs
+    on it."""
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     length: int = 0
@@ -75,83 +119,194 @@ class DenseKVCache:
     def zeros(cls, config: GPTConfig, batch: int, max_len: int,
               like: torch.Tensor) -> "DenseKVCache":
         """An empty cache of `batch` rows, max_len positions each, in like's dtype and device."""
-        shape = (batch, config.n_head, max_len, config.head_dim)
+        shape = (batch, config.n_kv_head, max_len, config.head_dim)
         keys = [like.new_zeros(shape) for _ in range(config.n_layer)]
         values = [like.new_zeros(shape) for _ in range(config.n_layer)]
         return cls(keys, values)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Write the new tokens' k, v (B, H, T, D) into `layer` at length..length + T; return the
-        layer's keys and values so far, (B, H, length + T, D) each."""
+        """Write the new tokens' k, v (B, Hkv, T, D) into `layer` at length..length + T; return
+        the layer's keys and values so far, (B, Hkv, length + T, D) each."""
         end = self.length + k.shape[2]
         self.keys[layer][:, :, self.length:end] = k
         self.values[layer][:, :, self.length:end] = v
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
 
-class CausalSelfAttention(nn.Module):
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, as Llama's: the mean square taken in fp32, the product in x's dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def make_norm(config: GPTConfig, dim: int) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return RMSNorm(dim, config.norm_eps)
+    return nn.LayerNorm(dim, eps=config.norm_eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embeddings (RoPE): a position enters attention as a rotation of q and k,
+    head-dim pair (i, i + D/2) turned by position x inv_freq[i], so q.k depends on how far apart
+    two tokens are, not where they are. Computed from the flat batch's positions, so a token's
+    rotation is the same whatever its step, chunk or batch."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (D/2,) fp32
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """positions (...,) -> cos, sin (..., D) in dtype: each angle once per pair's half."""
+        angles = positions.float()[..., None] * self.inv_freq.float()  # (..., D/2), fp32
+        angles = torch.cat((angles, angles), dim=-1)                     # (..., D)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Each pair's turn per position (D/2,) fp32, computed as Hugging Face computes it (in fp32,
+    so the angles are bit-equal), then Llama 3's rescaling if asked for."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling is None:
+        return inv_freq
+    return llama3_inv_freq(inv_freq, scaling)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3's long context: pairs that turn slower than once per low_freq_wavelen (longer
+    wavelengths than the original context trained) turn `factor` times slower; pairs faster than
+    once per high_freq_wavelen keep their speed; those between are interpolated. Worked example,
+    original 8192, factors 1 and 4: wavelengths over 8192 positions are stretched by `factor`,
+    under 2048 untouched, 2048..8192 blended linearly in original_context / wavelength."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    original_context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = original_context / low_freq_factor
+    high_freq_wavelen = original_context / high_freq_factor
+    stretched = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    blend = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - blend) * stretched / factor + blend * stretched
+    in_between = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(in_between, blended, stretched)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (..., heads, D) by cos, sin (..., D): pair (i, i + D/2) as the complex number
+    x_i + i x_{i+D/2} times e^{i angle} (Hugging Face's "rotate_half" layout, not interleaved)."""
+    half = x.shape[-1] // 2
+    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[..., None, :] + rotated_half * sin[..., None, :]
+
+
+class Attention(nn.Module):
+    """Causal self-attention with n_head query heads and n_kv_head K/V heads: query head h reads
+    K/V head h // (n_head // n_kv_head), so the cache holds n_kv_head heads a token (GPT-2:
+    as many as the queries; Llama-3.2-1B: 8 for 32)."""
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.n_head = config.n_head
+        self.n_kv_head = config.n_kv_head
         self.head_dim = config.head_dim
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        q_size = config.n_head * config.head_dim
+        kv_size = config.n_kv_head * config.head_dim
+        self.q_proj = nn.Linear(config.n_embd, q_size, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.n_embd, kv_size, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.n_embd, kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.n_embd, bias=config.o_bias)
+        self.q_norm = None
+        self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x (..., C) -> q, k, v (..., H, D)."""
-        parts = self.c_attn(x).split(x.shape[-1], dim=-1)
-        return tuple(t.unflatten(-1, (self.n_head, self.head_dim)) for t in parts)
+    def qkv(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, ...]:
+        """x (..., C) -> q (..., H, D), k and v (..., Hkv, D): projected, q and k normed per head
+        (Qwen3), then rotated by rope = (cos, sin) (..., D) unless it is None (GPT-2)."""
+        q = self.q_proj(x).unflatten(-1, (self.n_head, self.head_dim))
+        k = self.k_proj(x).unflatten(-1, (self.n_kv_head, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (self.n_kv_head, self.head_dim))
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        if rope is not None:
+            q = apply_rope(q, *rope)
+            k = apply_rope(k, *rope)
+        return q, k, v
 
-    def forward(self, x, meta, k_cache, v_cache, attention):
+    def forward(self, x, rope, meta, k_cache, v_cache, attention):
         """Paged: x is the flat batch (N, C); each token's K/V are stored at its slot in the
-        layer's k_cache, v_cache (NB, BS, H, D), then `attention` (kernels.py) reads each
+        layer's k_cache, v_cache (NB, BS, Hkv, D), then `attention` (kernels.py) reads each
         sequence's context back through its block table."""
-        q, k, v = self.qkv(x)  # (N, H, D)
+        q, k, v = self.qkv(x, rope)  # (N, H, D), (N, Hkv, D), (N, Hkv, D)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         y = attention(q, k_cache, v_cache, meta, 1.0 / math.sqrt(self.head_dim))
-        return self.c_proj(y.flatten(1))
+        return self.o_proj(y.flatten(1))
 
-    def forward_dense(self, x, cache: DenseKVCache | None = None, layer: int = 0, mask=None):
+    def forward_dense(self, x, rope, cache: DenseKVCache | None = None, layer: int = 0,
+                      mask=None):
         """Dense: x is (B, T, C). No cache: causal attention within x. A cache: x's K/V go into
         `layer` of it, and x attends to every cached position that `mask` allows."""
-        q, k, v = (t.transpose(1, 2) for t in self.qkv(x))  # (B, H, T, D)
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(x, rope))  # (B, H or Hkv, T, D)
+        grouped = self.n_kv_head != self.n_head
         if cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
         else:
-            keys, values = cache.store(layer, k, v)  # (B, H, length + T, D)
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        return self.c_proj(y.transpose(1, 2).flatten(2))
+            keys, values = cache.store(layer, k, v)  # (B, Hkv, length + T, D)
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                               enable_gqa=grouped)
+        return self.o_proj(y.transpose(1, 2).flatten(2))
 
 
 class MLP(nn.Module):
+    """GPT-2's: down(gelu(up(x))). Llama's SwiGLU: down(silu(gate(x)) * up(x))."""
+
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        hidden = config.intermediate_size
+        self.gate_proj = None
+        if config.mlp == "swiglu":
+            self.gate_proj = nn.Linear(config.n_embd, hidden, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.n_embd, hidden, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(hidden, config.n_embd, bias=config.mlp_bias)
 
     def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        if self.gate_proj is None:
+            return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
-    """A transformer layer, pre-LayerNorm as in GPT-2: x + attention, then x + MLP."""
+    """A transformer layer, pre-norm as in GPT-2 and Llama: x + attention, then x + MLP."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.input_layernorm = make_norm(config, config.n_embd)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = make_norm(config, config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, meta, k_cache, v_cache, attention):
-        """Paged: x (N, C); the arguments after x are CausalSelfAttention.forward's."""
-        x = x + self.attn(self.ln_1(x), meta, k_cache, v_cache, attention)
-        return x + self.mlp(self.ln_2(x))
+    def forward(self, x, rope, meta, k_cache, v_cache, attention):
+        """Paged: x (N, C); the arguments after x are Attention.forward's."""
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta, k_cache, v_cache, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_dense(self, x, cache: DenseKVCache | None = None, layer: int = 0, mask=None):
-        """Dense: x (B, T, C); the arguments after x are CausalSelfAttention.forward_dense's."""
-        x = x + self.attn.forward_dense(self.ln_1(x), cache, layer, mask)
-        return x + self.mlp(self.ln_2(x))
+    def forward_dense(self, x, rope, cache: DenseKVCache | None = None, layer: int = 0,
+                      mask=None):
+        """Dense: x (B, T, C); the arguments after x are Attention.forward_dense's."""
+        x = x + self.self_attn.forward_dense(self.input_layernorm(x), rope, cache, layer, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LMHead(nn.Linear):
@@ -165,31 +320,49 @@ class LMHead(nn.Linear):
 
 
 class GPT(nn.Module):
+    """The decoder, its parameters named as in Hugging Face's Llama (model.layers.0.self_attn.
+    q_proj.weight, ...), so a Llama-family checkpoint loads by name; a GPT-2 checkpoint is
+    renamed on load (from_gpt2_state)."""
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.n_positions, config.n_embd),
-            h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
-            ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)))
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(config.vocab_size, config.n_embd),
+            layers=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+            norm=make_norm(config, config.n_embd)))
+        self.rotary = None
+        if config.position_encoding == "learned":
+            self.model["embed_positions"] = nn.Embedding(config.n_positions, config.n_embd)
+        else:
+            self.rotary = RotaryEmbedding(config)
         self.lm_head = LMHead(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
-        for module in self.modules():  # GPT-2's init
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        for module in self.modules():  # GPT-2's init (norms keep their ones and zeros)
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
 
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        """Token ids and their positions (...,) -> x (..., C) and rope: GPT-2 adds a learned
+        position embedding to x (rope None); RoPE models leave x alone and return the (cos,
+        sin) (..., D) that every layer rotates its q and k by."""
+        x = self.model.embed_tokens(input_ids)
+        if self.rotary is None:
+            return x + self.model.embed_positions(positions), None
+        return x, self.rotary(positions, x.dtype)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 k_caches: torch.Tensor, v_caches: torch.Tensor, attention=paged_attention_ref):
         """Paged forward of the flat batch: input_ids, positions (N,) -> hidden states (N, C).
-        Caches K/V in k_caches, v_caches (n_layer, NB, BS, H, D); `attention` is from kernels.py."""
-        tr = self.transformer
-        x = tr.wte(input_ids) + tr.wpe(positions)  # (N, C)
-        for i, block in enumerate(tr.h):
-            x = block(x, meta, k_caches[i], v_caches[i], attention)
-        return tr.ln_f(x)
+        Caches K/V in k_caches, v_caches (n_layer, NB, BS, Hkv, D); `attention` is from
+        kernels.py."""
+        x, rope = self.embed(input_ids, positions)  # (N, C); cos, sin (N, D) or None
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, rope, meta, k_caches[i], v_caches[i], attention)
+        return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states (n, C) -> logits (n, vocab) in fp32 (see LMHead)."""
@@ -206,15 +379,14 @@ class GPT(nn.Module):
         padding shifts them; None: 0..T. cache: K/V of the positions before, the new ones
         appended. mask (B or 1, 1, T, cache.length + T) bool, True where a query may attend,
         with a cache only; None: causal without a cache, every cached position with one."""
-        tr = self.transformer
         if positions is None:
-            positions = torch.arange(idx.shape[1], device=idx.device)
-        x = tr.wte(idx) + tr.wpe(positions)  # (B, T, C)
-        for layer, block in enumerate(tr.h):
-            x = block.forward_dense(x, cache, layer, mask)
+            positions = torch.arange(idx.shape[1], device=idx.device).expand(idx.shape)
+        x, rope = self.embed(idx, positions)  # (B, T, C); cos, sin (B, T, D) or None
+        for layer, block in enumerate(self.model.layers):
+            x = block.forward_dense(x, rope, cache, layer, mask)
         if cache is not None:  # every layer wrote its K/V at length..length + T
             cache.length += idx.shape[1]
-        return tr.ln_f(x)
+        return self.model.norm(x)
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -331,11 +503,140 @@ class Detokenizer:
         return new
 
 
+# ----------------------------------------------------------------------------- configs
+SERVED_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                        "mistral": "MistralForCausalLM"}
+# config.json keys that change nothing a forward pass computes: metadata, training settings
+# (dropout, init), generation defaults. max_window_layers counts sliding-window layers, and
+# those are refused; pretraining_tp only split the matmuls while training.
+NEUTRAL_KEYS = {"architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
+                "_name_or_path", "bos_token_id", "eos_token_id", "pad_token_id", "use_cache",
+                "initializer_range", "attention_dropout", "attn_pdrop", "embd_pdrop",
+                "resid_pdrop", "summary_activation", "summary_first_dropout",
+                "summary_proj_to_labels", "summary_type", "summary_use_proj",
+                "task_specific_params", "reorder_and_upcast_attn", "max_window_layers",
+                "pretraining_tp", "is_llama_config", "rope_interleaved", "transformers.js_config"}
+# The keys config_from_hf reads, each into a GPTConfig field or a check.
+GPT2_KEYS = {"vocab_size", "n_positions", "n_ctx", "n_embd", "n_layer", "n_head", "n_inner",
+             "layer_norm_epsilon", "activation_function", "scale_attn_weights",
+             "scale_attn_by_inverse_layer_idx", "tie_word_embeddings"}
+LLAMA_KEYS = {"vocab_size", "max_position_embeddings", "hidden_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+              "rms_norm_eps", "hidden_act", "attention_bias", "mlp_bias", "tie_word_embeddings",
+              "rope_theta", "rope_scaling", "rope_parameters", "sliding_window",
+              "use_sliding_window", "layer_types", "use_mrope"}
+LLAMA3_SCALING_KEYS = {"factor", "low_freq_factor", "high_freq_factor",
+                       "original_max_position_embeddings"}
+
+
+def config_from_hf(hf: dict, path: str) -> GPTConfig:
+    """A Hugging Face config.json -> GPTConfig. An allow-list: a key this function does not
+    know is refused by name, since serving a model while ignoring what a key changes (another
+    RoPE scaling, a sliding window, experts) would give wrong text without a word."""
+    model_type = hf.get("model_type")
+    if model_type not in SERVED_ARCHITECTURES:
+        raise ValueError(f"{path}: model_type {model_type!r} is not served; nanoserve serves "
+                         f"{', '.join(SERVED_ARCHITECTURES)}")
+    architecture = SERVED_ARCHITECTURES[model_type]
+    if hf.get("architectures", [architecture]) != [architecture]:
+        raise ValueError(f"{path}: architectures {hf['architectures']} is not served; a "
+                         f"{model_type} checkpoint is served as {architecture}")
+    known = GPT2_KEYS if model_type == "gpt2" else LLAMA_KEYS
+    if unknown := sorted(set(hf) - known - NEUTRAL_KEYS):
+        raise ValueError(f"{path}: config.json key {unknown[0]!r} is not served: it may change "
+                         "what the model computes, and nanoserve would ignore it")
+    if model_type == "gpt2":
+        return gpt2_config(hf, path)
+    return llama_config(hf, path)
+
+
+def require(hf: dict, key: str, allowed: tuple, path: str) -> None:
+    """Refuse a config whose `key` is present with a value not in `allowed`."""
+    if key in hf and hf[key] not in allowed:
+        raise ValueError(f"{path}: {key} {hf[key]!r} is not served (only {allowed})")
+
+
+def gpt2_config(hf: dict, path: str) -> GPTConfig:
+    require(hf, "activation_function", ("gelu_new", "gelu_pytorch_tanh"), path)
+    require(hf, "scale_attn_weights", (True,), path)
+    require(hf, "scale_attn_by_inverse_layer_idx", (False,), path)
+    require(hf, "tie_word_embeddings", (True,), path)
+    require(hf, "n_ctx", (hf["n_positions"],), path)
+    return GPTConfig(vocab_size=hf["vocab_size"], n_positions=hf["n_positions"],
+                     n_embd=hf["n_embd"], n_layer=hf["n_layer"], n_head=hf["n_head"],
+                     intermediate_size=hf.get("n_inner"),
+                     norm_eps=hf.get("layer_norm_epsilon", 1e-5))
+
+
+def llama_config(hf: dict, path: str) -> GPTConfig:
+    """Llama, Qwen2, Qwen3 and Mistral: one layout; they differ in biases, q/k norm and RoPE."""
+    model_type = hf["model_type"]
+    require(hf, "hidden_act", ("silu",), path)
+    require(hf, "use_mrope", (False,), path)  # Qwen2-VL's multimodal RoPE
+    check_full_attention(hf, path)
+    rope_theta, rope_scaling = rope_settings(hf, path)
+    attention_bias = hf.get("attention_bias", False)
+    # Biases as transformers builds each family: Qwen2 has them on q, k, v always; Mistral and
+    # Qwen2 have no attention_bias key (transformers ignores one), Llama and Qwen3 do.
+    qkv_bias = {"llama": attention_bias, "qwen2": True, "qwen3": attention_bias}
+    o_bias = {"llama": attention_bias, "qwen3": attention_bias}
+    return GPTConfig(vocab_size=hf["vocab_size"], n_positions=hf["max_position_embeddings"],
+                     n_embd=hf["hidden_size"], n_layer=hf["num_hidden_layers"],
+                     n_head=hf["num_attention_heads"],
+                     n_kv_head=hf.get("num_key_value_heads"), head_dim=hf.get("head_dim"),
+                     intermediate_size=hf["intermediate_size"], norm="rmsnorm",
+                     norm_eps=hf.get("rms_norm_eps", 1e-6), position_encoding="rope",
+                     mlp="swiglu", qkv_bias=qkv_bias.get(model_type, False),
+                     o_bias=o_bias.get(model_type, False),
+                     mlp_bias=model_type == "llama" and hf.get("mlp_bias", False),
+                     qk_norm=model_type == "qwen3",
+                     tie_word_embeddings=hf.get("tie_word_embeddings", False),
+                     rope_theta=rope_theta, rope_scaling=rope_scaling)
+
+
+def check_full_attention(hf: dict, path: str) -> None:
+    """Refuse sliding-window attention where it would apply: a window shorter than the context
+    (Mistral's whenever set; Qwen's only with use_sliding_window), or sliding layer_types."""
+    window = hf.get("sliding_window")
+    applies = hf.get("use_sliding_window", hf["model_type"] == "mistral")
+    if applies and window is not None and window < hf["max_position_embeddings"]:
+        raise ValueError(f"{path}: sliding_window {window} is shorter than the context "
+                         f"{hf['max_position_embeddings']}: sliding-window attention is not "
+                         "served")
+    sliding = [kind for kind in hf.get("layer_types") or [] if kind != "full_attention"]
+    if sliding:
+        raise ValueError(f"{path}: layer_types has {sliding[0]!r} layers: only "
+                         "full_attention is served")
+
+
+def rope_settings(hf: dict, path: str) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from published configs' rope_theta and rope_scaling keys, or
+    transformers 5's rope_parameters; a scaling other than Llama 3's is refused by name."""
+    parameters = hf.get("rope_parameters")
+    if parameters is None:
+        theta = hf.get("rope_theta", 10000.0)
+        scaling = hf.get("rope_scaling")
+    else:
+        theta = parameters.get("rope_theta", 10000.0)
+        scaling = parameters
+    if scaling is None:
+        return theta, None
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(f"{path}: rope_scaling type {rope_type!r} is not served (only llama3)")
+    if missing := sorted(LLAMA3_SCALING_KEYS - set(scaling)):
+        raise ValueError(f"{path}: llama3 rope_scaling lacks {missing[0]!r}")
+    if unknown := sorted(set(scaling) - LLAMA3_SCALING_KEYS - {"rope_type", "type", "rope_theta"}):
+        raise ValueError(f"{path}: rope_scaling key {unknown[0]!r} is not served")
+    return theta, {key: scaling[key] for key in sorted(LLAMA3_SCALING_KEYS)}
+
+
 # ----------------------------------------------------------------------------- checkpoints
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "F64": torch.float64, "I64": torch.int64, "U8": torch.uint8}
-CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
-                  "mlp.c_proj.weight")  # HF's Conv1D stores (in, out); nn.Linear wants (out, in)
 HUB_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints",
                              "shakespeare")  # trained by train() below, shipped with the repo
@@ -382,34 +683,39 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str) -> None:
 
 
 def load_checkpoint(path: str) -> GPT:
-    """A Hugging Face GPT-2 directory: config.json + model.safetensors or pytorch_model.bin."""
+    """A Hugging Face checkpoint directory of a served architecture (config_from_hf):
+    config.json + model.safetensors or pytorch_model.bin."""
     config_file = os.path.join(path, "config.json")
     if not os.path.exists(config_file):
-        raise ValueError(f"{path} is not a GPT-2 checkpoint directory: no config.json")
+        raise ValueError(f"{path} is not a checkpoint directory: no config.json")
     with open(config_file) as f:
         hf = json.load(f)
-    sizes = {k: hf[k] for k in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")}
-    model = GPT(GPTConfig(**sizes, layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5)))
-    safetensors_file = os.path.join(path, "model.safetensors")
-    pickle_file = os.path.join(path, "pytorch_model.bin")
-    if os.path.exists(safetensors_file):
-        tensors = read_safetensors(safetensors_file)
-    elif os.path.exists(pickle_file):
-        tensors = torch.load(pickle_file, map_location="cpu", weights_only=True)
+    model = GPT(config_from_hf(hf, path))
+    tensors = read_weights(path)
+    if hf["model_type"] == "gpt2":
+        tensors = from_gpt2_state(checked_state(gpt2_tensors(tensors),
+                                                to_gpt2_state(model.state_dict()), path))
     else:
-        raise ValueError(f"{path} has no model.safetensors or pytorch_model.bin")
-    model.transformer.load_state_dict(_from_hf_state(tensors, model.transformer.state_dict(), path))
+        tensors = checked_llama_state(tensors, model, path)
+    if model.config.tie_word_embeddings:  # one tensor under two names
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    model.load_state_dict(tensors)
     return model
 
 
-def _from_hf_state(hf_state: dict, expected: dict, path: str) -> dict:
-    """HF's tensors, named as in model.transformer, Conv1D weights transposed; shapes checked."""
-    state = {}
-    for key, t in hf_state.items():
-        key = key.removeprefix("transformer.")
-        if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
-            continue  # causal-mask buffers; the LM head is tied to wte
-        state[key] = t.t() if key.endswith(CONV1D_WEIGHTS) else t
+def read_weights(path: str) -> dict[str, torch.Tensor]:
+    """The tensors of model.safetensors, else of pytorch_model.bin, in `path`."""
+    safetensors_file = os.path.join(path, "model.safetensors")
+    pickle_file = os.path.join(path, "pytorch_model.bin")
+    if os.path.exists(safetensors_file):
+        return read_safetensors(safetensors_file)
+    if os.path.exists(pickle_file):
+        return torch.load(pickle_file, map_location="cpu", weights_only=True)
+    raise ValueError(f"{path} has no model.safetensors or pytorch_model.bin")
+
+
+def checked_state(state: dict, expected: dict, path: str) -> dict:
+    """state, once every tensor of `expected` is in it with its shape and nothing else is."""
     for key, want in expected.items():
         if key not in state:
             raise ValueError(f"{path}: checkpoint is missing tensor {key}")
@@ -419,6 +725,93 @@ def _from_hf_state(hf_state: dict, expected: dict, path: str) -> dict:
     if unexpected := sorted(set(state) - set(expected)):
         raise ValueError(f"{path}: unexpected tensors {unexpected[:5]}")
     return state
+
+
+def checked_llama_state(tensors: dict, model: GPT, path: str) -> dict:
+    """A Llama-family checkpoint's tensors, named as ours already, checked: old checkpoints'
+    saved RoPE buffers dropped, and a tied head's copy (some checkpoints store one) too."""
+    tied = model.config.tie_word_embeddings
+    state = {key: t for key, t in tensors.items()
+             if not key.endswith("rotary_emb.inv_freq") and not (tied and key == "lm_head.weight")}
+    expected = model.state_dict()
+    if tied:
+        expected.pop("lm_head.weight")
+    return checked_state(state, expected, path)
+
+
+# GPT-2's names for our parameters (ours are Llama's): top level, then within layer i ("h.i.").
+# q, k and v are one fused c_attn in GPT-2; its Conv1D weights are stored (in, out).
+GPT2_NAMES = {"model.embed_tokens": "wte", "model.embed_positions": "wpe", "model.norm": "ln_f"}
+GPT2_LAYER_NAMES = {"input_layernorm": "ln_1", "self_attn.o_proj": "attn.c_proj",
+                    "post_attention_layernorm": "ln_2", "mlp.up_proj": "mlp.c_fc",
+                    "mlp.down_proj": "mlp.c_proj"}
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
+                  "mlp.c_proj.weight")  # HF's Conv1D stores (in, out); nn.Linear wants (out, in)
+
+
+def gpt2_tensors(tensors: dict) -> dict:
+    """A GPT-2 checkpoint's parameters, by GPT-2's names without the "transformer." prefix
+    (safetensors files drop it, pytorch_model.bin keeps it); no causal-mask buffers, no LM head
+    (GPT-2's is tied to wte)."""
+    state = {}
+    for key, t in tensors.items():
+        key = key.removeprefix("transformer.")
+        if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
+            continue
+        state[key] = t
+    return state
+
+
+def to_gpt2_state(state: dict) -> dict:
+    """Our parameters -> GPT-2's: renamed, q, k, v fused into c_attn, Conv1D weights (in, out)."""
+    gpt2 = {}
+    for key, t in state.items():
+        if key == "lm_head.weight" or ".self_attn.k_proj." in key or ".self_attn.v_proj." in key:
+            continue  # the head is wte; k and v go into c_attn with q
+        if ".self_attn.q_proj." in key:
+            k = state[key.replace(".q_proj.", ".k_proj.")]
+            v = state[key.replace(".q_proj.", ".v_proj.")]
+            t = torch.cat((t, k, v))
+            key = key.replace(".self_attn.q_proj.", ".self_attn.c_attn.")
+        gpt2_key = gpt2_name(key)
+        if gpt2_key.endswith(CONV1D_WEIGHTS):
+            t = t.t()
+        gpt2[gpt2_key] = t
+    return gpt2
+
+
+def gpt2_name(key: str) -> str:
+    """Ours -> GPT-2's: "model.layers.3.mlp.up_proj.bias" -> "h.3.mlp.c_fc.bias"."""
+    module, param = key.rsplit(".", 1)
+    if module in GPT2_NAMES:
+        return f"{GPT2_NAMES[module]}.{param}"
+    layer, inner = module.removeprefix("model.layers.").split(".", 1)
+    if inner == "self_attn.c_attn":
+        return f"h.{layer}.attn.c_attn.{param}"
+    return f"h.{layer}.{GPT2_LAYER_NAMES[inner]}.{param}"
+
+
+def from_gpt2_state(gpt2: dict) -> dict:
+    """GPT-2's parameters (gpt2_tensors) -> ours: to_gpt2_state undone."""
+    ours = {}
+    top_names = {theirs: mine for mine, theirs in GPT2_NAMES.items()}
+    layer_names = {theirs: mine for mine, theirs in GPT2_LAYER_NAMES.items()}
+    for key, t in gpt2.items():
+        if key.endswith(CONV1D_WEIGHTS):
+            t = t.t()
+        module, param = key.rsplit(".", 1)
+        if module in top_names:
+            ours[f"{top_names[module]}.{param}"] = t
+            continue
+        _, layer, inner = module.split(".", 2)  # "h", "3", "mlp.c_fc"
+        prefix = f"model.layers.{layer}."
+        if inner == "attn.c_attn":
+            q, k, v = t.chunk(3)
+            ours |= {prefix + f"self_attn.{name}_proj.{param}": part
+                     for name, part in zip("qkv", (q, k, v))}
+            continue
+        ours[prefix + f"{layer_names[inner]}.{param}"] = t
+    return ours
 
 
 def load_model(model: str | None = None, preset: str | None = None, seed: int = 0
@@ -491,14 +884,19 @@ def _download(url: str, path: str) -> None:
 
 
 def save_checkpoint(model: GPT, path: str, dtype=torch.float16) -> None:
-    """Write `model` as a Hugging Face GPT-2 directory, with the byte-level tokenizer files."""
-    os.makedirs(path, exist_ok=True)
-    state = {key: (t.t() if key.endswith(CONV1D_WEIGHTS) else t).to(dtype).contiguous()
-             for key, t in model.transformer.state_dict().items()}  # lm_head is wte: not saved
-    write_safetensors(state, os.path.join(path, "model.safetensors"))
+    """Write a GPT-2-shaped `model` (the trainer's) as a Hugging Face GPT-2 directory, with the
+    byte-level tokenizer files."""
     c = model.config
+    if c != GPTConfig(vocab_size=c.vocab_size, n_positions=c.n_positions, n_embd=c.n_embd,
+                      n_layer=c.n_layer, n_head=c.n_head, norm_eps=c.norm_eps):
+        raise ValueError("save_checkpoint writes GPT-2's layout only")
+    os.makedirs(path, exist_ok=True)
+    state = {key: t.to(dtype).contiguous() for key, t in to_gpt2_state(model.state_dict()).items()}
+    write_safetensors(state, os.path.join(path, "model.safetensors"))
     hf = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_ctx=c.n_positions,
-              bos_token_id=c.vocab_size - 1, eos_token_id=c.vocab_size - 1, **asdict(c))
+              bos_token_id=c.vocab_size - 1, eos_token_id=c.vocab_size - 1,
+              vocab_size=c.vocab_size, n_positions=c.n_positions, n_embd=c.n_embd,
+              n_layer=c.n_layer, n_head=c.n_head, layer_norm_epsilon=c.norm_eps)
     vocab = {ch: i for i, (_, ch) in enumerate(gpt2_byte_chars())} | {EOT: 256}
     for name, text in [("config.json", json.dumps(hf, indent=2)), ("vocab.json", json.dumps(vocab)),
                        ("merges.txt", "#version: 0.2\n")]:  # bytes only: no merges
@@ -548,7 +946,7 @@ def train(args) -> None:
         seq_len = args.short_seq_len if step < args.short_steps else args.seq_len
         if step == args.short_steps and step > 0:
             # the first full-length step: positions never trained start as the last trained one
-            wpe = model.transformer.wpe.weight.data
+            wpe = model.model.embed_positions.weight.data
             wpe[args.short_seq_len:] = wpe[args.short_seq_len - 1]
         x, y = random_windows(train_data, args.batch_size * args.seq_len // seq_len, seq_len)
         loss = F.cross_entropy(model.forward_dense(x).flatten(0, 1), y.flatten())

@@ -397,6 +397,28 @@ def to_host(tensor: torch.Tensor) -> list:
     return tensor.tolist()
 
 
+BLOCK_TABLE_COLUMNS = 16  # block tables are padded to a multiple of this many columns
+
+
+def padded_block_tables(block_ids: torch.Tensor, num_blocks: torch.Tensor,
+                        max_num_blocks: int) -> torch.Tensor:
+    """The step's block tables end to end, block_ids (total,), with each sequence's count
+    num_blocks (S,) -> (S, width) int32, padded with block 0 (never read: attention stops at
+    each sequence's context_len), built on block_ids' device without waiting for it.
+
+    width is max_num_blocks rounded up to a multiple of 16: Triton specialises the kernel on
+    whether the row stride divides by 16, so every batch launches one compiled kernel."""
+    width = cdiv(max_num_blocks, BLOCK_TABLE_COLUMNS) * BLOCK_TABLE_COLUMNS
+    device = block_ids.device
+    rows = torch.repeat_interleave(torch.arange(len(num_blocks), device=device), num_blocks,
+                                   output_size=len(block_ids))   # each id's sequence
+    first = torch.cumsum(num_blocks, 0) - num_blocks                 # each table's first id
+    columns = torch.arange(len(block_ids), device=device) - first[rows]
+    tables = torch.zeros(len(num_blocks), width, dtype=torch.int32, device=device)
+    tables[rows, columns] = block_ids.to(torch.int32)
+    return tables
+
+
 class Engine:
     """Continuous batching over a paged KV cache: add requests any time, call step().
     abort() may be called from any thread; everything else from the thread that steps."""
@@ -409,18 +431,20 @@ class Engine:
         model, self.tokenizer = load_model(config.model, config.preset, config.seed)
         self.model = model.to(config.device, dtype).eval()
         c = self.model.config
-        self.max_model_len = config.max_model_len or c.n_positions
-        if self.max_model_len > c.n_positions:
-            raise ValueError(f"max_model_len {self.max_model_len} > the context {c.n_positions}")
+        if config.max_model_len is not None and config.max_model_len > c.n_positions:
+            raise ValueError(f"max_model_len {config.max_model_len} > the context {c.n_positions}")
         self.attention = select_attention(config.attention, config.device)
+        # K and V for every layer and K/V head: grouped-query attention's saving is here
+        self.kv_bytes_per_token = kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_dim, dtype)
         kv_cache_tokens = config.kv_cache_tokens
         if kv_cache_tokens is None:  # a full context for every sequence, within 1 GiB
-            bytes_per_token = kv_bytes_per_token(c.n_layer, c.n_head, c.head_dim, dtype)
-            kv_cache_tokens = min(config.max_num_seqs * self.max_model_len,
-                                  KV_CACHE_BYTES // bytes_per_token)
+            context = config.max_model_len or c.n_positions
+            kv_cache_tokens = min(config.max_num_seqs * context,
+                                  KV_CACHE_BYTES // self.kv_bytes_per_token)
         self.k_cache, self.v_cache, self.block_pool = allocate_kv_cache(
-            c.n_layer, c.n_head, c.head_dim, kv_cache_tokens, config.block_size, config.device,
+            c.n_layer, c.n_kv_head, c.head_dim, kv_cache_tokens, config.block_size, config.device,
             dtype, config.enable_prefix_caching)
+        self.max_model_len = self._max_model_len(config.max_model_len, c.n_positions)
         self.scheduler = Scheduler(self.block_pool, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
                                    config.policy, self.tokenizer.eot_token)
@@ -434,6 +458,23 @@ class Engine:
         self._lock = threading.Lock()  # abort() from other threads against step()
         self._aborted_outputs: list[RequestOutput] = []  # for the next step() to return
         self.dead: str | None = None  # why the engine cannot step any more (a device error)
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """The KV cache's capacity: whole blocks of block_size tokens."""
+        return self.block_pool.num_blocks * self.block_pool.block_size
+
+    def _max_model_len(self, asked: int | None, context: int) -> int:
+        """The longest sequence served: asked for, else the model's context, but never more
+        than the KV cache holds (as vLLM refuses such a max_model_len: a sequence that cannot
+        fit alone could never finish). Today's configs declare 32k-128k-token contexts."""
+        if asked is None:
+            return min(context, self.kv_cache_tokens)
+        if asked > self.kv_cache_tokens:
+            raise ValueError(f"max_model_len {asked} does not fit in the KV cache "
+                             f"({self.kv_cache_tokens} tokens): lower max_model_len or raise "
+                             "kv_cache_tokens")
+        return asked
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
@@ -569,7 +610,6 @@ class Engine:
     def _validate(self, token_ids: list[int], params: SamplingParams, request_id: str) -> None:
         num_tokens = len(token_ids) + params.max_tokens
         num_kv_tokens = num_tokens - 1  # the last sampled token's K/V are never computed
-        num_blocks = cdiv(num_kv_tokens, self.block_pool.block_size)
         budget = self.config.max_num_batched_tokens
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}")
@@ -589,9 +629,6 @@ class Engine:
             raise ValueError(f"prompt has {len(token_ids)} tokens and max_tokens is "
                              f"{params.max_tokens}: {num_tokens} tokens; the model's context "
                              f"is {self.max_model_len}")
-        if num_blocks > self.block_pool.num_blocks:
-            raise ValueError(f"request needs {num_blocks} KV blocks ({num_kv_tokens} tokens) but "
-                             f"the cache has {self.block_pool.num_blocks}; raise kv_cache_tokens")
         if not self.config.enable_chunked_prefill and num_kv_tokens > budget:
             raise ValueError(f"request may need to prefill {num_kv_tokens} tokens in one step, "
                              f"but max_num_batched_tokens is {budget} and chunked prefill is off")
@@ -748,14 +785,15 @@ class Engine:
             slot_mapping     [30,  8,  9, 10,  6]     (A's 6: block 7 * 4 + 2 = 30)
             query_start_loc  [0, 1, 4, 5]             (B owns rows 1..3)
             context_lens     [7, 7, 3]
-            block_tables     [[3, 7, 0], [5, 2, 0], [1, 0, 0]]   (padded with 0)
+            block_ids        [3, 7, 5, 2, 1]          (the tables end to end, as they are)
+            num_blocks       [2, 2, 1]
+            block_tables     [[3, 7, 0 ...], [5, 2, 0 ...], [1, 0, 0 ...]]   (on the device)
             sample_rows      [0, 4]                   (B has tokens left to compute: no sample)
 
-        Block tables are cdiv(max_model_len, block_size) wide whatever the batch, so the
-        Triton kernel is specialised only once."""
-        block_size = self.block_pool.block_size
-        width = cdiv(self.max_model_len, block_size)
-        ints = dict(input_ids=[], positions=[], slot_mapping=[], block_tables=[],
+        The tables go up unpadded and are padded on the device (padded_block_tables): a step
+        costs what its sequences' blocks are, not max_model_len / block_size entries for each
+        sequence (8,192 at a 128k context)."""
+        ints = dict(input_ids=[], positions=[], slot_mapping=[], block_ids=[], num_blocks=[],
                     context_lens=[], query_start_loc=[0], sample_rows=[], prompt_rows=[],
                     prompt_targets=[])
         sample_seqs = []  # the sequences that sample, in the order of ints["sample_rows"]
@@ -768,7 +806,8 @@ class Engine:
             ints["input_ids"] += seq.token_ids[start:end]
             ints["positions"] += range(start, end)
             ints["slot_mapping"] += seq.block_table.slot_mapping(start, end)
-            ints["block_tables"] += block_ids + [0] * (width - len(block_ids))
+            ints["block_ids"] += block_ids
+            ints["num_blocks"].append(len(block_ids))
             ints["context_lens"].append(end)
             ints["query_start_loc"].append(first_row + num_new)
             if end == len(seq.token_ids):  # no uncomputed token left: sample the next one
@@ -782,7 +821,8 @@ class Engine:
         tensors = self._upload(ints, torch.int64)
         attn_metadata = AttentionMetadata(
             slot_mapping=tensors["slot_mapping"],
-            block_tables=tensors["block_tables"].to(torch.int32).view(-1, width),
+            block_tables=padded_block_tables(tensors["block_ids"], tensors["num_blocks"],
+                                             max(ints["num_blocks"])),
             context_lens=tensors["context_lens"].to(torch.int32),
             query_start_loc=tensors["query_start_loc"].to(torch.int32),
             max_query_len=max(num_scheduled_tokens.values()))
@@ -1247,6 +1287,8 @@ class EngineThread(threading.Thread):
                   ("num_requests_waiting", "gauge", num_waiting),
                   ("kv_blocks_used", "gauge", kv_blocks_used),
                   ("kv_blocks_free", "gauge", engine.block_pool.num_blocks - kv_blocks_used),
+                  ("kv_cache_tokens", "gauge", engine.kv_cache_tokens),
+                  ("kv_cache_tokens_per_gib", "gauge", 2**30 // engine.kv_bytes_per_token),
                   ("prompt_tokens_total", "counter", engine.stats.num_prompt_tokens),
                   ("generation_tokens_total", "counter", engine.stats.num_generated_tokens),
                   ("prefix_cache_queries_total", "counter", engine.stats.num_prompt_tokens),
@@ -2214,10 +2256,18 @@ def print_summary(engine: Engine, elapsed: float, trace_ids: list[str] | None) -
     print(f"\n\n[{stats.num_prompt_tokens} prompt + {stats.num_generated_tokens} generated "
           f"tokens in {elapsed:.2f} s, {stats.num_generated_tokens / elapsed:.1f} tok/s, "
           f"{stats.num_steps} steps, peak batch {stats.peak_batch_size}, "
-          f"{engine.scheduler.num_preemptions} preemptions, prefix cache hits {hit_rate:.0%}]",
+          f"{engine.scheduler.num_preemptions} preemptions, prefix cache hits {hit_rate:.0%}; "
+          f"KV cache {engine.kv_cache_tokens} tokens, {kv_cache_description(engine)}]",
           file=sys.stderr)
     if trace_ids is not None:
         print(render_trace(engine.step_records, trace_ids), file=sys.stderr)
+
+
+def kv_cache_description(engine: Engine) -> str:
+    """How many tokens a GiB of KV cache holds, and why: "16384 a GiB (2 K/V heads for 8)"."""
+    c = engine.model.config
+    tokens_per_gib = 2**30 // engine.kv_bytes_per_token
+    return f"{tokens_per_gib} a GiB ({c.n_kv_head} K/V heads for {c.n_head})"
 
 
 def read_lines(stream, lines: queue.Queue) -> None:

@@ -2,7 +2,7 @@
 block tables.
 
 The cache is one preallocated tensor for K and one for V, shaped
-(n_layer, num_blocks, block_size, n_head, head_dim). A sequence never owns a contiguous
+(n_layer, num_blocks, block_size, n_kv_head, head_dim). A sequence never owns a contiguous
 region; it owns a list of physical blocks, its block table, grown one block at a time as
 it gets longer, so memory is wasted only in each sequence's last, partly filled block.
 
@@ -223,27 +223,30 @@ class BlockTable:
         return slots
 
 
-def kv_bytes_per_token(n_layer: int, n_head: int, head_dim: int, dtype: torch.dtype) -> int:
-    """The KV cache's memory for one token: a key and a value in every layer and head."""
-    return 2 * n_layer * n_head * head_dim * dtype.itemsize
+def kv_bytes_per_token(n_layer: int, n_kv_head: int, head_dim: int, dtype: torch.dtype) -> int:
+    """The KV cache's memory for one token: a key and a value in every layer and K/V head
+    (grouped-query attention's n_kv_head, fewer than the query heads)."""
+    return 2 * n_layer * n_kv_head * head_dim * dtype.itemsize
 
 
-def allocate_kv_cache(n_layer: int, n_head: int, head_dim: int, num_tokens: int, block_size: int,
-                      device: str, dtype: torch.dtype, enable_prefix_caching: bool = True
+def allocate_kv_cache(n_layer: int, n_kv_head: int, head_dim: int, num_tokens: int,
+                      block_size: int, device: str, dtype: torch.dtype,
+                      enable_prefix_caching: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor, BlockPool]:
-    """K and V, each (n_layer, num_blocks, block_size, n_head, head_dim), for num_tokens tokens,
+    """K and V, each (n_layer, num_blocks, block_size, n_kv_head, head_dim), for num_tokens tokens,
     and the BlockPool of their blocks; a ValueError if that is not one block or does not fit
     in memory."""
     num_blocks = num_tokens // block_size
     if num_blocks == 0:
         raise ValueError(f"block_size ({block_size} tokens) is larger than the KV cache "
                          f"({num_tokens} tokens)")
-    shape = (n_layer, num_blocks, block_size, n_head, head_dim)
+    shape = (n_layer, num_blocks, block_size, n_kv_head, head_dim)
     try:  # zeros, not empty: padded reads past a sequence's end must be finite to be masked
         k_cache = torch.zeros(shape, device=device, dtype=dtype)
         v_cache = torch.zeros(shape, device=device, dtype=dtype)
     except RuntimeError as e:  # out of memory
-        num_bytes = num_blocks * block_size * kv_bytes_per_token(n_layer, n_head, head_dim, dtype)
+        num_bytes = num_blocks * block_size * kv_bytes_per_token(n_layer, n_kv_head, head_dim,
+                                                                 dtype)
         raise ValueError(f"cannot allocate a KV cache of {num_tokens} tokens "
                          f"({num_bytes / 2**30:.1f} GiB): {str(e).splitlines()[0]}") from None
     return k_cache, v_cache, BlockPool(num_blocks, block_size, enable_prefix_caching)

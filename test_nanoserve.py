@@ -13,6 +13,7 @@ import math
 import os
 import re
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -54,8 +55,8 @@ GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
 def tiny(**kwargs) -> LLM:
     """The tiny preset (random weights) on CPU in fp32, with a small KV cache unless set."""
-    return LLM(preset="tiny", **{"kv_cache_tokens": 4096, "device": "cpu", "dtype": "float32"}
-               | kwargs)
+    return LLM(**{"preset": "tiny", "kv_cache_tokens": 4096, "device": "cpu",
+                  "dtype": "float32"} | kwargs)
 
 
 def token_ids(outputs) -> list[list[int]]:
@@ -98,12 +99,14 @@ def new_seq(engine: Engine, tokens: list[int], seq_id: str = "s") -> Sequence:
     return Sequence(seq_id, "", tokens, GREEDY, BlockTable(engine.block_pool))
 
 
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
 @pytest.mark.parametrize("chunks", [[45], [16, 16, 13], [7, 20, 18], [30] + [1] * 15],
                          ids=["prefill", "chunked-prefill", "uneven-chunks", "decode"])
 @torch.inference_mode()
-def test_paged_logits_equal_dense_forward(chunks):
-    """Engine.run_batch, chunk by chunk: the logits at each chunk's end equal a dense forward's."""
-    engine = tiny(block_size=8).engine
+def test_paged_logits_equal_dense_forward(chunks, preset):
+    """Engine.run_batch, chunk by chunk: the logits at each chunk's end equal a dense forward's
+    (GPT-2's layout, and Llama's with grouped heads and RoPE)."""
+    engine = tiny(preset=preset, block_size=8).engine
     tokens = torch.randint(0, 257, (sum(chunks),), generator=torch.Generator().manual_seed(0))
     dense = engine.model.forward_dense(tokens[None])[0]
     seq, paged, ends = new_seq(engine, []), [], []
@@ -124,12 +127,39 @@ def test_paged_logits_equal_dense_forward_at_every_position():
     """One run_batch over 30 sequences, the prefixes of one text: row i is position i's logits."""
     engine = tiny(block_size=8).engine
     tokens = torch.randint(0, 257, (30,), generator=torch.Generator().manual_seed(1))
+    assert_paged_equals_dense_at_every_position(engine, tokens)
+
+
+def assert_paged_equals_dense_at_every_position(engine: Engine, tokens: torch.Tensor) -> None:
+    """One run_batch over the prefixes of tokens (T,), one sequence each: row i of its logits
+    is position i's of a dense forward over tokens."""
     dense = engine.model.forward_dense(tokens[None])[0]
-    seqs = [new_seq(engine, tokens[:i + 1].tolist(), str(i)) for i in range(30)]
+    seqs = [new_seq(engine, tokens[:i + 1].tolist(), str(i)) for i in range(len(tokens))]
     for seq in seqs:
         assert seq.block_table.ensure(len(seq.token_ids))
     paged = engine.run_batch({seq: len(seq.token_ids) for seq in seqs}).logits
     assert (paged - dense).abs().max() / dense.abs().max() < 1e-4
+
+
+def test_block_tables_are_padded_on_the_device_to_a_multiple_of_16_columns():
+    """_prepare_inputs's example: three tables end to end, [3, 7], [5, 2] and [1]."""
+    tables = nanoserve.padded_block_tables(torch.tensor([3, 7, 5, 2, 1]), torch.tensor([2, 2, 1]),
+                                           max_num_blocks=2)
+    assert tables.dtype == torch.int32 and tables.shape == (3, 16)
+    assert tables[:, :3].tolist() == [[3, 7, 0], [5, 2, 0], [1, 0, 0]] and not tables[:, 3:].any()
+    assert nanoserve.padded_block_tables(torch.arange(17), torch.tensor([17]), 17).shape == (1, 32)
+
+
+def test_block_tables_are_as_wide_as_the_batch_needs_not_as_max_model_len():
+    """A step's block tables cost what its sequences' blocks are: 20 tokens in blocks of 8
+    take a 16-column table, where max_model_len 1024 would take 128 columns."""
+    engine = tiny(block_size=8).engine
+    assert engine.max_model_len == 1024
+    seq = new_seq(engine, list(range(20)))
+    assert seq.block_table.ensure(20)
+    tables = engine._prepare_inputs({seq: 20}).attn_metadata.block_tables
+    assert tables.shape == (1, 16) and tables[0, :3].tolist() == seq.block_table.block_ids
+    seq.block_table.release()
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "sjf", "static"])
@@ -214,19 +244,21 @@ BATCHES = {
 
 
 def make_batch(seq_shapes, block_size, head_dim, dtype=torch.float32, seed=0, width=None,
-               device=DEVICE):
-    """Random q, caches and metadata as Engine._prepare_inputs builds them: shuffled blocks,
-    0-padding.
+               device=DEVICE, num_heads=NUM_HEADS, num_kv_heads=None):
+    """Random q (N, num_heads, D), caches (NB, BS, num_kv_heads, D) (default: num_heads) and
+    metadata as Engine._prepare_inputs builds them: shuffled blocks, 0-padding.
 
     Block tables are `width` columns wide (default: just wide enough for the longest sequence),
     padded with block 0, as the engine pads them to cdiv(max_model_len, block_size).
     """
+    num_kv_heads = num_kv_heads or num_heads
     gen = torch.Generator().manual_seed(seed)
     num_blocks = [cdiv(ctx, block_size) for ctx, _ in seq_shapes]
     width = width or max(num_blocks)
     total = sum(num_blocks) + 3  # a few blocks no sequence owns
-    k_cache = torch.randn(total, block_size, NUM_HEADS, head_dim, generator=gen).to(device, dtype)
-    v_cache = torch.randn(total, block_size, NUM_HEADS, head_dim, generator=gen).to(device, dtype)
+    cache_shape = (total, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, generator=gen).to(device, dtype)
+    v_cache = torch.randn(cache_shape, generator=gen).to(device, dtype)
     free = torch.randperm(total, generator=gen).tolist()  # non-contiguous, any order
     tables, slots, starts = [], [], [0]
     for (ctx, q_len), n in zip(seq_shapes, num_blocks):
@@ -243,8 +275,8 @@ def make_batch(seq_shapes, block_size, head_dim, dtype=torch.float32, seed=0, wi
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         max_query_len=max(q for _, q in seq_shapes))
     # This step's K/V go in through store_kv, as in the model; q is a strided view, as there.
-    qkv = torch.randn(starts[-1], 3, NUM_HEADS, head_dim, generator=gen).to(device, dtype)
-    q, k, v = qkv.unbind(1)  # (N, H, D) each
+    qkv = torch.randn(starts[-1], num_heads + 2 * num_kv_heads, head_dim, generator=gen)
+    q, k, v = qkv.to(device, dtype).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     return q, k_cache, v_cache, meta
 
@@ -264,25 +296,67 @@ def test_triton_kernel_matches_reference(block_size, head_dim, batch, width):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+# Grouped-query attention, (query heads, KV heads): G = 2, 4, 3 and 7 query heads a KV head.
+# At G = 3 and 7 a 16-row tile ends inside a query's group of rows.
+GROUPED_HEADS = [pytest.param(4, 2, id="G2"), pytest.param(8, 2, id="G4"),
+                 pytest.param(6, 2, id="G3"), pytest.param(7, 1, id="G7")]
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("head_dim", [32, 48])
+@pytest.mark.parametrize("num_heads, num_kv_heads", GROUPED_HEADS)
+def test_triton_kernel_matches_reference_with_grouped_query_heads(num_heads, num_kv_heads,
+                                                                  head_dim, batch):
+    """Each program serves the G query heads of one KV head, its (query, head) rows stacked
+    query by query in a tile: a decode fills G rows, a chunk of L queries L * G."""
+    q, k_cache, v_cache, meta = make_batch(BATCHES[batch], 16, head_dim, num_heads=num_heads,
+                                           num_kv_heads=num_kv_heads,
+                                           width=cdiv(MAX_MODEL_LEN, 16))
+    scale = head_dim ** -0.5
+    out = paged_attention(q, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, scale),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_reference_attention_query_head_h_reads_kv_head_h_floordiv_g():
+    """The specification's GQA mapping, head by head: of H = 6 query heads over Hkv = 2 KV
+    heads (G = 3), head h attends KV head h // G alone (Hugging Face's repeat_kv: a KV head's
+    query heads are contiguous). The other plausible mapping, h % Hkv, fails here."""
+    q, k_cache, v_cache, meta = make_batch(BATCHES["mixed"], 8, 16, device="cpu",
+                                           num_heads=6, num_kv_heads=2)
+    out = paged_attention_ref(q, k_cache, v_cache, meta, 0.25)
+    for head in range(6):
+        kv = slice(head // 3, head // 3 + 1)
+        alone = paged_attention_ref(q[:, head:head + 1], k_cache[:, :, kv], v_cache[:, :, kv],
+                                    meta, 0.25)
+        torch.testing.assert_close(out[:, head:head + 1], alone)
+
+
 # More decodes than a DECODE_GROUP, of contexts that differ and tie, beside prefill chunks.
 MANY_DECODES = [(5 + 23 * i % 97, 1) for i in range(19)] + [(40, 40), (70, 9)]
 
 
+@pytest.mark.parametrize("num_heads, num_kv_heads", [
+    pytest.param(NUM_HEADS, NUM_HEADS, id="G1"), *GROUPED_HEADS])
 @pytest.mark.parametrize("decode_bytes, num_groups", [(8 << 20, 3), (1, 19)])
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_cpu_attention_matches_reference_in_every_layer(block_size, decode_bytes, num_groups,
-                                                        monkeypatch):
+                                                        num_heads, num_kv_heads, monkeypatch):
     """paged_attention_cpu plans a step's decodes in its first layer and reuses the plan (and
     its buffers) in the others: each layer, its own caches, must still get the reference,
-    whether the decodes go DECODE_GROUP together or one by one (K/V past DECODE_BYTES)."""
+    whether the decodes go DECODE_GROUP together or one by one (K/V past DECODE_BYTES). With
+    GQA the K/V it gathers are the cache's Hkv heads, never copied per query head."""
     monkeypatch.setattr("kernels.DECODE_BYTES", decode_bytes)
-    q, k_cache, v_cache, meta = make_batch(MANY_DECODES, block_size, 32, device="cpu")
+    q, k_cache, v_cache, meta = make_batch(MANY_DECODES, block_size, 32, device="cpu",
+                                           num_heads=num_heads, num_kv_heads=num_kv_heads)
     layers = [(q, k_cache, v_cache), (q.flip(0), v_cache.flip(0), k_cache * 2)]
     for q, k_cache, v_cache in layers:
         out = paged_attention_cpu(q, k_cache, v_cache, meta, 0.2)
+        # fp32; the order of the sums differs (G query rows a GEMM): up to 2e-6 seen
         torch.testing.assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, 0.2),
-                                   atol=1e-6, rtol=1e-6)
+                                   atol=1e-5, rtol=1e-5)
     assert len(meta.decode_plan.groups) == num_groups
+    assert all(b.shape[1:] == k_cache.shape[1:] for b in meta.decode_plan.buffers)
 
 
 # Tolerances: a few roundings of the type (p cast for the P @ V dot, the output), |out| < 4.
@@ -293,11 +367,16 @@ LOW_PRECISION = [pytest.param(torch.float16, 4e-3, id="fp16"),
 @pytest.mark.parametrize("dtype, tol", LOW_PRECISION)
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("head_dim", [48, 64])
-def test_triton_kernel_low_precision_matches_fp32_reference(head_dim, batch, dtype, tol):
+@pytest.mark.parametrize("num_heads, num_kv_heads", [
+    pytest.param(NUM_HEADS, NUM_HEADS, id="G1"), pytest.param(8, 2, id="G4"),
+    pytest.param(7, 1, id="G7")])
+def test_triton_kernel_low_precision_matches_fp32_reference(num_heads, num_kv_heads, head_dim,
+                                                            batch, dtype, tol):
     """fp16 and bf16 inputs, accumulated in fp32, against the fp32 reference (on CPU in the
-    interpreter, on a GPU as launched)."""
+    interpreter, on a GPU as launched), with one head a KV head and with grouped heads."""
     q, k_cache, v_cache, meta = make_batch(BATCHES[batch], 16, head_dim, dtype,
-                                           width=cdiv(MAX_MODEL_LEN, 16))
+                                           width=cdiv(MAX_MODEL_LEN, 16), num_heads=num_heads,
+                                           num_kv_heads=num_kv_heads)
     scale = head_dim ** -0.5
     out = paged_attention(q, k_cache, v_cache, meta, scale)
     # The reference sees the same rounded inputs, in fp32.
@@ -379,12 +458,27 @@ def test_triton_launcher_refuses_metadata_it_would_misread():
         paged_attention(q, k_cache, v_cache, meta, 0.125)
 
 
+@pytest.mark.parametrize("attention", [paged_attention_ref, paged_attention_cpu, paged_attention])
+def test_attention_refuses_query_heads_the_kv_heads_do_not_divide(attention):
+    """3 query heads over 2 KV heads have no head-to-KV-head mapping: refused, by count, before
+    any K/V is read (the kernel would read the wrong KV heads)."""
+    q, k_cache, v_cache, meta = make_batch(BATCHES["mixed"], 16, 32, num_heads=4,
+                                           num_kv_heads=2)
+    with pytest.raises(ValueError, match="3 heads, not a multiple of the cache's 2 KV heads"):
+        attention(q[:, :3], k_cache, v_cache, meta, 0.125)
+
+
 # Compiling for GPUs without one: the test after these functions runs print_compiled_variants
 # in a fresh process, where Triton compiles for real.
 
 COMPILE_CAPABILITIES = (80, 90)  # sm_80 (A100), sm_90 (H100)
-COMPILE_VARIANTS = [("float16", 64), ("float16", 48), ("bfloat16", 64), ("float32", 64),
-                    ("float16", 128), ("bfloat16", 128)]  # 128: Llama's and Qwen's head dim
+# (dtype, head dim, query heads, KV heads). 128: Llama's and Qwen's head dim. Grouped (GQA):
+# 14/2 (G = 7, not a power of 2) at 64 is Qwen2.5-0.5B, 32/8 at 64 Llama-3.2-1B, 16/8 at 128
+# Qwen3-0.6B, 32/8 at 128 Llama-3.1-8B.
+COMPILE_VARIANTS = [("float16", 64, 12, 12), ("float16", 48, 12, 12), ("bfloat16", 64, 12, 12),
+                    ("float32", 64, 12, 12), ("float16", 128, 12, 12), ("bfloat16", 128, 12, 12),
+                    ("float16", 64, 14, 2), ("bfloat16", 64, 32, 8),
+                    ("float16", 128, 16, 8), ("bfloat16", 128, 16, 8), ("bfloat16", 128, 32, 8)]
 # Batches unlike each other: one decode; 64 decodes and a 200-token chunk; two chunks.
 VARIED_BATCHES = [((1, 1),), ((900, 1),) * 64 + ((200, 200),), ((16, 16), (1000, 512))]
 
@@ -405,15 +499,17 @@ class CompileOnlyDriver:
         return 0
 
 
-def engine_args(dtype, head_dim, seq_shapes=((100, 1), (7, 1), (300, 1), (37, 37)), heads=12,
-                block_size=16, width=64, num_blocks=512):
-    """paged_attention's arguments as the GPT-2 engine passes them for sequences of
+def engine_args(dtype, head_dim, seq_shapes=((100, 1), (7, 1), (300, 1), (37, 37)),
+                num_heads=12, num_kv_heads=None, block_size=16, width=64, num_blocks=512):
+    """paged_attention's arguments as the engine passes them for sequences of
     (context_len, q_len), by default 3 decodes and a 37-token prefill chunk: q a view of the
-    fused qkv projection, contiguous caches, int32 metadata, block tables cdiv(1024, 16) wide."""
+    fused qkv projection, contiguous caches of num_kv_heads heads (default: num_heads, GPT-2's),
+    int32 metadata, block tables cdiv(1024, 16) wide."""
+    num_kv_heads = num_kv_heads or num_heads
     num_tokens = sum(q_len for _, q_len in seq_shapes)
-    qkv = torch.zeros(num_tokens, 3 * heads * head_dim, dtype=dtype)
-    q = qkv.view(num_tokens, 3, heads, head_dim)[:, 0]  # (N, H, D), rows 3 * H * D apart
-    k_cache = torch.zeros(num_blocks, block_size, heads, head_dim, dtype=dtype)
+    qkv = torch.zeros(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    q = qkv[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)  # rows qkv-strided
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
     starts = [0]
     for _, q_len in seq_shapes:
         starts.append(starts[-1] + q_len)
@@ -464,14 +560,17 @@ def ptxas_counts(ptx: str, cc: int) -> tuple[int, int]:
     return int(regs[0]), int(spills[0][0]) + int(spills[0][1])
 
 
-def compile_as_launched(cc: int, dtype: str, head_dim: int) -> dict:
+def compile_as_launched(cc: int, dtype: str, head_dim: int, num_heads: int,
+                        num_kv_heads: int) -> dict:
     """Compile the kernel exactly as paged_attention would launch it on compute capability cc,
-    and report what the compile gave: the specialization (which parameters are bound to 1,
-    which pointers are 16-byte aligned), ptxas's registers and spills, shared memory, and
-    whether K/V are loaded by cp.async with copies still in flight."""
+    for q of num_heads heads over caches of num_kv_heads, and report what the compile gave:
+    the specialization (which parameters are bound to 1, which pointers are 16-byte aligned),
+    ptxas's registers and spills, shared memory, and whether K/V are loaded by cp.async with
+    copies still in flight."""
     from triton.backends.nvidia.compiler import sm_arch_from_capability
     fn = kernels._paged_attention_kernel
-    data = launch_specialization(engine_args(getattr(torch, dtype), head_dim))
+    data = launch_specialization(engine_args(getattr(torch, dtype), head_dim,
+                                             num_heads=num_heads, num_kv_heads=num_kv_heads))
     compiled = fn.preload(data)  # Triton compiles exactly that specialization
     spec = json.loads(data)
     ptx = compiled.asm["ptx"]
@@ -482,7 +581,8 @@ def compile_as_launched(cc: int, dtype: str, head_dim: int) -> dict:
                if ["tt.divisibility", 16] in v]
     regs, spills = ptxas_counts(ptx, cc)
     waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)]
-    return dict(cc=cc, dtype=dtype, head_dim=head_dim, regs=regs, spills=spills,
+    return dict(cc=cc, dtype=dtype, head_dim=head_dim, num_heads=num_heads,
+                num_kv_heads=num_kv_heads, regs=regs, spills=spills,
                 smem=compiled.metadata.shared, cp_async="cp.async.cg.shared.global" in ptx,
                 copies_in_flight=max(waits, default=0), ones=ones, aligned=aligned,
                 target=f".target {sm_arch_from_capability(cc)}" in ptx,
@@ -506,19 +606,20 @@ def print_compiled_variants() -> None:
         return
     assert not triton.knobs.runtime.interpret
     # First, before anything is compiled (a compiled one would be launched, on no GPU): the
-    # specialisations that varied batches ask for.
+    # specialisations that varied batches ask for, with GPT-2's heads and grouped ones.
     driver.set_active(CompileOnlyDriver(GPUTarget("cuda", COMPILE_CAPABILITIES[0], 32)))
-    keys = {launch_specialization(engine_args(torch.float16, 64, shapes))
-            for shapes in VARIED_BATCHES}
+    keys = [{launch_specialization(engine_args(torch.float16, 64, shapes, *heads))
+             for shapes in VARIED_BATCHES} for heads in [(12, 12), (14, 2)]]
     for cc in COMPILE_CAPABILITIES:
         driver.set_active(CompileOnlyDriver(GPUTarget("cuda", cc, 32)))
-        for dtype, head_dim in COMPILE_VARIANTS:  # head dim 48 (padded to 64) once, in fp16
-            print(json.dumps(compile_as_launched(cc, dtype, head_dim)))
-    print(json.dumps(dict(specializations=len(keys))))
+        for variant in COMPILE_VARIANTS:  # head dim 48 (padded to 64) once, in fp16
+            print(json.dumps(compile_as_launched(cc, *variant)))
+    print(json.dumps(dict(specializations=[len(k) for k in keys])))
 
 
 def test_triton_kernel_as_launched_compiles_for_sm80_and_sm90_without_spills():
-    """The kernel paged_attention would launch on sm_80 and sm_90, compiled without a GPU.
+    """The kernel paged_attention would launch on sm_80 and sm_90, compiled without a GPU,
+    with as many KV heads as query heads (GPT-2) and grouped (GQA).
 
     Triton's own JITFunction.run specialises the engine's real arguments (built on CPU); the
     compile of that specialisation must fit: ptxas's registers and spills, shared memory, and
@@ -532,11 +633,11 @@ def test_triton_kernel_as_launched_compiles_for_sm80_and_sm90_without_spills():
     if result.stdout.startswith("SKIP: "):
         pytest.skip(result.stdout[6:].strip())
     rows = [json.loads(line) for line in result.stdout.splitlines()]
-    # Varied batches (sizes, decodes and chunks) launch one specialisation: one compile.
-    assert rows.pop() == dict(specializations=1)
-    assert [(r["cc"], r["dtype"], r["head_dim"]) for r in rows] == [
-        (cc, dtype, head_dim) for cc in COMPILE_CAPABILITIES
-        for dtype, head_dim in COMPILE_VARIANTS]
+    # Varied batches (sizes, decodes and chunks) launch one specialisation a model: one compile.
+    assert rows.pop() == dict(specializations=[1, 1])
+    assert [(r["cc"], r["dtype"], r["head_dim"], r["num_heads"], r["num_kv_heads"])
+            for r in rows] == [(cc, *variant) for cc in COMPILE_CAPABILITIES
+                               for variant in COMPILE_VARIANTS]
     for r in rows:
         assert r["target"] and r["cubin"] > 0, r
         # The launch binds unit strides as constants and every pointer as 16-byte aligned.
@@ -550,6 +651,11 @@ def test_triton_kernel_as_launched_compiles_for_sm80_and_sm90_without_spills():
             assert r["regs"] <= 128 and r["smem"] < 64 * 1024, r
         else:  # 128: it must launch at all (sm_80 lets a program have 163 KB); not tuned yet
             assert r["smem"] < 163 * 1024, r
+    # A grouped program's K/V tiles serve its G heads: the shared memory of one head's.
+    smem = {(r["cc"], r["dtype"], r["head_dim"]): r["smem"] for r in rows
+            if r["num_heads"] == r["num_kv_heads"]}
+    for r in rows:
+        assert r["smem"] == smem[r["cc"], r["dtype"], r["head_dim"]], r
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -1097,6 +1203,16 @@ def test_block_larger_than_the_kv_cache_is_rejected(kv_cache_tokens):
                             kv_cache_tokens=kv_cache_tokens))
 
 
+def test_max_model_len_is_capped_by_what_the_kv_cache_holds():
+    """A context the cache cannot hold is never served: by default max_model_len is the
+    model's context or the cache's capacity, the smaller; asked for past the cache, refused."""
+    assert Engine(EngineConfig(preset="tiny", kv_cache_tokens=200)).max_model_len == 192
+    assert Engine(EngineConfig(preset="tiny", kv_cache_tokens=4096)).max_model_len == 1024
+    with pytest.raises(ValueError, match=r"max_model_len 300 does not fit in the KV cache "
+                                         r"\(192 tokens\)"):
+        Engine(EngineConfig(preset="tiny", kv_cache_tokens=200, max_model_len=300))
+
+
 def test_kv_cache_too_big_for_memory_is_a_clear_error():
     with pytest.raises(ValueError, match="cannot allocate a KV cache of 1000000000000 tokens"):
         Engine(EngineConfig(preset="tiny", kv_cache_tokens=10**12))
@@ -1104,15 +1220,14 @@ def test_kv_cache_too_big_for_memory_is_a_clear_error():
 
 @pytest.mark.parametrize("make, message", [
     (lambda e: e.add_request("", SamplingParams()), "prompt is empty"),
-    (lambda e: e.add_request("x" * 1000, SamplingParams(max_tokens=100)), "context is 1024"),
-    (lambda e: e.add_request("y" * 300, SamplingParams(max_tokens=300)), "KV blocks"),
+    (lambda e: e.add_request("x" * 1000, SamplingParams(max_tokens=100)), "context is 512"),
     (lambda e: e.add_request([0, 300], SamplingParams()), "token ids"),
     (lambda e: e.add_request([0, True], SamplingParams()), "token ids"),
     (lambda e: e.add_request(b"hello", SamplingParams()), "got bytes"),
     (lambda e: e.add_request({"prompt_ids": [1]}, SamplingParams()), "got dict"),
     (lambda e: e.add_request("hi", {"max_tokens": 5}), "SamplingParams"),
     (lambda e: e.add_request("hi", SamplingParams(), 7), "request_id"),
-], ids=["empty", "too-long", "never-fits-cache", "bad-token-id", "bool-token-id", "bytes",
+], ids=["empty", "too-long", "bad-token-id", "bool-token-id", "bytes",
         "unknown-dict", "params-dict", "int-request-id"])
 def test_bad_request_is_rejected_and_engine_keeps_serving(alone, make, message):
     llm = tiny(kv_cache_tokens=512)
@@ -1992,6 +2107,17 @@ def test_hf_checkpoint_loads_with_identical_logits(tmp_path, fmt):
                                    hf_gpt2_logits(state, SMALL, idx), rtol=1e-4, atol=1e-4)
 
 
+def test_gpt2_checkpoint_round_trips_through_our_llama_names(tmp_path):
+    """The shipped GPT-2 checkpoint, loaded (renamed to our Llama-style names, q, k, v split
+    out of c_attn, Conv1D weights transposed) and saved again, is the same file's tensors."""
+    shipped = os.path.join(HERE, "checkpoints", "shakespeare")
+    M.save_checkpoint(M.load_checkpoint(shipped), str(tmp_path))
+    before = M.read_safetensors(os.path.join(shipped, "model.safetensors"))
+    after = M.read_safetensors(str(tmp_path / "model.safetensors"))
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda s: s.pop("transformer.h.1.mlp.c_fc.bias"), "missing tensor h.1.mlp.c_fc.bias"),
     (lambda s: s.update({"transformer.wpe.weight": torch.zeros(10, 48)}), "wpe.weight has shape"),
@@ -2013,6 +2139,170 @@ def test_corrupt_safetensors_header_is_reported(tmp_path, header):
         f.write(header)
     with pytest.raises(ValueError, match="corrupt safetensors header"):
         M.load_checkpoint(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- architectures
+# Tiny random Llama, Qwen2, Qwen3 and Mistral checkpoints in Hugging Face's layout, with
+# transformers' logits for them (in fp64): .ci/fixtures/make_model_fixtures.py made them, so
+# the tests need no transformers. Grouped heads in each; tied and untied heads; llama3-tied
+# has Llama 3's rope_scaling, qwen2 q/k/v biases, qwen3 q/k norms and its own head_dim.
+MODEL_FIXTURES = os.path.join(HERE, ".ci", "fixtures", "models")
+ARCHITECTURES = ["llama3-tied", "llama-untied", "qwen2", "qwen3", "mistral"]
+PARITY_TOL = 1e-4  # max |logit - transformers' logit|, our fp32 against its fp64 (measured: 1.3e-5)
+
+
+def reference_logits(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixture's input ids (2, 40) and transformers' logits for them (2, 40, vocab)."""
+    tensors = M.read_safetensors(os.path.join(MODEL_FIXTURES, name, "reference.safetensors"))
+    return tensors["input_ids"], tensors["logits"]
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+@torch.inference_mode()
+def test_architecture_logits_equal_transformers(name):
+    model = M.load_checkpoint(os.path.join(MODEL_FIXTURES, name))
+    input_ids, want = reference_logits(name)
+    assert (model.forward_dense(input_ids) - want).abs().max() < PARITY_TOL
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+@torch.inference_mode()
+def test_architecture_greedy_tokens_equal_transformers_where_decided(name):
+    """Wherever transformers' top two logits are further apart than twice the tolerance (tiny
+    random weights give near-ties elsewhere), the greedy token is its token."""
+    model = M.load_checkpoint(os.path.join(MODEL_FIXTURES, name))
+    input_ids, want = reference_logits(name)
+    top_two = want.topk(2, dim=-1).values
+    decided = top_two[..., 0] - top_two[..., 1] > 2 * PARITY_TOL
+    assert decided.sum() >= 70  # of 80 positions: the comparison says something
+    got = model.forward_dense(input_ids).argmax(-1)
+    assert torch.equal(got[decided], want.argmax(-1)[decided])
+
+
+def fixture_llm(name: str, path, **kwargs) -> LLM:
+    """An LLM serving a fixture model (copied to path, with the byte-level tokenizer's files:
+    its 128 ids are the first 128 bytes), on CPU in fp32."""
+    shutil.copytree(os.path.join(MODEL_FIXTURES, name), path, dirs_exist_ok=True)
+    write_byte_tokenizer(path)
+    return LLM(model=str(path), **{"kv_cache_tokens": 1024, "device": "cpu",
+                                   "dtype": "float32"} | kwargs)
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+@torch.inference_mode()
+def test_architecture_paged_logits_equal_dense_at_every_position(name, tmp_path):
+    """The engine's paged forward (rotations from the flat batch's positions, K/V of grouped
+    heads through the cache) gives the dense forward's logits at every position."""
+    engine = fixture_llm(name, tmp_path, block_size=8).engine
+    tokens = reference_logits(name)[0][0, :30]
+    assert_paged_equals_dense_at_every_position(engine, tokens)
+
+
+def test_grouped_query_kv_cache_holds_n_kv_head_heads():
+    """llama-tiny: 8 query heads share 2 K/V heads, so a token's K/V take a quarter of what
+    they would with a K/V head per query head, and 1 GiB holds 4 times the tokens."""
+    engine = tiny(preset="llama-tiny").engine
+    c = engine.model.config
+    assert (c.n_head, c.n_kv_head) == (8, 2)
+    assert engine.k_cache.shape[-2:] == (2, 32)
+    assert engine.kv_bytes_per_token == 2 * c.n_layer * 2 * 32 * 4
+    full = dataclasses.replace(c, n_kv_head=c.n_head)
+    assert M.GPT(full).config.n_kv_head == 8
+    assert nanoserve.kv_cache_description(engine) == "524288 a GiB (2 K/V heads for 8)"
+
+
+def llama_tiny(**kwargs) -> LLM:
+    return tiny(preset="llama-tiny", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def llama_alone() -> list[list[int]]:
+    """llama-tiny's greedy outputs of each prompt on its own."""
+    return [token_ids(llama_tiny().generate([p], GREEDY))[0] for p in PROMPTS]
+
+
+GQA_SERVING = {  # engine settings, each exercising one way a step's batch can differ
+    "batching": dict(max_num_seqs=4, enable_chunked_prefill=False, max_num_batched_tokens=256),
+    "chunked-prefill": dict(max_num_batched_tokens=16),
+    "preemption": dict(kv_cache_tokens=192, max_num_batched_tokens=64)}
+
+
+@pytest.mark.parametrize("how", list(GQA_SERVING))
+def test_grouped_query_greedy_output_is_unchanged_by(llama_alone, how):
+    llm = llama_tiny(**GQA_SERVING[how])
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == llama_alone
+    if how == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert_no_leaks(llm.engine)
+
+
+def test_grouped_query_greedy_output_is_unchanged_by_prefix_caching(llama_alone):
+    llm = llama_tiny()
+    llm.generate(PROMPTS, GREEDY)
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == llama_alone
+    assert llm.engine.stats.num_cached_tokens > 100
+    assert_no_leaks(llm.engine)
+
+
+def test_grouped_query_greedy_output_is_the_same_with_triton_attention(llama_alone):
+    llm = llama_tiny(attention="triton", max_num_batched_tokens=24, block_size=8, device=DEVICE)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert token_ids(llm.generate(PROMPTS[:3], params)) == [a[:8] for a in llama_alone[:3]]
+    assert_no_leaks(llm.engine)
+
+
+def write_fixture_config(path, name: str, **changes) -> None:
+    """A fixture model's config.json, with `changes` (None: the key removed), at path."""
+    with open(os.path.join(MODEL_FIXTURES, name, "config.json")) as f:
+        hf = json.load(f)
+    for key, value in changes.items():
+        hf.pop(key, None)
+        if value is not None:
+            hf[key] = value
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f)
+
+
+@pytest.mark.parametrize("name, changes, message", [
+    ("mistral", dict(num_local_experts=8), "key 'num_local_experts' is not served"),
+    ("llama3-tied", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+     "rope_scaling type 'yarn' is not served"),
+    ("llama3-tied", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+     "lacks 'high_freq_factor'"),
+    ("mistral", dict(sliding_window=64), "sliding_window 64 is shorter than the context 256"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=64), "sliding_window 64"),
+    ("qwen3", dict(layer_types=["full_attention", "sliding_attention"]), "sliding_attention"),
+    ("llama-untied", dict(hidden_act="gelu"), "hidden_act 'gelu' is not served"),
+    ("qwen2", dict(architectures=["Qwen2ForSequenceClassification"]), "architectures"),
+    ("qwen2", dict(model_type="gemma"), "model_type 'gemma' is not served"),
+], ids=["moe", "yarn", "llama3-incomplete", "mistral-window", "qwen-window", "layer-types",
+        "activation", "head", "model-type"])
+def test_config_that_changes_the_computation_is_refused_by_name(tmp_path, name, changes, message):
+    write_fixture_config(tmp_path, name, **changes)
+    with pytest.raises(ValueError, match=message):
+        M.load_checkpoint(str(tmp_path))
+
+
+def test_sliding_window_that_does_not_apply_is_accepted(tmp_path):
+    """Qwen's published configs set a sliding_window with use_sliding_window false: full
+    attention, served; Mistral's window as long as the context is full attention too."""
+    for name, changes in (("qwen2", dict(sliding_window=64)), ("mistral", dict(sliding_window=256))):
+        write_fixture_config(tmp_path, name, **changes)
+        with open(tmp_path / "config.json") as f:
+            M.config_from_hf(json.load(f), str(tmp_path))
+
+
+def test_transformers5_config_form_gives_the_same_config():
+    """transformers 5 writes rope_parameters (rope_theta inside it) where published configs
+    write rope_theta and rope_scaling: both read the same."""
+    with open(os.path.join(MODEL_FIXTURES, "llama3-tied", "config.json")) as f:
+        published = json.load(f)
+    newer = dict(published, rope_parameters=dict(published["rope_scaling"],
+                                                 rope_theta=published["rope_theta"]))
+    del newer["rope_scaling"], newer["rope_theta"]
+    assert M.config_from_hf(newer, "x") == M.config_from_hf(published, "x")
+    assert M.config_from_hf(published, "x").rope_scaling["factor"] == 8.0
+
 
 
 REPETITION_PENALTY_FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".ci",
@@ -2038,6 +2328,12 @@ def write_random_gpt2(path) -> None:
     the weights plus byte-level tokenizer files (ids 0-255 the bytes, 256 <|endoftext|>).
     .ci/make_repetition_penalty_fixture.py loads the same directory."""
     write_hf_checkpoint(path, straddling_gpt2_state(), SMALL, "safetensors")
+    write_byte_tokenizer(path)
+
+
+def write_byte_tokenizer(path) -> None:
+    """The byte-level tokenizer's files in directory path (ids 0-255 the bytes, 256
+    <|endoftext|>), as Hugging Face's vocab.json and merges.txt."""
     vocab = {ch: i for i, (_, ch) in enumerate(M.gpt2_byte_chars())} | {M.EOT: 256}
     with open(os.path.join(path, "vocab.json"), "w", encoding="utf-8") as f:
         json.dump(vocab, f)
@@ -2419,8 +2715,15 @@ def test_trace_marks_prefix_cache_hits(capsys):
 def test_cli_summary_gives_the_prefix_hit_rate_and_the_cache_turns_off(capsys):
     args = ["--preset", "tiny", "--prompt", "y" * 40 + "a", "--prompt", "y" * 40 + "b",
             "--max-tokens", "2", "--max-num-batched-tokens", "16"]
-    assert "prefix cache hits 39%]" in nanoserve_main(capsys, *args)[2]  # 32 of 82 tokens
-    assert "prefix cache hits 0%]" in nanoserve_main(capsys, *args, "--no-prefix-caching")[2]
+    assert "prefix cache hits 39%;" in nanoserve_main(capsys, *args)[2]  # 32 of 82 tokens
+    assert "prefix cache hits 0%;" in nanoserve_main(capsys, *args, "--no-prefix-caching")[2]
+
+
+def test_cli_summary_gives_the_kv_cache_size_and_its_tokens_a_gib(capsys):
+    args = ["--preset", "llama-tiny", "--prompt", "x", "--max-tokens", "2",
+            "--kv-cache-tokens", "1000"]
+    assert "KV cache 992 tokens, 524288 a GiB (2 K/V heads for 8)]" in \
+        nanoserve_main(capsys, *args)[2]
 
 
 def test_cli_trace_needs_prompts_and_is_printed_after_the_summary(capsys):
@@ -2948,6 +3251,10 @@ def test_metrics_count_tokens_and_latencies(server):
         assert f"# TYPE nanoserve:{name} histogram" in text
         assert f'nanoserve:{name}_bucket{{le="+Inf"}}' in text
     assert "nanoserve:num_preemptions_total 0" in text and "kv_blocks_free" in text
+    # tiny's KV cache: 64 contexts of 1024 tokens (max-num-seqs), 8 KiB a token (4 layers x
+    # 4 K/V heads x 64 dims, K and V, fp32)
+    assert metric(server, "kv_cache_tokens") == 64 * 1024
+    assert metric(server, "kv_cache_tokens_per_gib") == 2**30 // 8192
 
 
 BAD_REQUESTS = [
@@ -3434,6 +3741,22 @@ def test_bench_offline_and_online_figures_agree(bench_run):
             assert r["ttft"]["mean"] <= r["e2e"]["mean"]  # the first token, then the last
     for title in ("Offline", "Online", "Decode step, tiny, 1 threads"):
         assert title in printed
+
+
+def test_bench_grouped_query_runs_more_sequences_in_the_same_kv_memory(bench_run):
+    """llama-tiny's 2 K/V heads for 8 make a token's K/V a quarter of llama-tiny-mha's: in the
+    memory of 80 tokens of the latter, 320 of the former, and more sequences a step."""
+    result, printed = bench_run
+    assert list(result["grouped_query"]) == ["8", "16"]
+    for limit, runs in result["grouped_query"].items():
+        mha, gqa = runs["llama-tiny-mha"], runs["llama-tiny"]
+        assert (mha["kv_heads"], mha["kv_tokens"]) == (8, 80)
+        assert (gqa["kv_heads"], gqa["kv_tokens"]) == (2, 320)
+        assert gqa["output_tokens"] == mha["output_tokens"]  # the same requests, EOS ignored
+        assert mha["kv_slots_peak"] <= 80 and gqa["kv_slots_peak"] <= 320
+        assert gqa["seqs_peak"] > mha["seqs_peak"] and gqa["seqs_per_step"] > mha["seqs_per_step"]
+        assert gqa["vs_mha"] == gqa["tok_s"] / mha["tok_s"]
+    assert "Grouped-query attention at equal KV memory" in printed
 
 
 def test_bench_equal_memory_holds_every_mode_to_the_kv_budget(bench_run):
