@@ -71,6 +71,13 @@ class GPTConfig:
     rope_scaling: dict | None = None  # Llama 3's {"rope_type": "llama3", "factor": ...} or None
 
     def __post_init__(self):
+        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_kv_head",
+                     "head_dim", "intermediate_size"):
+            value = getattr(self, name)
+            if value is None and name in ("n_kv_head", "head_dim", "intermediate_size"):
+                continue  # derived below
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         if self.head_dim is None:
@@ -79,6 +86,8 @@ class GPTConfig:
             self.head_dim = self.n_embd // self.n_head
         if self.intermediate_size is None:
             self.intermediate_size = 4 * self.n_embd
+        if self.position_encoding == "rope" and self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} is odd: RoPE turns pairs of dimensions")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head {self.n_head} is not a multiple of n_kv_head "
                              f"{self.n_kv_head}: each K/V head serves a whole group")
@@ -546,9 +555,12 @@ def config_from_hf(hf: dict, path: str) -> GPTConfig:
     if unknown := sorted(set(hf) - known - NEUTRAL_KEYS):
         raise ValueError(f"{path}: config.json key {unknown[0]!r} is not served: it may change "
                          "what the model computes, and nanoserve would ignore it")
-    if model_type == "gpt2":
-        return gpt2_config(hf, path)
-    return llama_config(hf, path)
+    try:
+        if model_type == "gpt2":
+            return gpt2_config(hf, path)
+        return llama_config(hf, path)
+    except KeyError as e:  # a size every config of the family has
+        raise ValueError(f"{path}: config.json lacks {e.args[0]!r}") from None
 
 
 def require(hf: dict, key: str, allowed: tuple, path: str) -> None:

@@ -2283,6 +2283,19 @@ def test_config_that_changes_the_computation_is_refused_by_name(tmp_path, name, 
         M.load_checkpoint(str(tmp_path))
 
 
+@pytest.mark.parametrize("changes, message", [
+    (dict(hidden_size="64"), "n_embd must be a positive integer, got '64'"),
+    (dict(num_hidden_layers=True), "n_layer must be a positive integer, got True"),
+    (dict(num_key_value_heads=3), "n_head 4 is not a multiple of n_kv_head 3"),
+    (dict(head_dim=33), "head_dim 33 is odd"),
+    (dict(hidden_size=None), "config.json lacks 'hidden_size'"),
+], ids=["string-size", "bool-size", "heads-not-grouped", "odd-head-dim", "missing-size"])
+def test_malformed_config_is_a_clear_error(tmp_path, changes, message):
+    write_fixture_config(tmp_path, "qwen3", **changes)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        M.load_checkpoint(str(tmp_path))
+
+
 def test_sliding_window_that_does_not_apply_is_accepted(tmp_path):
     """Qwen's published configs set a sliding_window with use_sliding_window false: full
     attention, served; Mistral's window as long as the context is full attention too."""
