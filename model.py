@@ -35,7 +35,7 @@ import os
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import tiktoken
 import torch
@@ -716,14 +716,38 @@ def load_checkpoint(path: str) -> GPT:
 
 
 def read_weights(path: str) -> dict[str, torch.Tensor]:
-    """The tensors of model.safetensors, else of pytorch_model.bin, in `path`."""
+    """The tensors of model.safetensors, else of the shards model.safetensors.index.json
+    lists, else of pytorch_model.bin, in `path`."""
     safetensors_file = os.path.join(path, "model.safetensors")
+    index_file = os.path.join(path, "model.safetensors.index.json")
     pickle_file = os.path.join(path, "pytorch_model.bin")
     if os.path.exists(safetensors_file):
         return read_safetensors(safetensors_file)
+    if os.path.exists(index_file):
+        return read_shards(index_file)
     if os.path.exists(pickle_file):
         return torch.load(pickle_file, map_location="cpu", weights_only=True)
-    raise ValueError(f"{path} has no model.safetensors or pytorch_model.bin")
+    raise ValueError(f"{path} has no model.safetensors, model.safetensors.index.json or "
+                     "pytorch_model.bin")
+
+
+def read_shards(index_file: str) -> dict[str, torch.Tensor]:
+    """A sharded checkpoint: each shard its index's weight_map names, read once; a tensor the
+    index places in a shard that lacks it is an error, not a silent gap."""
+    weight_map = read_json(index_file).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index_file} has no weight_map")
+    directory = os.path.dirname(index_file)
+    tensors = {}
+    for shard in sorted(set(weight_map.values())):
+        shard_file = os.path.join(directory, shard)
+        if not os.path.exists(shard_file):
+            raise ValueError(f"{index_file} lists shard {shard}, which is missing")
+        tensors |= read_safetensors(shard_file)
+    if missing := sorted(set(weight_map) - set(tensors)):
+        raise ValueError(f"{index_file}: tensor {missing[0]} is not in its shard "
+                         f"{weight_map[missing[0]]}")
+    return tensors
 
 
 def checked_state(state: dict, expected: dict, path: str) -> dict:
@@ -826,29 +850,101 @@ def from_gpt2_state(gpt2: dict) -> dict:
     return ours
 
 
+@dataclass
+class Checkpoint:
+    """What load_model gives the engine: the model, its tokenizer, and what else a checkpoint
+    directory says about serving it."""
+    model: GPT
+    tokenizer: tiktoken.Encoding
+    eos_token_ids: list[int]          # every id that ends a request (unless it ignores EOS)
+    dtype: torch.dtype | None = None  # config.json's torch_dtype: --dtype auto's on CUDA
+    generation_config: dict = field(default_factory=dict)  # generation_config.json, or {}
+    path: str | None = None           # the checkpoint's directory; None for a preset
+
+
 def load_model(model: str | None = None, preset: str | None = None, seed: int = 0
-               ) -> tuple[GPT, tiktoken.Encoding]:
-    """A preset (seeded random weights), a checkpoint dir, a GPT-2 name or the shipped model."""
+               ) -> Checkpoint:
+    """A preset (seeded random weights), a checkpoint directory, a name in the local Hugging
+    Face cache (Qwen/Qwen3-0.6B; GPT-2's are downloaded there if missing) or the shipped model."""
     if preset is not None:
         torch.manual_seed(seed)
-        return GPT(PRESETS[preset]), byte_tokenizer()
-    path = model or DEFAULT_MODEL
-    if path in HUB_MODELS and not os.path.isdir(path):
-        path = hub_checkpoint(path)
-    if not os.path.isdir(path):
-        raise ValueError(f"model {path!r} is neither a checkpoint directory nor one of "
-                         f"{', '.join(HUB_MODELS)}")
-    return load_checkpoint(path), load_tokenizer(path)
+        tokenizer = byte_tokenizer()
+        return Checkpoint(GPT(PRESETS[preset]), tokenizer, eos_token_ids(tokenizer, {}, {}))
+    path = checkpoint_path(model or DEFAULT_MODEL)
+    hf = read_json(os.path.join(path, "config.json"))
+    generation_config = read_json(os.path.join(path, "generation_config.json"))
+    tokenizer = load_tokenizer(path)
+    return Checkpoint(load_checkpoint(path), tokenizer,
+                      eos_token_ids(tokenizer, hf, generation_config),
+                      dtype=CONFIG_DTYPES.get(hf.get("torch_dtype", hf.get("dtype"))),
+                      generation_config=generation_config, path=path)
+
+
+CONFIG_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def read_json(path: str) -> dict:
+    """A JSON object from a file; {} if there is no such file."""
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        try:
+            value = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds no JSON object")
+    return value
+
+
+def eos_token_ids(tokenizer: tiktoken.Encoding, hf: dict, generation_config: dict
+                  ) -> list[int]:
+    """Every id that ends a request: generation_config.json's eos_token_id, then config.json's
+    (each an int or a list: Llama 3 Instruct ends at <|end_of_text|>, <|eom_id|> and
+    <|eot_id|>); with neither, the tokenizer's <|endoftext|>, if it has one."""
+    ids = []
+    for source in (generation_config, hf):
+        value = source.get("eos_token_id")
+        if value is None:
+            continue
+        for token_id in value if isinstance(value, list) else [value]:
+            if type(token_id) is not int or token_id < 0:
+                raise ValueError(f"eos_token_id {value!r} is not a token id or a list of them")
+            if token_id not in ids:
+                ids.append(token_id)
+    if not ids and EOT in tokenizer.special_tokens_set:
+        ids.append(tokenizer.encode_single_token(EOT))
+    return ids
+
+
+def checkpoint_path(model: str) -> str:
+    """The directory of `model`: a directory as given, else a name in the local Hugging Face
+    cache (GPT-2's downloaded into it if missing)."""
+    if os.path.isdir(model):
+        return model
+    if model in HUB_MODELS:
+        return hub_checkpoint(model)
+    cached = find_in_hub_cache(model, hub_cache_dir(), ("config.json",))
+    if cached is not None:
+        return cached
+    raise ValueError(f"model {model!r} is neither a checkpoint directory, nor in the Hugging "
+                     f"Face cache ({hub_cache_dir()}), nor one of {', '.join(HUB_MODELS)}; "
+                     f"download it first (huggingface-cli download {model})")
 
 
 HUB_FILES = ("config.json", "vocab.json", "merges.txt", "model.safetensors")
 
 
+def hub_cache_dir() -> str:
+    """Where Hugging Face keeps downloaded models: $HF_HUB_CACHE, $HF_HOME/hub or the default."""
+    return os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"), "hub")
+
+
 def hub_checkpoint(name: str) -> str:
     """A GPT-2 checkpoint from the local Hugging Face cache, else downloaded into it."""
-    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
-        os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"), "hub")
-    cached = find_in_hub_cache(name, hub)
+    hub = hub_cache_dir()
+    cached = find_in_hub_cache(name, hub, HUB_FILES)
     if cached is not None:
         return cached
     advice = (f"{name} is not in the Hugging Face cache ({hub}) and cannot be downloaded ({{}});"
@@ -866,16 +962,16 @@ def hub_checkpoint(name: str) -> str:
     return target
 
 
-def find_in_hub_cache(name: str, hub: str) -> str | None:
+def find_in_hub_cache(name: str, hub: str, files: tuple) -> str | None:
     """The first snapshot of `name` (or openai-community/`name`) in the hub cache that holds
-    every file of HUB_FILES, or None."""
+    every one of `files`, or None."""
     for repo in (name, f"openai-community/{name}"):
         snapshots = os.path.join(hub, "models--" + repo.replace("/", "--"), "snapshots")
         if not os.path.isdir(snapshots):
             continue
         for snapshot in sorted(os.listdir(snapshots)):
             path = os.path.join(snapshots, snapshot)
-            if all(os.path.exists(os.path.join(path, file_name)) for file_name in HUB_FILES):
+            if all(os.path.exists(os.path.join(path, file_name)) for file_name in files):
                 return path
     return None
 

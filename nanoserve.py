@@ -217,7 +217,8 @@ class EngineConfig:
                                "shipped Shakespeare model", type=str)
     preset: str | None = option(None, "random seeded weights of a shape", choices=list(PRESETS))
     device: str = option("cuda" if torch.cuda.is_available() else "cpu", "cpu, cuda or cuda:N")
-    dtype: str = option("auto", "auto: float32 on CPU, bfloat16 on CUDA", choices=["auto", *DTYPES])
+    dtype: str = option("auto", "auto: float32 on CPU; on CUDA the checkpoint's torch_dtype, "
+                        "else bfloat16", choices=["auto", *DTYPES])
     attention: str = option("auto", "paged attention; auto: torch on CPU, Triton on CUDA",
                             choices=["auto", "torch", "triton"])
     max_model_len: int | None = option(None, "prompt + output at most; default: the context",
@@ -251,8 +252,8 @@ class EngineConfig:
             raise ValueError(f"device {self.device!r}: " + (
                 f"there are {torch.cuda.device_count()} CUDA devices" if torch.cuda.is_available()
                 else "CUDA is not available on this machine"))
-        if self.dtype == "auto":
-            self.dtype = "bfloat16" if device.type == "cuda" else "float32"
+        if self.dtype == "auto" and device.type == "cpu":  # on CUDA: Engine._dtype
+            self.dtype = "float32"
         if self.attention == "triton" and device.type == "cpu" and self.dtype == "bfloat16":
             raise ValueError("Triton attention cannot run bfloat16 on a CPU (its interpreter "
                              "multiplies bf16 wrongly); use --dtype float32 or float16")
@@ -427,10 +428,14 @@ class Engine:
         self.config = config = config or EngineConfig()
         if config.device.startswith("cpu"):
             keep_freed_memory()
-        dtype = DTYPES[config.dtype]
-        model, self.tokenizer = load_model(config.model, config.preset, config.seed)
-        self.model = model.to(config.device, dtype).eval()
+        checkpoint = load_model(config.model, config.preset, config.seed)
+        self.checkpoint = checkpoint
+        self.tokenizer = checkpoint.tokenizer
+        self.eos_token_ids = checkpoint.eos_token_ids  # each ends a request unless ignore_eos
+        dtype = self._dtype(checkpoint.dtype)
+        self.model = checkpoint.model.to(config.device, dtype).eval()
         c = self.model.config
+        self.vocab_size = self._vocab_size(c.vocab_size)
         if config.max_model_len is not None and config.max_model_len > c.n_positions:
             raise ValueError(f"max_model_len {config.max_model_len} > the context {c.n_positions}")
         self.attention = select_attention(config.attention, config.device)
@@ -447,7 +452,7 @@ class Engine:
         self.max_model_len = self._max_model_len(config.max_model_len, c.n_positions)
         self.scheduler = Scheduler(self.block_pool, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
-                                   config.policy, self.tokenizer.eot_token)
+                                   config.policy, self.eos_token_ids)
         self.generator = torch.Generator(config.device).manual_seed(config.seed)
         self.seqs: dict[str, Sequence] = {}            # sequence id -> its sequence
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n samples
@@ -458,6 +463,27 @@ class Engine:
         self._lock = threading.Lock()  # abort() from other threads against step()
         self._aborted_outputs: list[RequestOutput] = []  # for the next step() to return
         self.dead: str | None = None  # why the engine cannot step any more (a device error)
+
+    def _dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        """--dtype, or for auto on CUDA the checkpoint's torch_dtype (bfloat16 if it gives
+        none; EngineConfig made auto float32 on a CPU)."""
+        if self.config.dtype != "auto":
+            return DTYPES[self.config.dtype]
+        return checkpoint_dtype or torch.bfloat16
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states (n, C) -> fp32 logits (n, vocab_size): the tokenizer's ids only, so
+        an embedding row past them is never sampled."""
+        return self.model.compute_logits(hidden)[:, :self.vocab_size]
+
+    def _vocab_size(self, num_embeddings: int) -> int:
+        """The token ids a prompt may hold and a step may sample: the tokenizer's. Qwen's
+        embedding has rows past it (151,936 for 151,665 ids), padding that is never text."""
+        num_token_ids = self.tokenizer.n_vocab
+        if num_token_ids > num_embeddings:
+            raise ValueError(f"the tokenizer has {num_token_ids} token ids; the model embeds "
+                             f"{num_embeddings}")
+        return num_token_ids
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -602,7 +628,7 @@ class Engine:
         if not isinstance(prompt, list):
             raise ValueError("a prompt is a string, a list of token ids, {'prompt': str} or "
                              f"{{'prompt_token_ids': [int, ...]}}; got {type(prompt).__name__}")
-        vocab_size = self.model.config.vocab_size
+        vocab_size = self.vocab_size
         if not all(type(t) is int and 0 <= t < vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
         return None, list(prompt)
@@ -618,7 +644,7 @@ class Engine:
         sample_ids = [sample_id(request_id, index) for index in range(params.n)]
         if request_id in self.requests or any(i in self.seqs for i in sample_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
-        vocab_size = self.model.config.vocab_size
+        vocab_size = self.vocab_size
         for name, ids in (("stop_token_ids", params.stop_token_ids),
                           ("logit_bias", list(params.logit_bias))):
             unknown = [token_id for token_id in ids if token_id >= vocab_size]
@@ -655,7 +681,7 @@ class Engine:
         batch = self._prepare_inputs(num_scheduled_tokens)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata,
                             self.k_cache, self.v_cache, self.attention)    # (N, C)
-        logits = self.model.compute_logits(hidden[batch.sample_rows])      # (n, vocab) fp32
+        logits = self.compute_logits(hidden[batch.sample_rows])            # (n, vocab) fp32
         output = ModelOutput(logits=logits)
         if not batch.sample_seqs and not batch.prompt_seqs:
             return output
@@ -698,7 +724,7 @@ class Engine:
         # per row: how many top log-probabilities it asked for (None: none at all)
         wants = [sampled.params.logprobs for sampled in batch.sample_seqs]
         wants += [scored.params.prompt_logprobs for scored in batch.prompt_seqs]
-        prompt_logits = self.model.compute_logits(hidden[batch.prompt_rows])  # (m, vocab)
+        prompt_logits = self.compute_logits(hidden[batch.prompt_rows])  # (m, vocab)
         logprobs = torch.cat([logits, prompt_logits]).log_softmax(dim=-1)    # (n + m, vocab)
         targets = torch.cat([token_ids, batch.prompt_targets])[:, None]      # (n + m, 1)
         top_k = max([want for want in wants if want is not None], default=0)
@@ -841,7 +867,7 @@ class Engine:
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         """The sampling parameters of the rows that sample, as device tensors."""
-        vocab_size = self.model.config.vocab_size
+        vocab_size = self.vocab_size
         greedy = [seq.params.temperature < GREEDY_BELOW for seq in seqs]
         temperature = [1.0 if g else seq.params.temperature for g, seq in zip(greedy, seqs)]
         top_k = [seq.params.top_k or vocab_size for seq in seqs]
@@ -875,7 +901,7 @@ class Engine:
             if seq.num_output_tokens < params.min_tokens:
                 banned = list(params.stop_token_ids)
                 if not params.ignore_eos:
-                    banned.append(self.tokenizer.eot_token)
+                    banned += self.eos_token_ids
             entries = list(params.logit_bias.items()) + [(i, -math.inf) for i in banned]
             for token_id, bias in entries:
                 rows.append(row)
@@ -885,7 +911,7 @@ class Engine:
             return None
         index = self._upload(dict(rows=rows, token_ids=token_ids), torch.int64)
         values = self._upload(dict(biases=biases), torch.float32)["biases"]
-        logit_bias = torch.zeros(len(seqs), self.model.config.vocab_size,
+        logit_bias = torch.zeros(len(seqs), self.vocab_size,
                                  device=self.config.device)
         return logit_bias.index_put_((index["rows"], index["token_ids"]), values,
                                      accumulate=True)
@@ -895,7 +921,7 @@ class Engine:
         upload and one scatter-add for the output counts, one scatter for the tokens seen
         (prompt and output). Rebuilt each step rather than kept: a row's tokens change by one
         a step, but its place in the batch changes whenever the batch does."""
-        vocab_size = self.model.config.vocab_size
+        vocab_size = self.vocab_size
         ints = dict(output_rows=[], output_ids=[], seen_rows=[], seen_ids=[])
         for row, seq in enumerate(seqs):
             if not seq.params.has_penalties:

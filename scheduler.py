@@ -156,7 +156,7 @@ class Scheduler:
 
     def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, policy: str = "fcfs",
-                 eos_token_id: int | None = None, sjf_max_wait_steps: int = 256):
+                 eos_token_ids: tuple = (), sjf_max_wait_steps: int = 256):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {POLICIES}")
         self.block_pool = block_pool
@@ -164,7 +164,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = set(eos_token_ids)  # each ends a sequence unless ignore_eos
         self.waiting = WaitingQueue(policy, sjf_max_wait_steps)
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.num_steps = 0
@@ -326,7 +326,7 @@ class Scheduler:
             seq.block_table.cache_full_blocks(seq.token_ids, seq.num_computed_tokens)
         for seq, token in sampled.items():
             seq.token_ids.append(token)
-            if token == self.eos_token_id and not seq.params.ignore_eos:
+            if token in self.eos_token_ids and not seq.params.ignore_eos:
                 self.finish(seq, SequenceStatus.FINISHED_STOPPED)
             elif token in seq.params.stop_token_ids:  # masked before min_tokens (the sampler)
                 seq.stop_reason = token

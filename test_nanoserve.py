@@ -2148,7 +2148,7 @@ def test_corrupt_safetensors_header_is_reported(tmp_path, header):
 # has Llama 3's rope_scaling, qwen2 q/k/v biases, qwen3 q/k norms and its own head_dim.
 MODEL_FIXTURES = os.path.join(HERE, ".ci", "fixtures", "models")
 ARCHITECTURES = ["llama3-tied", "llama-untied", "qwen2", "qwen3", "mistral"]
-PARITY_TOL = 1e-4  # max |logit - transformers' logit|, our fp32 against its fp64 (measured: 1.3e-5)
+PARITY_TOL = 1e-4  # max |logit - transformers' logit|, our fp32 against its fp64 (measured: 1.7e-5)
 
 
 def reference_logits(name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -2174,14 +2174,14 @@ def test_architecture_greedy_tokens_equal_transformers_where_decided(name):
     input_ids, want = reference_logits(name)
     top_two = want.topk(2, dim=-1).values
     decided = top_two[..., 0] - top_two[..., 1] > 2 * PARITY_TOL
-    assert decided.sum() >= 70  # of 80 positions: the comparison says something
+    assert decided.sum() >= 75  # of 80 positions: the comparison says something
     got = model.forward_dense(input_ids).argmax(-1)
     assert torch.equal(got[decided], want.argmax(-1)[decided])
 
 
 def fixture_llm(name: str, path, **kwargs) -> LLM:
     """An LLM serving a fixture model (copied to path, with the byte-level tokenizer's files:
-    its 128 ids are the first 128 bytes), on CPU in fp32."""
+    the fixtures' 257 ids are its ids), on CPU in fp32."""
     shutil.copytree(os.path.join(MODEL_FIXTURES, name), path, dirs_exist_ok=True)
     write_byte_tokenizer(path)
     return LLM(model=str(path), **{"kv_cache_tokens": 1024, "device": "cpu",
