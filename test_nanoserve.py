@@ -2318,6 +2318,108 @@ def test_transformers5_config_form_gives_the_same_config():
 
 
 
+# ----------------------------------------------------------------------------- checkpoints as published
+
+def test_sharded_checkpoint_loads_as_the_whole_one(tmp_path):
+    """model.safetensors.index.json: each tensor from the shard its weight_map names."""
+    source = os.path.join(MODEL_FIXTURES, "mistral")
+    tensors = M.read_safetensors(os.path.join(source, "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[:10],
+              "model-00002-of-00002.safetensors": names[10:]}
+    for shard, shard_names in shards.items():
+        M.write_safetensors({name: tensors[name] for name in shard_names}, str(tmp_path / shard))
+    weight_map = {name: shard for shard, shard_names in shards.items() for name in shard_names}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    shutil.copy(os.path.join(source, "config.json"), tmp_path)
+    whole = M.load_checkpoint(source).state_dict()
+    sharded = M.load_checkpoint(str(tmp_path)).state_dict()
+    assert all(torch.equal(whole[name], sharded[name]) for name in whole)
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ValueError, match="lists shard model-00002-of-00002.safetensors, which is "
+                                         "missing"):
+        M.load_checkpoint(str(tmp_path))
+
+
+def test_every_eos_id_of_the_checkpoint_ends_a_request(tmp_path):
+    """eos_token_id as an int or a list, in generation_config.json and config.json: each one
+    ends a request (the union, generation_config's first), and min_tokens bans them all."""
+    llm = fixture_llm("qwen3", tmp_path)
+    prompt = [5, 6, 7]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    first, second = llm.generate([prompt], greedy)[0].outputs[0].token_ids[:2]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [second, 256]}))
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"eos_token_id": [first]}))
+    llm = LLM(model=str(tmp_path), kv_cache_tokens=1024, device="cpu", dtype="float32")
+    assert llm.engine.eos_token_ids == [second, 256, first]
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0]
+    assert out.token_ids == [first] and out.finish_reason == "stop"
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, min_tokens=3))[0]
+    assert not {first, second} & set(out.outputs[0].token_ids[:3])
+
+
+def test_checkpoint_without_eos_ids_ends_at_the_tokenizers_end_of_text(tmp_path):
+    llm = fixture_llm("qwen3", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["eos_token_id"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    engine = LLM(model=str(tmp_path), kv_cache_tokens=1024, device="cpu").engine
+    assert engine.eos_token_ids == [256] and llm.engine.eos_token_ids == [256]
+
+
+def test_embedding_rows_past_the_tokenizer_are_never_sampled(tmp_path):
+    """A model that embeds 300 ids served with a 257-id tokenizer (as Qwen pads its embedding
+    past its tokenizer): the extra rows' logits are the largest, yet never sampled, never
+    scored, and a request may not name them."""
+    config = dataclasses.replace(SMALL, vocab_size=300)
+    state = {k: v for k, v in hf_gpt2_state(config).items() if k != "lm_head.weight"}
+    state["transformer.wte.weight"][257:] = 0
+    write_hf_checkpoint(tmp_path, state, config, "safetensors")
+    with torch.no_grad():  # the padding rows made 10x the last hidden state: their logits win
+        hidden = M.load_checkpoint(str(tmp_path)).dense_hidden_states(torch.tensor([[1, 2, 3]]))
+    state["transformer.wte.weight"][257:] = 10 * hidden[0, -1]
+    write_hf_checkpoint(tmp_path, state, config, "safetensors")
+    write_byte_tokenizer(tmp_path)
+    llm = LLM(model=str(tmp_path), kv_cache_tokens=1024, device="cpu")
+    assert llm.engine.vocab_size == 257
+    dense = llm.engine.model.forward_dense(torch.tensor([[1, 2, 3]]))[0, -1]
+    assert dense.argmax() >= 257  # the padding wins, where it is not cut off
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=20, temperature=1.5, seed=0,
+                                                   logprobs=5))[0].outputs[0]
+    first = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1, temperature=0))[0]
+    assert first.outputs[0].token_ids[0] < 257
+    assert max(out.token_ids) < 257
+    assert all(token_id < 257 for entry in out.logprobs for token_id in entry)
+    with pytest.raises(ValueError, match="token ids must be integers in"):
+        llm.generate([[1, 299]], SamplingParams(max_tokens=1))
+
+
+def test_a_model_name_is_found_in_the_hugging_face_cache(tmp_path, monkeypatch):
+    """--model Org/Name: the snapshot in $HF_HUB_CACHE that has a config.json; else the error
+    says where it looked and how to download it."""
+    snapshot = tmp_path / "models--Org--Tiny-Llama" / "snapshots" / "abc123"
+    fixture_llm("llama3-tied", snapshot)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    llm = LLM(model="Org/Tiny-Llama", kv_cache_tokens=1024, device="cpu")
+    assert llm.engine.checkpoint.path == str(snapshot)
+    with pytest.raises(ValueError, match=r"nor in the Hugging Face cache .*huggingface-cli "
+                                         r"download Org/Missing"):
+        LLM(model="Org/Missing", device="cpu")
+
+
+def test_dtype_auto_is_float32_on_a_cpu_and_the_checkpoints_on_cuda(tmp_path):
+    """The fixtures say torch_dtype bfloat16: auto on a CPU computes in float32 (exact), on
+    CUDA it would take bfloat16 from the checkpoint (Engine._dtype, called here directly)."""
+    engine = fixture_llm("qwen3", tmp_path, dtype="auto").engine
+    assert engine.checkpoint.dtype == torch.bfloat16
+    assert next(engine.model.parameters()).dtype == torch.float32
+    engine.config.dtype = "auto"  # as EngineConfig leaves it on CUDA
+    assert engine._dtype(engine.checkpoint.dtype) == torch.bfloat16
+    assert engine._dtype(None) == torch.bfloat16
+
+
+
 REPETITION_PENALTY_FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".ci",
                                           "fixtures", "repetition_penalty.json")
 
