@@ -12,13 +12,16 @@ In order:
   training path and the paged path's reference; `GPT.dense_hidden_states` is its body, which
   can also keep K/V in a DenseKVCache, contiguous per sequence as Hugging Face keeps them
   (bench.py's naive baseline).
-- tokenizers: the byte-level one of the presets, GPT-2's BPE files (tiktoken does the encoding),
-  and the Detokenizer that turns a request's tokens into text a step at a time, stop strings
-  included (each request's scheduler.Sequence holds one).
+- tokenizers: Tokenizer (tiktoken does the byte-level BPE; around it what a tokenizer.json adds:
+  added tokens, NFC, a BOS), made from the presets' byte-level vocabulary, GPT-2's BPE files
+  or a Hugging Face tokenizer.json (Llama 3, Qwen2/3, SmolLM2; SentencePiece refused), and the
+  Detokenizer that turns a request's tokens into text a step at a time, stop strings included
+  (each request's scheduler.Sequence holds one).
 - configs: config_from_hf, an allow-list from a Hugging Face config.json to a GPTConfig.
-- checkpoints: Hugging Face directories read (safetensors by hand; parameters named as in
-  Hugging Face's Llama, GPT-2's renamed and its Conv1D weights transposed) and GPT-2's written,
-  the hub download, load_model (what nanoserve.py calls).
+- checkpoints: Hugging Face directories read (safetensors by hand, sharded or not; parameters
+  named as in Hugging Face's Llama, GPT-2's renamed and its Conv1D weights transposed) and
+  GPT-2's written, the Hugging Face cache, load_model and its Checkpoint (what nanoserve.py
+  gets: the model, its tokenizer, its EOS ids, dtype and generation_config.json).
 - training: `python model.py --train FILE` trains the shipped byte-level model.
 
 Left out: dropout, sliding-window attention, mixture-of-experts, RoPE scalings but Llama 3's,
@@ -32,8 +35,10 @@ import inspect
 import json
 import math
 import os
+import re
 import sys
 import time
+import unicodedata
 import urllib.request
 from dataclasses import dataclass, field
 
@@ -401,6 +406,13 @@ class GPT(nn.Module):
 # ----------------------------------------------------------------------------- tokenizers
 EOT = "<|endoftext|>"
 GPT2_PATTERN = r"'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"
+# SmolLM2's pre-tokenizer as one regex: Digits(individual_digits) makes each digit a piece and
+# ByteLevel splits the text between digits with GPT2_PATTERN, where spaces before a digit end
+# that text, so they stay one piece: GPT-2's (?!\S) becomes "not before a non-digit non-space".
+DIGITS_GPT2_PATTERN = (r"'(?:[sdmt]|ll|ve|re)| ?\p{L}++|\p{N}| ?[^\s\p{L}\p{N}]++"
+                       r"|\s+(?![^\s\p{N}])|\s")
+SENTENCEPIECE_REFUSAL = ("is not served: Llama 2, TinyLlama and Mistral 7B use it; nanoserve "
+                         "serves byte-level BPE (GPT-2, Llama 3, Qwen2/2.5/3, SmolLM2)")
 
 
 def gpt2_byte_chars() -> list[tuple[int, str]]:
@@ -410,11 +422,87 @@ def gpt2_byte_chars() -> list[tuple[int, str]]:
     return [(b, chr(b)) for b in printable] + [(b, chr(256 + n)) for n, b in enumerate(others)]
 
 
-def byte_tokenizer() -> tiktoken.Encoding:
+class Tokenizer:
+    """Text <-> token ids, for the engine. tiktoken does the byte-level BPE (in Rust); around it
+    is what a Hugging Face tokenizer.json adds: added tokens, each its id wherever a text writes
+    it (those marked special are left out of decoded text, as vLLM's skip_special_tokens; the
+    others, as Qwen's <tool_call>, are text), an NFC normalizer (Qwen2/3's) and a BOS that the
+    post-processor puts before a text (Llama 3's <|begin_of_text|>). The byte-level tokenizer,
+    GPT-2's files and tokenizer.json all give one."""
+
+    def __init__(self, name: str, pat_str: str, mergeable_ranks: dict[bytes, int],
+                 added_tokens: dict[str, int], special_token_ids: set[int],
+                 bos_token: str | None = None, nfc: bool = False):
+        # a rank is the token's id: tiktoken first merges the adjacent pair whose joined bytes
+        # have the lowest; added tokens are tiktoken's special tokens (decoded as their text)
+        self.encoding = tiktoken.Encoding(name=name, pat_str=pat_str,
+                                          mergeable_ranks=mergeable_ranks,
+                                          special_tokens=added_tokens)
+        self.added_tokens = added_tokens                       # text -> id
+        self.special_token_ids = frozenset(special_token_ids)  # no text in decoded output
+        self.bos_token = bos_token
+        self.bos_token_id = None if bos_token is None else added_tokens[bos_token]
+        self.nfc = nfc
+        self.n_vocab = self.encoding.n_vocab  # ids 0..n_vocab-1; an embedding may have more rows
+        self.added_pattern = None  # added tokens, longest first: of two at one place, the longer
+        if added_tokens:
+            longest_first = sorted(added_tokens, key=len, reverse=True)
+            self.added_pattern = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
+
+    def encode(self, text: str) -> list[int]:
+        """A text's token ids, as Hugging Face's tokenizer gives them: an added token the text
+        writes is its id; the text between them is normalized (NFC, if declared), split by
+        the regex and merged; the BOS comes first if the post-processor adds one, unless the
+        text starts with it already (a chat template writes it): never two."""
+        pieces = [text] if self.added_pattern is None else self.added_pattern.split(text)
+        ids = []
+        for i, piece in enumerate(pieces):
+            if i % 2 == 1:  # split() puts the added tokens it found at the odd places
+                ids.append(self.added_tokens[piece])
+            elif piece:
+                if self.nfc:
+                    piece = unicodedata.normalize("NFC", piece)
+                ids += self.encoding.encode_ordinary(piece)
+        if self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Token ids -> text, without the special tokens unless not skip_special_tokens (vLLM's
+        /detokenize keeps them); bytes that are no UTF-8 character become U+FFFD."""
+        data = b"".join([self.token_bytes(t, skip_special_tokens) for t in token_ids])
+        return data.decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes:
+        """One token's bytes (a piece of a UTF-8 character, maybe); b"" for a special token
+        (unless not skip_special_tokens) and for an id that is no token: Qwen's embedding has
+        rows past its tokenizer's n_vocab."""
+        if skip_special_tokens and token_id in self.special_token_ids:
+            return b""
+        try:
+            return self.encoding.decode_single_token_bytes(token_id)
+        except (KeyError, OverflowError):  # no such id (OverflowError: negative or >= 2**32)
+            return b""
+
+    def token_id(self, token: str | bytes) -> int:
+        """The id of one token: an added token's text (<|im_end|>) or a vocabulary token's
+        bytes; KeyError if it is no one token."""
+        return self.encoding.encode_single_token(token)
+
+
+def byte_tokenizer() -> Tokenizer:
     """256 byte tokens (GPT-2's first 256 ids) plus <|endoftext|> = 256: GPT-2 without merges."""
     ranks = {bytes([b]): i for i, (b, _) in enumerate(gpt2_byte_chars())}
-    return tiktoken.Encoding(name="bytes", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
-                             special_tokens={EOT: 256})
+    return Tokenizer("bytes", GPT2_PATTERN, ranks, {EOT: 256}, {256})
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer of checkpoint directory `path`: its tokenizer.json (Llama 3, Qwen2/2.5/3,
+    SmolLM2) if it has one, else GPT-2's BPE files."""
+    hf_file = os.path.join(path, "tokenizer.json")
+    if os.path.exists(hf_file):
+        return load_hf_tokenizer(hf_file)
+    return load_gpt2_tokenizer(path)
 
 
 def tokenizer_files(path: str) -> tuple[str, str]:
@@ -424,11 +512,14 @@ def tokenizer_files(path: str) -> tuple[str, str]:
         merges_file = os.path.join(path, merges_name)
         if os.path.exists(vocab_file) and os.path.exists(merges_file):
             return vocab_file, merges_file
-    raise ValueError(f"{path} has no tokenizer: expected vocab.json + merges.txt "
+    if os.path.exists(os.path.join(path, "tokenizer.model")):
+        raise ValueError(f"{path} has only a SentencePiece model (tokenizer.model, no "
+                         f"tokenizer.json), which {SENTENCEPIECE_REFUSAL}")
+    raise ValueError(f"{path} has no tokenizer: expected tokenizer.json, vocab.json + merges.txt "
                      "or encoder.json + vocab.bpe")
 
 
-def load_tokenizer(path: str) -> tiktoken.Encoding:
+def load_gpt2_tokenizer(path: str) -> Tokenizer:
     """GPT-2 BPE: Hugging Face's vocab.json + merges.txt, or OpenAI's encoder.json + vocab.bpe.
     The ranks the merges give must be the ids the vocabulary gives."""
     vocab_file, merges_file = tokenizer_files(path)
@@ -448,8 +539,200 @@ def load_tokenizer(path: str) -> tiktoken.Encoding:
     eot_id = vocab.pop(EOT)
     if {to_bytes(t): i for t, i in vocab.items()} != ranks:
         raise ValueError(f"{vocab_file} and {merges_file} disagree on the token ranks")
-    return tiktoken.Encoding(name=os.path.basename(os.path.normpath(path)), pat_str=GPT2_PATTERN,
-                             mergeable_ranks=ranks, special_tokens={EOT: eot_id})
+    return Tokenizer(os.path.basename(os.path.normpath(path)), GPT2_PATTERN, ranks,
+                     {EOT: eot_id}, {eot_id})
+
+
+def load_hf_tokenizer(file: str) -> Tokenizer:
+    """A Hugging Face tokenizer.json, if it is byte-level BPE as GPT-2's, Llama 3's, Qwen2/2.5/
+    3's and SmolLM2's are; anything else is refused, naming what is not served. Its vocabulary
+    becomes tiktoken's ranks, its pre-tokenizer one tiktoken regex, its added tokens tiktoken's
+    special tokens, its post-processor's leading special token the BOS. tiktoken looks each
+    piece up whole before merging (ignore_merges, which Llama 3 sets); a trained BPE reaches
+    the same tokens without it (the fixtures in .ci/fixtures/tokenizers check both)."""
+    spec = read_json(file)
+    check_not_sentencepiece(spec, file)
+    bpe = spec.get("model") or {}
+    check_bpe_model(bpe, file)
+    check_decoder(spec.get("decoder"), file)
+    added_tokens, special_token_ids = read_added_tokens(spec.get("added_tokens") or [], file)
+    return Tokenizer(os.path.basename(os.path.dirname(os.path.abspath(file))),
+                     pre_tokenizer_pattern(spec.get("pre_tokenizer"), file),
+                     bpe_ranks(bpe, set(added_tokens.values()), file),
+                     added_tokens, special_token_ids,
+                     bos_token=post_processor_bos(spec.get("post_processor"), added_tokens, file),
+                     nfc=declares_nfc(spec.get("normalizer"), file))
+
+
+def components(component: dict | None, key: str) -> list[dict]:
+    """A tokenizer.json normalizer, pre-tokenizer, post-processor or decoder as a list of
+    parts: a Sequence's (listed under `key`), flattened; one part alone; none for null."""
+    if component is None:
+        return []
+    if component.get("type") == "Sequence":
+        return [part for sub in component.get(key) or [] for part in components(sub, key)]
+    return [component]
+
+
+def check_not_sentencepiece(spec: dict, file: str) -> None:
+    """SentencePiece-style BPE (a space is ▁, a character outside the vocabulary its <0x..>
+    byte tokens) is refused first, by its signs: of what is not served, it is the common case."""
+    signs = []
+    for where, key in (("normalizer", "normalizers"), ("pre_tokenizer", "pretokenizers"),
+                       ("decoder", "decoders")):
+        for part in components(spec.get(where), key):
+            if part.get("type") in ("Metaspace", "Prepend", "ByteFallback"):
+                signs.append(f"{part['type']} {where}")
+    if (spec.get("model") or {}).get("byte_fallback"):
+        signs.append("byte_fallback")
+    if signs:
+        raise ValueError(f"{file}: a SentencePiece-style tokenizer ({', '.join(signs)}), which "
+                         f"{SENTENCEPIECE_REFUSAL}")
+
+
+def check_bpe_model(bpe: dict, file: str) -> None:
+    """The model is plain BPE: no dropout, no subword prefix or word suffix."""
+    kind = bpe.get("type", "BPE" if "merges" in bpe else None)  # old files may omit it
+    if kind != "BPE":
+        raise ValueError(f"{file}: a {kind} model is not served: byte-level BPE only")
+    for option in ("dropout", "continuing_subword_prefix", "end_of_word_suffix"):
+        if bpe.get(option):
+            raise ValueError(f"{file}: BPE's {option} {bpe[option]!r} is not served")
+
+
+def check_decoder(decoder: dict | None, file: str) -> None:
+    """Decoding is byte-level: ids -> bytes -> UTF-8, what ByteLevel's decoder does."""
+    types = [part.get("type") for part in components(decoder, "decoders")]
+    if types not in ([], ["ByteLevel"]):
+        raise ValueError(f"{file}: decoder {' + '.join(map(str, types))} is not served: "
+                         "ByteLevel only")
+
+
+def read_added_tokens(entries: list, file: str) -> tuple[dict[str, int], set[int]]:
+    """Every added token, text -> id (each is its id wherever a text writes it, special or not),
+    and the ids of those marked special, which decoded text leaves out."""
+    added = {}
+    special = set()
+    for entry in entries:
+        if entry.get("lstrip") or entry.get("rstrip") or entry.get("single_word"):
+            raise ValueError(f"{file}: added token {entry['content']!r} takes the spaces beside "
+                             "it or matches whole words only (lstrip, rstrip, single_word), "
+                             "which is not served")
+        added[entry["content"]] = entry["id"]
+        if entry.get("special"):
+            special.add(entry["id"])
+    return added, special
+
+
+def pre_tokenizer_pattern(pre_tokenizer: dict | None, file: str) -> str:
+    """The one tiktoken regex that splits a text as the pre-tokenizer does: ByteLevel's own
+    (GPT-2's regex; use_regex), a Split regex before a ByteLevel that splits no more (Llama 3,
+    Qwen2/3), or Digits(individual_digits) before ByteLevel's (SmolLM2)."""
+    parts = components(pre_tokenizer, "pretokenizers")
+    types = [part.get("type") for part in parts]
+    described = " + ".join(map(str, types)) or "none"
+    if types[-1:] != ["ByteLevel"]:
+        raise ValueError(f"{file}: pre-tokenizer {described} is not served: byte-level BPE "
+                         "ends with ByteLevel")
+    byte_level = parts[-1]
+    if byte_level.get("add_prefix_space"):
+        raise ValueError(f"{file}: ByteLevel's add_prefix_space is not served")
+    splits = byte_level.get("use_regex", True)  # GPT-2's regex, after the parts before it
+    if types == ["ByteLevel"] and splits:
+        return GPT2_PATTERN
+    if types == ["Split", "ByteLevel"] and not splits:
+        return split_pattern(parts[0], file)
+    if types == ["Digits", "ByteLevel"] and parts[0].get("individual_digits") and splits:
+        return DIGITS_GPT2_PATTERN
+    raise ValueError(f"{file}: pre-tokenizer {described} (ByteLevel use_regex {splits}) is not "
+                     "served: ByteLevel (GPT-2), Split + ByteLevel (Llama 3, Qwen2/3) or "
+                     "Digits(individual_digits) + ByteLevel (SmolLM2) only")
+
+
+def split_pattern(split: dict, file: str) -> str:
+    """A Split pre-tokenizer's regex for tiktoken. Split (Isolated) makes each match a piece and
+    each stretch between matches another; tiktoken drops what no match covers, so a stretch is
+    one more alternative (Llama 3's and Qwen2's regexes leave none: it never matches)."""
+    regex = (split.get("pattern") or {}).get("Regex")
+    if regex is None or split.get("behavior") != "Isolated" or split.get("invert"):
+        raise ValueError(f"{file}: a Split pre-tokenizer is served as Llama 3's and Qwen2's "
+                         "only: a Regex pattern, behavior Isolated, not inverted")
+    return f"{regex}|(?:(?!{regex})[\\s\\S])+"
+
+
+def declares_nfc(normalizer: dict | None, file: str) -> bool:
+    """Whether a text is NFC-normalized before it is split (Qwen2/3's normalizer); none other
+    is served."""
+    types = [part.get("type") for part in components(normalizer, "normalizers")]
+    if types not in ([], ["NFC"]):
+        raise ValueError(f"{file}: normalizer {' + '.join(map(str, types))} is not served: "
+                         "none, or NFC")
+    return types == ["NFC"]
+
+
+def bpe_ranks(bpe: dict, added_ids: set[int], file: str) -> dict[bytes, int]:
+    """tiktoken's mergeable ranks: each vocabulary token's bytes (ByteLevel writes a byte as one
+    of GPT-2's 256 characters) -> its id, less the added tokens (GPT-2 and SmolLM2 list theirs
+    in the vocabulary too). Every byte must be a token; the merges must be in id order."""
+    byte_of = {ch: b for b, ch in gpt2_byte_chars()}
+    vocab = bpe.get("vocab") or {}
+    ranks = {}
+    for token, token_id in vocab.items():
+        if token_id in added_ids:
+            continue
+        if not all(ch in byte_of for ch in token):
+            raise ValueError(f"{file}: vocabulary token {token!r} is not byte-level: byte-level "
+                             "BPE only")
+        ranks[bytes(byte_of[ch] for ch in token)] = token_id
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise ValueError(f"{file}: {len(missing)} of the 256 bytes are no token (byte "
+                         f"{missing[0]:#04x} first); byte-level BPE needs them all")
+    check_merge_order(bpe.get("merges") or [], vocab, file)
+    return ranks
+
+
+def check_merge_order(merges: list, vocab: dict[str, int], file: str) -> None:
+    """tiktoken merges the adjacent pair whose joined bytes have the lowest rank (id); Hugging
+    Face's BPE the pair listed first in merges. They can agree only if the merges list their
+    tokens in id order (one token may have several: Llama 3 lists every split of each)."""
+    last = -1
+    for merge in merges:
+        pair = merge.split(" ") if isinstance(merge, str) else merge  # "a b": before 0.20
+        token_id = vocab.get("".join(pair)) if len(pair) == 2 else None
+        if token_id is None:
+            raise ValueError(f"{file}: merge {merge!r} makes no token of the vocabulary")
+        if token_id < last:
+            raise ValueError(f"{file}: the merges are not in the order of their tokens' ids "
+                             f"({merge!r} makes id {token_id}, after id {last}), which "
+                             "tiktoken's ranks need")
+        last = token_id
+
+
+def post_processor_bos(post_processor: dict | None, added_tokens: dict[str, int], file: str
+                       ) -> str | None:
+    """The token the post-processor puts before a text (Llama 3's TemplateProcessing
+    "<|begin_of_text|> $A"), or None (ByteLevel's adds nothing). A template that adds anything
+    else (an EOS after the text) is not served."""
+    bos = None
+    for part in components(post_processor, "processors"):
+        if part.get("type") == "ByteLevel":
+            continue
+        if part.get("type") != "TemplateProcessing":
+            raise ValueError(f"{file}: post-processor {part.get('type')} is not served: "
+                             "ByteLevel or TemplateProcessing only")
+        template = part.get("single") or []
+        words = [item["SpecialToken"]["id"] if "SpecialToken" in item
+                 else "$" + item["Sequence"]["id"] for item in template]
+        if words == ["$A"]:
+            continue
+        if len(words) != 2 or words[1] != "$A" or "SpecialToken" not in template[0] or bos:
+            raise ValueError(f"{file}: post-processor template {' '.join(words)!r} is not "
+                             "served: one token before the text, or none")
+        bos = words[0]
+    if bos is not None and bos not in added_tokens:
+        raise ValueError(f"{file}: the post-processor's BOS {bos!r} is no added token")
+    return bos
 
 
 class Detokenizer:
@@ -468,13 +751,11 @@ class Detokenizer:
         self.num_sent_chars = 0  # text returned by new_text so far
 
     def append(self, token: int, check_stop: bool = True) -> str | None:
-        """Add a token's text (none for end-of-text, or an id past the tokenizer); return the
-        stop string it completed (unless not check_stop: before min_tokens), the text cut
+        """Add a token's text (none for a special token, or an id past the tokenizer); return
+        the stop string it completed (unless not check_stop: before min_tokens), the text cut
         before it (or after it, if include_stop)."""
-        tok = self.tokenizer
         search_from = max(0, len(self.text) - self.max_stop_len + 1)  # a stop string's overlap
-        new_bytes = tok.decode_single_token_bytes(token) if token < tok.eot_token else b""
-        self.text += self.decoder.decode(new_bytes)
+        self.text += self.decoder.decode(self.tokenizer.token_bytes(token))
         if not check_stop:
             return None
         # One token can complete several stop strings: the earliest in the text wins, whatever
@@ -855,7 +1136,7 @@ class Checkpoint:
     """What load_model gives the engine: the model, its tokenizer, and what else a checkpoint
     directory says about serving it."""
     model: GPT
-    tokenizer: tiktoken.Encoding
+    tokenizer: Tokenizer
     eos_token_ids: list[int]          # every id that ends a request (unless it ignores EOS)
     dtype: torch.dtype | None = None  # config.json's torch_dtype: --dtype auto's on CUDA
     generation_config: dict = field(default_factory=dict)  # generation_config.json, or {}
@@ -897,8 +1178,7 @@ def read_json(path: str) -> dict:
     return value
 
 
-def eos_token_ids(tokenizer: tiktoken.Encoding, hf: dict, generation_config: dict
-                  ) -> list[int]:
+def eos_token_ids(tokenizer: Tokenizer, hf: dict, generation_config: dict) -> list[int]:
     """Every id that ends a request: generation_config.json's eos_token_id, then config.json's
     (each an int or a list: Llama 3 Instruct ends at <|end_of_text|>, <|eom_id|> and
     <|eot_id|>); with neither, the tokenizer's <|endoftext|>, if it has one."""
@@ -912,8 +1192,8 @@ def eos_token_ids(tokenizer: tiktoken.Encoding, hf: dict, generation_config: dic
                 raise ValueError(f"eos_token_id {value!r} is not a token id or a list of them")
             if token_id not in ids:
                 ids.append(token_id)
-    if not ids and EOT in tokenizer.special_tokens_set:
-        ids.append(tokenizer.encode_single_token(EOT))
+    if not ids and EOT in tokenizer.added_tokens:
+        ids.append(tokenizer.added_tokens[EOT])
     return ids
 
 
@@ -1081,7 +1361,7 @@ def read_split(path: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 def byte_tensor(text: str) -> torch.Tensor:
     """Text -> its byte tokens (n,), int64."""
-    return torch.tensor(byte_tokenizer().encode_ordinary(text), dtype=torch.long)
+    return torch.tensor(byte_tokenizer().encoding.encode_ordinary(text), dtype=torch.long)
 
 
 def adamw(model: GPT, lr: float) -> torch.optim.AdamW:

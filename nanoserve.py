@@ -39,14 +39,18 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from functools import partial
 from http import HTTPStatus
 
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
 import torch
 
 from kernels import (AttentionMetadata, Penalties, SamplingTensors, keep_freed_memory, sample,
                      select_attention)
-from model import PRESETS, Detokenizer, load_model
+from model import PRESETS, Detokenizer, load_model, read_json
 from paged_cache import BlockTable, allocate_kv_cache, cdiv, kv_bytes_per_token
 from scheduler import POLICIES, Scheduler, SchedulerOutput, Sequence, SequenceStatus
 
@@ -135,7 +139,7 @@ class SamplingParams:
     seed: int | None = option(None, "per-request RNG: the same tokens whatever the batch",
                               low=0, type=int)
     stop: list[str] | None = option(None, "stop before any of these strings", type=list)
-    ignore_eos: bool = option(False, "keep going after <|endoftext|>")
+    ignore_eos: bool = option(False, "keep going after an end-of-sequence token")
     logprobs: int | None = option(None, "each output token's log-probability and the top k",
                                   low=0, high=MAX_LOGPROBS, type=int)
     prompt_logprobs: int | None = option(None, "each prompt token's log-probability and the "
@@ -210,10 +214,50 @@ def parse_logit_bias(value) -> dict[int, float]:
     return bias
 
 
+# generation_config.json's sampling fields (vLLM's list) -> SamplingParams' names for them
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                            "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                            "max_new_tokens": "max_tokens"}
+
+
+def default_sampling(engine: "Engine") -> dict:
+    """The sampling fields the checkpoint's generation_config.json gives, by SamplingParams'
+    names ({"temperature": 0.6, "top_p": 0.95, ...}; {} with --generation-config vllm, a preset
+    or no file): the defaults of a request that leaves them unset, as vLLM takes them (do_sample
+    is not read). Each front end lays them over its own defaults, and the user's values over
+    them. ValueError naming the file and the field unless each is a valid request value."""
+    if engine.config.generation_config == "vllm":
+        return {}
+    given = engine.checkpoint.generation_config
+    defaults = {}
+    for key, name in GENERATION_CONFIG_FIELDS.items():
+        if given.get(key) is None:
+            continue
+        try:
+            SamplingParams(**{name: given[key]})
+        except ValueError as e:
+            path = os.path.join(engine.checkpoint.path, "generation_config.json")
+            raise ValueError(f"{path}: {key} {given[key]!r} is not a valid default ({e}); "
+                             "--generation-config vllm ignores the file") from None
+        defaults[name] = given[key]
+    return defaults
+
+
+def print_sampling_defaults(defaults: dict) -> None:
+    """The start-up line (stderr) that names the checkpoint's sampling defaults, if it gave any."""
+    if not defaults:
+        return
+    taken = ", ".join(f"{name} {value}" for name, value in defaults.items())
+    print(f"using the checkpoint's sampling defaults (generation_config.json): {taken}; a "
+          "request's own values win (--generation-config vllm ignores the file)",
+          file=sys.stderr, flush=True)
+
+
 @dataclass
 class EngineConfig:
     """How the engine is built, with vLLM's argument names where vLLM has one."""
-    model: str | None = option(None, "checkpoint dir or gpt2[-medium|-large|-xl]; none: the "
+    model: str | None = option(None, "a checkpoint dir, a name in the Hugging Face cache "
+                               "(Qwen/Qwen3-0.6B) or gpt2[-medium|-large|-xl]; none: the "
                                "shipped Shakespeare model", type=str)
     preset: str | None = option(None, "random seeded weights of a shape", choices=list(PRESETS))
     device: str = option("cuda" if torch.cuda.is_available() else "cpu", "cpu, cuda or cuda:N")
@@ -233,6 +277,10 @@ class EngineConfig:
                                          "prompt prefixes")
     policy: str = option("fcfs", "scheduling policy", choices=list(POLICIES))
     seed: int = option(0, "seeds random weights and requests without a seed", low=0)
+    generation_config: str = option("auto", "sampling defaults of requests that leave a field "
+                                    "unset; auto: the checkpoint's generation_config.json where "
+                                    "it gives one; vllm: ignore the file (vLLM's flag)",
+                                    choices=["auto", "vllm"])
 
     def __post_init__(self):
         check_fields(self)
@@ -436,6 +484,9 @@ class Engine:
         self.model = checkpoint.model.to(config.device, dtype).eval()
         c = self.model.config
         self.vocab_size = self._vocab_size(c.vocab_size)
+        # what the checkpoint says of requests: read here, so a bad one stops the engine's start
+        self.sampling_defaults = default_sampling(self)  # generation_config.json's
+        self.chat_template = load_chat_template(checkpoint.path)  # None: render_chat's
         if config.max_model_len is not None and config.max_model_len > c.n_positions:
             raise ValueError(f"max_model_len {config.max_model_len} > the context {c.n_positions}")
         self.attention = select_attention(config.attention, config.device)
@@ -582,8 +633,9 @@ class Engine:
     def add_request(self, prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a prompt (a string, a list of token ids, {"prompt": str} or
-        {"prompt_token_ids": [...]}) with a copy of params; ValueError if it can never run."""
-        params = params or SamplingParams()
+        {"prompt_token_ids": [...]}) with a copy of params (none: the checkpoint's sampling
+        defaults over SamplingParams' own); ValueError if it can never run."""
+        params = params or SamplingParams(**self.sampling_defaults)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)  # a copy, validated again
@@ -624,7 +676,7 @@ class Engine:
         if isinstance(prompt, dict) and set(prompt) in ({"prompt"}, {"prompt_token_ids"}):
             prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, allowed_special="all")
+            return prompt, self.tokenizer.encode(prompt)
         if not isinstance(prompt, list):
             raise ValueError("a prompt is a string, a list of token ids, {'prompt': str} or "
                              f"{{'prompt_token_ids': [int, ...]}}; got {type(prompt).__name__}")
@@ -1037,16 +1089,24 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args):
         self.engine = Engine(EngineConfig(model=model, **engine_args))
+        # a bad generation_config.json is an error here, not at the first generate()
+        self.default_params = SamplingParams(**self.engine.sampling_defaults)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what generate() uses when given no params, the checkpoint's sampling defaults
+        (generation_config.json, unless --generation-config vllm) over SamplingParams' own."""
+        return dataclasses.replace(self.default_params)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  trace: bool = False, use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Serve all prompts (any form add_request takes) as one batch; whole outputs, in order.
-        trace: print the step-by-step timeline to stderr at the end. use_tqdm (vLLM's name):
-        the progress line on stderr (Progress); None: only when stderr is a terminal."""
+        params None: get_default_sampling_params(). trace: print the step-by-step timeline to
+        stderr at the end. use_tqdm (vLLM's name): the progress line on stderr (Progress);
+        None: only when stderr is a terminal."""
         show_progress = progress_wanted(use_tqdm)
         prompts = as_prompt_list(prompts)
         if not isinstance(params, (list, tuple)):
-            params = [params or SamplingParams()] * len(prompts)
+            params = [params or self.get_default_sampling_params()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = []
@@ -1160,13 +1220,17 @@ CORS_PREFLIGHT = {"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
                   "Access-Control-Max-Age": "600"}
 MAX_N = 64                # samples of one prompt in one request at most
 CHAT_TURN_END = "\n\n"    # the chat template ends every turn with a blank line
+TRANSCRIPT_ROLES = ("system", "user", "assistant")  # the roles of render_chat's transcript
+TEMPLATE_ROLES = (*TRANSCRIPT_ROLES, "tool")        # a checkpoint's template may take tool results
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                       "cls_token", "mask_token")  # transformers' special_tokens_map's names
 # SamplingParams' fields a request may set, OpenAI's and vLLM's extra ones (top_k, min_p, ...)
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
                    "stop_token_ids", "include_stop_str_in_output", "logit_bias")
 FIELDS = {"model", "n", "stream", "stream_options", "user", "stop", "logprobs",
           *SAMPLING_FIELDS}  # both endpoints serve these
-CHAT_FIELDS = {"messages", "top_logprobs", "max_completion_tokens"}
+CHAT_FIELDS = {"messages", "top_logprobs", "max_completion_tokens", "chat_template_kwargs"}
 COMPLETION_FIELDS = {"prompt", "echo"}
 NEUTRAL = dict(best_of=1, suffix="")  # accepted at these values only
 BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
@@ -1347,31 +1411,178 @@ def typed(body: dict, name: str, default, *kinds):
     return value
 
 
+def check_messages(messages, roles: tuple[str, ...]) -> None:
+    """HTTPError 400 unless messages is a non-empty list of {"role": one of roles, "content":
+    a string} (other keys are the template's to read)."""
+    if isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and m.get("role") in roles and isinstance(m.get("content"), str)
+            for m in messages):
+        return
+    names = ", ".join(f'"{role}"' for role in roles[:-1]) + f' or "{roles[-1]}"'
+    raise HTTPError(400, f'messages must be a non-empty list of {{"role": {names}, "content": '
+                    'a string}', "messages")
+
+
 def render_chat(messages) -> str:
     """The chat template for a base model: every turn is "ROLE:\\n" + content + a blank line,
     then "ASSISTANT:\\n" for the model to go on; its reply ends at its own blank line."""
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
-            and isinstance(m.get("content"), str) for m in messages):
-        raise HTTPError(400, 'messages must be a non-empty list of {"role": "system", "user" or '
-                        '"assistant", "content": a string}', "messages")
+    check_messages(messages, TRANSCRIPT_ROLES)
     return "".join(f"{m['role'].upper()}:\n{m['content']}{CHAT_TURN_END}" for m in messages) \
         + "ASSISTANT:\n"
 
 
-def parse_request(body: dict, engine: Engine, model_name: str, chat: bool) -> tuple[list, dict]:
+class GenerationTag(jinja2.ext.Extension):
+    """{% generation %}...{% endgeneration %}: transformers' mark of the assistant's text (for
+    training masks), which some templates hold; rendered as its body."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)  # the tag's name
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def template_tojson(value, ensure_ascii=False, indent=None, separators=None,
+                    sort_keys=False) -> str:
+    """transformers' tojson filter: json.dumps' text, its arguments too (Jinja2's own filter
+    escapes HTML characters, which a prompt must keep as they are)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def raise_exception(message: str):
+    """A template's refusal of a conversation (transformers' global): the request's error."""
+    raise jinja2.TemplateError(message)
+
+
+def strftime_now(fmt: str) -> str:
+    """The local date and time as fmt writes it (transformers' global; Llama 3.x's templates
+    put today's date in the system turn)."""
+    return datetime.now().strftime(fmt)
+
+
+def chat_template_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    """Jinja2 set up as transformers' apply_chat_template sets it up: sandboxed (a template is
+    a program that came with the checkpoint), trim_blocks and lstrip_blocks, {% break %} and
+    {% continue %}, its tojson filter and its raise_exception and strftime_now globals."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, GenerationTag])
+    env.filters["tojson"] = template_tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env
+
+
+@dataclass
+class ChatTemplate:
+    """A checkpoint's chat template, compiled, and the special tokens' text it renders with."""
+    template: jinja2.Template
+    special_tokens: dict[str, str]  # bos_token, eos_token, ...: tokenizer_config.json's
+    source: str                     # the file it came from
+
+    def render(self, messages: list[dict], kwargs: dict) -> str:
+        """The prompt's text as transformers' apply_chat_template(messages,
+        add_generation_prompt=True, **kwargs) renders it: the special tokens, tools and
+        documents None, then kwargs (a request's chat_template_kwargs, which may set any of
+        those: Qwen3's enable_thinking, say). ValueError with the template's message if it
+        refuses the conversation."""
+        context = self.special_tokens | dict(tools=None, documents=None,
+                                             add_generation_prompt=True) | kwargs
+        try:
+            return self.template.render(context | dict(messages=messages))
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the chat template refused the messages: {e}") from None
+
+
+def load_chat_template(path: str | None) -> ChatTemplate | None:
+    """The chat template of the checkpoint directory `path`, where transformers looks for it:
+    chat_template.jinja, else tokenizer_config.json's chat_template. Compiled here, so a broken
+    one is an error at start-up. None for a preset (path None) or a checkpoint with neither:
+    chat is then render_chat's transcript."""
+    if path is None:
+        return None
+    config_file = os.path.join(path, "tokenizer_config.json")
+    config = read_json(config_file)
+    source = os.path.join(path, "chat_template.jinja")
+    if os.path.exists(source):
+        with open(source, encoding="utf-8") as f:
+            text = f.read()
+    else:
+        source = config_file
+        text = default_chat_template(config.get("chat_template"), source)
+    if text is None:
+        return None
+    try:
+        template = chat_template_environment().from_string(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"{source}: the chat template does not compile: {e}") from None
+    return ChatTemplate(template, special_tokens(config), source)
+
+
+def default_chat_template(value, source: str) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or named templates [{"name",
+    "template"}, ...] of which chat uses the one named "default", as transformers does;
+    ValueError naming the file for anything else."""
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("name"), str)
+            and isinstance(t.get("template"), str) for t in value):
+        raise ValueError(f"{source}: chat_template must be a string or a list of "
+                         f'{{"name": ..., "template": ...}}, got {value!r:.80}')
+    named = {t["name"]: t["template"] for t in value}
+    if "default" not in named:
+        raise ValueError(f"{source}: no chat template is named default (the names: "
+                         f"{', '.join(named)})")
+    return named["default"]
+
+
+def special_tokens(config: dict) -> dict[str, str]:
+    """tokenizer_config.json's special tokens as a template sees them, by name (bos_token:
+    "<s>", ...); a token written as an object ({"content": "<s>", ...}, older files) is its
+    content. A template that reads one the file lacks gets Jinja2's empty undefined."""
+    tokens = {}
+    for name in SPECIAL_TOKEN_NAMES:
+        value = config.get(name)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            tokens[name] = value
+    return tokens
+
+
+def chat_prompt(body: dict, template: ChatTemplate | None) -> str:
+    """A chat request's prompt text: its messages through the checkpoint's template with its
+    chat_template_kwargs, else render_chat's transcript (which takes no kwargs); HTTPError
+    400 naming the field at fault."""
+    kwargs = typed(body, "chat_template_kwargs", {}, dict)
+    messages = body.get("messages")
+    if template is None:
+        return render_chat(messages)
+    check_messages(messages, TEMPLATE_ROLES)
+    try:
+        return template.render(messages, kwargs)
+    except ValueError as e:
+        raise HTTPError(400, str(e), "messages") from None
+
+
+def parse_request(body: dict, engine: Engine, model_name: str, chat: bool,
+                  template: ChatTemplate | None, defaults: dict) -> tuple[list, dict]:
     """An OpenAI request -> its sequences [(prompt, SamplingParams)], n for each prompt, and
-    how to answer (stream, include_usage, echo, logprobs k); HTTPError 400 if anything is off."""
+    how to answer (stream, include_usage, echo, logprobs k); HTTPError 400 if anything is off.
+    A chat's prompt is the checkpoint's template, if any (template); a sampling field absent
+    or null is the checkpoint's default, if any (defaults: default_sampling's)."""
     check_known_fields(body, chat)
     check_model(body, model_name)
-    fields = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    fields = defaults | {name: body[name] for name in SAMPLING_FIELDS
+                         if body.get(name) is not None}
     fields["stop"] = typed(body, "stop", [], str, list)
     n = typed(body, "n", 1, int)
     echo = typed(body, "echo", False, bool)
     if chat:  # as token ids, encoded once and as the engine encodes text (special tokens too)
-        prompts = [engine.tokenizer.encode(render_chat(body.get("messages")),
-                                           allowed_special="all")]
-        fields["max_tokens"] = chat_max_tokens(body, engine.max_model_len - len(prompts[0]))
+        prompts = [engine.tokenizer.encode(chat_prompt(body, template))]
+        room_left = engine.max_model_len - len(prompts[0])
+        fields["max_tokens"] = chat_max_tokens(body, room_left, defaults)
         fields["logprobs"] = None
         if typed(body, "logprobs", False, bool):
             fields["logprobs"] = typed(body, "top_logprobs", 0, int)
@@ -1386,7 +1597,8 @@ def parse_request(body: dict, engine: Engine, model_name: str, chat: bool) -> tu
     options = dict(stream=typed(body, "stream", False, bool), chat=chat, n=n,
                    k=fields["logprobs"] or 0, echo=echo,
                    include_usage=typed(stream_options, "include_usage", False, bool))
-    params = sample_params(fields, n, chat, typed(body, "top_logprobs", 0, int))
+    transcript = chat and template is None  # a reply there ends at its turn's blank line
+    params = sample_params(fields, n, transcript, typed(body, "top_logprobs", 0, int))
     return [(prompt, params) for prompt in prompts], options
 
 
@@ -1403,13 +1615,13 @@ def check_known_fields(body: dict, chat: bool) -> None:
             raise HTTPError(400, f"{name} is not supported (only {NEUTRAL[name]!r})", name)
 
 
-def chat_max_tokens(body: dict, room_left: int) -> int:
-    """max_completion_tokens, else max_tokens, else what the context has left (at least 1:
-    a prompt too long then says why)."""
+def chat_max_tokens(body: dict, room_left: int, defaults: dict) -> int:
+    """max_completion_tokens, else max_tokens, else what the context has left or the
+    checkpoint's default, whichever is less (at least 1: a prompt too long then says why)."""
     for name in ("max_completion_tokens", "max_tokens"):
         if body.get(name) is not None:
             return body[name]
-    return max(1, room_left)
+    return max(1, min(room_left, defaults.get("max_tokens", room_left)))
 
 
 def completion_prompts(body: dict) -> list:
@@ -1423,10 +1635,10 @@ def completion_prompts(body: dict) -> list:
                     "those", "prompt")
 
 
-def sample_params(fields: dict, n: int, chat: bool, top_logprobs: int) -> SamplingParams:
+def sample_params(fields: dict, n: int, transcript: bool, top_logprobs: int) -> SamplingParams:
     """The request's SamplingParams (its n samples are the engine's fan-out: sample i of a
-    seeded request uses seed + i); a chat reply also stops at the end of its turn. HTTPError
-    400 naming a bad field."""
+    seeded request uses seed + i); a reply in render_chat's transcript also stops at the end
+    of its turn. HTTPError 400 naming a bad field."""
     try:
         check_int("n", n, 1, MAX_N)
         check_int("top_logprobs", top_logprobs, 0, MAX_LOGPROBS)
@@ -1434,14 +1646,15 @@ def sample_params(fields: dict, n: int, chat: bool, top_logprobs: int) -> Sampli
     except ValueError as e:
         bad_field = next((f for f in [*fields, "n", "top_logprobs"] if str(e).startswith(f)), None)
         raise HTTPError(400, str(e), bad_field) from None
-    if chat:
+    if transcript:
         params = dataclasses.replace(params, stop=params.stop + [CHAT_TURN_END])
     return params
 
 
 def token_text(tokenizer, token_id: int) -> str:
-    """A token as text; as OpenAI writes it, "bytes:\\xe2\\x80" if it is not UTF-8 alone."""
-    data = tokenizer.decode_single_token_bytes(token_id)
+    """A token as text (a special token's too, as vLLM's logprobs write <|endoftext|>); as
+    OpenAI writes it, "bytes:\\xe2\\x80" if it is not UTF-8 alone."""
+    data = tokenizer.token_bytes(token_id, skip_special_tokens=False)
     try:
         return data.decode()
     except UnicodeDecodeError:
@@ -1479,7 +1692,8 @@ def logprobs_json(tokenizer, token_ids: list[int], entries: list, k: int, chat: 
         else:
             token_logprobs.append(entry[token_id])
             top_logprobs.append({token_text(tokenizer, t): lp for t, lp in top})
-    text_offset = [offset + len(tokenizer.decode(token_ids[:i])) for i in range(len(entries))]
+    text_offset = [offset + len(tokenizer.decode(token_ids[:i], skip_special_tokens=False))
+                   for i in range(len(entries))]  # as vLLM's: the lengths of the tokens' texts
     return dict(tokens=[token_text(tokenizer, t) for t in token_ids],
                 token_logprobs=token_logprobs, top_logprobs=top_logprobs,
                 text_offset=text_offset)
@@ -1487,7 +1701,7 @@ def logprobs_json(tokenizer, token_ids: list[int], entries: list, k: int, chat: 
 
 def chat_logprob_item(tokenizer, token_id: int, logprob: float) -> dict:
     return dict(token=token_text(tokenizer, token_id), logprob=logprob,
-                bytes=list(tokenizer.decode_single_token_bytes(token_id)))
+                bytes=list(tokenizer.token_bytes(token_id, skip_special_tokens=False)))
 
 
 def choice(tokenizer, index: int, out: RequestOutput, completion: CompletionOutput,
@@ -1499,7 +1713,9 @@ def choice(tokenizer, index: int, out: RequestOutput, completion: CompletionOutp
     text = completion.text
     if first and options["echo"]:  # the prompt (and its log-probabilities) first
         token_ids = out.prompt_token_ids + token_ids
-        text = (out.prompt or tokenizer.decode(out.prompt_token_ids)) + text
+        # the prompt as written, or its ids' text with the special tokens (as /detokenize's)
+        prompt = out.prompt or tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+        text = prompt + text
         if entries is not None:
             entries = out.prompt_logprobs + entries
     logprobs = None
@@ -1703,6 +1919,7 @@ class Server:
         self.engine_thread.start()
         try:
             print(f"serving {self.model_name} on {self.url}", file=sys.stderr, flush=True)
+            print_sampling_defaults(self.engine.sampling_defaults)
             self.started.set()
             timeout = await self.shutdown_asked
             listener.close()  # no new connections
@@ -1921,12 +2138,12 @@ class Server:
         body = json_body(exchange.request)
         check_model(body, self.model_name)
         if "messages" in body:
-            text = render_chat(body["messages"])
+            text = chat_prompt(body, self.engine.chat_template)
         else:
             text = typed(body, "prompt", None, str)
         if text is None:
             raise HTTPError(400, "give a prompt (a string) or messages", "prompt")
-        tokens = self.engine.tokenizer.encode(text, allowed_special="all")
+        tokens = self.engine.tokenizer.encode(text)
         exchange.send(200, dict(count=len(tokens), max_model_len=self.engine.max_model_len,
                                 tokens=tokens))
 
@@ -1939,8 +2156,8 @@ class Server:
             raise HTTPError(400, "tokens must be a list of token ids", "tokens")
         try:
             self.engine.parse_prompt(tokens)  # ValueError unless ids of the vocabulary
-            text = self.engine.tokenizer.decode(tokens)
-        except (ValueError, KeyError) as e:
+            text = self.engine.tokenizer.decode(tokens, skip_special_tokens=False)  # as vLLM's
+        except ValueError as e:
             raise HTTPError(400, f"tokens: {e}", "tokens") from None
         exchange.send(200, {"prompt": text})
 
@@ -1949,7 +2166,8 @@ class Server:
 
     async def completions(self, exchange: Exchange, chat=False) -> None:
         body = json_body(exchange.request)
-        requests, options = parse_request(body, self.engine, self.model_name, chat)
+        requests, options = parse_request(body, self.engine, self.model_name, chat,
+                                          self.engine.chat_template, self.engine.sampling_defaults)
         if self.draining:
             raise HTTPError(503, "the server is shutting down")
         served = ServedRequest([str(next(self.request_numbers)) for _ in requests])
@@ -2168,10 +2386,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--serve", action="store_true", help="serve OpenAI's API over HTTP")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                    help="torch CPU threads: half the cores, so a busy core does not stall steps")
-    sampling = p.add_argument_group("sampling (SamplingParams, with the command line's own "
-                                    "defaults)")
+    sampling = p.add_argument_group("sampling (SamplingParams; a flag not given: the "
+                                    "checkpoint's generation_config.json value, else the "
+                                    "command line's own default, shown)")
     sampling.add_argument("--max-tokens", type=int, default=argparse.SUPPRESS,
-                          help="default: 200, or what the context has left")
+                          help="default: the checkpoint's max_new_tokens, else 200; at most "
+                          "what the context has left")
     sampling.add_argument("--stop", action="append", help="stop before this string (repeatable)")
     sampling.add_argument("--stop-token-ids", type=int, nargs="+", metavar="ID",
                           help="stop after any of these tokens")
@@ -2187,7 +2407,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                         default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     server = p.add_argument_group("server, with --serve (ServerConfig)")
     add_config_args(server, ServerConfig)
-    return p.parse_args(argv)
+    return with_sampling_given(p, argv)
+
+
+def with_sampling_given(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """The parsed flags, and as args.sampling_given the sampling flags the command line gave
+    ({name: value}): the checkpoint's defaults go under those and over the rest. argparse sets a
+    flag's default only where the namespace lacks its name, and a flag given is never None, so
+    a name left None was not given: then it gets its default here."""
+    names = (*CLI_SAMPLING, "max_tokens")
+    args = parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(names, None)))
+    args.sampling_given = {name: getattr(args, name) for name in names
+                           if getattr(args, name) is not None}
+    for name in CLI_SAMPLING:
+        if getattr(args, name) is None:
+            setattr(args, name, parser.get_default(name))
+    return args
 
 
 def argparse_error(parser: argparse.ArgumentParser, message: str) -> None:
@@ -2196,21 +2431,24 @@ def argparse_error(parser: argparse.ArgumentParser, message: str) -> None:
 
 # Control characters (random weights emit any byte) print as visible escapes, not raw.
 VISIBLE = {c: f"\\x{c:02x}" for c in [*range(32), *range(127, 160)] if c not in (9, 10)}
-CLI_MAX_TOKENS = 200  # the command line's max_tokens, unless --max-tokens or the context says
+CLI_MAX_TOKENS = 200  # the command line's max_tokens, unless a flag, the checkpoint or the
+                      # context says otherwise
 CLI_SAMPLING = ("n", "temperature", "top_k", "top_p", "stop", "ignore_eos", "presence_penalty",
                 "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
                 "stop_token_ids", "include_stop_str_in_output")  # the flags cli_params reads
 
 
 def cli_params(engine: Engine, args: argparse.Namespace, prompt, **fields) -> SamplingParams:
-    """The command line's sampling for a prompt, `fields` first; max_tokens: --max-tokens, or
-    200, or what the context leaves (at least 1: a prompt too long then says why)."""
+    """The command line's sampling for a prompt: each field from `fields` (a --jsonl line's,
+    the REPL's /set), else the flag if given, else the checkpoint's default (default_sampling),
+    else the command line's own (the flags' defaults; max_tokens 200). A default max_tokens is
+    at most what the context leaves (at least 1: a prompt too long then says why)."""
     _, token_ids = engine.parse_prompt(prompt)
     room_left = engine.max_model_len - len(token_ids)
-    params = {name: getattr(args, name) for name in CLI_SAMPLING}
-    params["max_tokens"] = getattr(args, "max_tokens", max(1, min(CLI_MAX_TOKENS, room_left)))
-    params |= fields
-    return SamplingParams(**params)
+    defaults = {name: getattr(args, name) for name in CLI_SAMPLING}
+    defaults |= dict(max_tokens=CLI_MAX_TOKENS) | engine.sampling_defaults
+    defaults["max_tokens"] = max(1, min(defaults["max_tokens"], room_left))
+    return SamplingParams(**defaults | args.sampling_given | fields)
 
 
 def line_params(engine: Engine, args: argparse.Namespace, prompt, **fields) -> SamplingParams:
@@ -2423,37 +2661,62 @@ REPL_HELP = ("/set NAME VALUE sets a sampling field (max_tokens, temperature, to
              "repetition_penalty, min_tokens, stop_token_ids, logit_bias, ...; /set NAME alone "
              "resets it), /help, /quit.\nCtrl-C stops a completion; at the prompt, Ctrl-C or "
              "Ctrl-D ends.")
+REPL_CHAT_HELP = ("A chat, through the checkpoint's chat template: each line is your turn in "
+                  "one conversation; /clear starts a new one.")
 
 
 def run_terminal(engine: Engine, args: argparse.Namespace) -> None:
-    """At a terminal: each line is a prompt whose completion streams as it is generated."""
+    """At a terminal: each line is a prompt whose completion streams as it is generated. With
+    the checkpoint's chat template, a chat: each line is the user's turn in one conversation,
+    which the template renders whole; the reply streams, then joins the conversation (one that
+    Ctrl-C stopped is dropped, with its turn)."""
     settings = {}
-    print(REPL_HELP)
+    template = engine.chat_template
+    conversation = []  # with a template: the user's turns and the replies so far
+    print(REPL_HELP if template is None else f"{REPL_HELP}\n{REPL_CHAT_HELP}")
     while True:
         try:
             line = input("> ")
         except (EOFError, KeyboardInterrupt):
             print()
             return
+        if line.strip() == "/clear" and template is not None:
+            conversation.clear()
+            print("a new conversation")
+            continue
         if line.startswith("/"):
             if line.strip() == "/quit":
                 return
             print(repl_command(line, settings, engine, args))
             continue
+        turn = [dict(role="user", content=line)]
         try:
-            request_id = engine.add_request(line, line_params(engine, args, line, **settings))
+            prompt = line if template is None else template.render(conversation + turn, {})
+            request_id = engine.add_request(prompt, line_params(engine, args, prompt, **settings))
         except ValueError as e:
             print(f"error: {e}")
             continue
-        try:
-            while engine.has_unfinished():
-                for out in engine.step():
-                    print(out.outputs[0].text.translate(VISIBLE), end="", flush=True)
-        except KeyboardInterrupt:  # stop this completion, free its blocks, back to the prompt
-            engine.abort(request_id, "interrupted")
-            engine.step()
-            print("\n[interrupted]", end="")
-        print()
+        reply = stream_completion(engine, request_id)
+        if template is not None and reply is not None:
+            conversation += turn + [dict(role="assistant", content=reply)]
+
+
+def stream_completion(engine: Engine, request_id: str) -> str | None:
+    """Step until the request ends, printing its text as it comes: the whole text, or None if
+    Ctrl-C stopped it (its blocks freed; back to the prompt)."""
+    text = ""
+    try:
+        while engine.has_unfinished():
+            for out in engine.step():
+                text += out.outputs[0].text
+                print(out.outputs[0].text.translate(VISIBLE), end="", flush=True)
+    except KeyboardInterrupt:
+        engine.abort(request_id, "interrupted")
+        engine.step()
+        print("\n[interrupted]")
+        return None
+    print()
+    return text
 
 
 def repl_command(line: str, settings: dict, engine: Engine, args: argparse.Namespace) -> str:
@@ -2495,9 +2758,11 @@ def main(argv=None) -> None:
         server_config = ServerConfig(**{f.name: getattr(args, f.name)
                                         for f in dataclasses.fields(ServerConfig)})
         engine = Engine(config)
-        if args.serve:
+        if args.serve:  # the server says which defaults it took as it starts
             serve(engine, server_config)
-        elif args.prompt:
+            return
+        print_sampling_defaults(engine.sampling_defaults)
+        if args.prompt:
             run_prompts(engine, args)
         elif sys.stdin.isatty() and not args.jsonl:
             run_terminal(engine, args)

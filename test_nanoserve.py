@@ -759,7 +759,7 @@ def test_detokenizer_holds_back_a_possible_stop_string_and_split_utf8():
     detok = M.Detokenizer(enc, ["the end"])
     pieces = []
     for byte in "us in th\u00e9 the x".encode():
-        assert detok.append(enc.encode_single_token(bytes([byte]))) is None
+        assert detok.append(enc.token_id(bytes([byte]))) is None
         pieces.append(detok.new_text(finished=False))
     # "th" might begin "the end"; then é's first byte waits for its second
     assert pieces[:10] == ["u", "s", " ", "i", "n", " ", "", "", "", "th\u00e9"]
@@ -785,14 +785,13 @@ def test_stop_accepts_any_iterable_of_strings():
 
 
 class TextTokens:
-    """A tokenizer whose token i is the text texts[i], end-of-text after them: one token can
-    complete two stop strings at once (the byte tokenizer adds one character at a time)."""
+    """A tokenizer whose token i is the text texts[i]: one token can complete two stop strings
+    at once (the byte tokenizer adds one character at a time)."""
 
     def __init__(self, texts: list[str]):
         self.texts = texts
-        self.eot_token = len(texts)
 
-    def decode_single_token_bytes(self, token: int) -> bytes:
+    def token_bytes(self, token: int) -> bytes:
         return self.texts[token].encode()
 
 
@@ -814,7 +813,7 @@ def test_stop_string_earliest_in_the_text_wins_then_the_longest(stop, expected):
 def test_max_tokens_and_end_of_text_set_finish_reason():
     llm = tiny()
     assert llm.generate(["Hi"], GREEDY)[0].outputs[0].finish_reason == "length"
-    eot = llm.engine.tokenizer.eot_token
+    eot = llm.engine.tokenizer.token_id(M.EOT)
 
     def always_end_of_text(hidden):
         return torch.nn.functional.one_hot(torch.full((len(hidden),), eot), 257).float()
@@ -828,7 +827,7 @@ def test_completion_ending_inside_a_utf8_character_shows_its_bytes_as_u_fffd(mon
     the unfinished character is shown as U+FFFD, in the whole text and in the last delta."""
     llm = tiny()
     tokenizer = llm.engine.tokenizer
-    tokens = [tokenizer.encode_single_token(b) for b in (b"a", "é".encode()[:1])]
+    tokens = [tokenizer.token_id(b) for b in (b"a", "é".encode()[:1])]
     written = iter(tokens)
 
     def compute_logits(hidden):
@@ -1030,7 +1029,7 @@ def test_min_p_of_one_keeps_only_the_most_likely_token():
 def test_min_tokens_holds_back_end_of_text_and_stop_tokens():
     """End-of-text biased to certain: never among the first min_tokens tokens, then at once."""
     llm = tiny()
-    eot = llm.engine.tokenizer.eot_token
+    eot = llm.engine.tokenizer.token_id(M.EOT)
     params = SamplingParams(max_tokens=20, temperature=0, min_tokens=5, logit_bias={eot: 100})
     out = llm.generate(["ab"], params)[0].outputs[0]
     assert out.token_ids[5:] == [eot] and eot not in out.token_ids[:5]
@@ -2141,6 +2140,422 @@ def test_corrupt_safetensors_header_is_reported(tmp_path, header):
         M.load_checkpoint(str(tmp_path))
 
 
+# ----------------------------------------------------------------------------- chat, defaults
+# The shipped checkpoint copied with a tokenizer_config.json (its chat template) and a
+# generation_config.json: chat is the template rendered as transformers' apply_chat_template
+# renders it, and the file's sampling values fill the fields a request leaves unset.
+
+# ChatML's shape, written with indented block tags (trim_blocks and lstrip_blocks remove them),
+# {% continue %}, raise_exception, bos_token, strftime_now and a chat_template_kwargs switch
+CHAT_TEMPLATE = """{{ bos_token }}{{ strftime_now("%Y") }}
+{% for message in messages %}
+    {% if message.role not in ["system", "user", "assistant"] %}
+        {{ raise_exception("no role " ~ message.role ~ " in this template") }}
+    {% endif %}
+    {% if message.content == "" %}
+        {% continue %}
+    {% endif %}
+<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+    {% if enable_thinking is defined and not enable_thinking %}
+<think>
+
+</think>
+
+    {% endif %}
+{% endif %}"""
+GENERATION_CONFIG = dict(temperature=0.6, top_p=0.9, top_k=20, min_p=0.05,
+                         repetition_penalty=1.1, max_new_tokens=7, do_sample=True)
+SAMPLING_DEFAULTS = dict(temperature=0.6, top_p=0.9, top_k=20, min_p=0.05,
+                         repetition_penalty=1.1, max_tokens=7)  # SamplingParams' names
+DEFAULTS_LINE = ("using the checkpoint's sampling defaults (generation_config.json): "
+                 "temperature 0.6, top_p 0.9, top_k 20, min_p 0.05, repetition_penalty 1.1, "
+                 "max_tokens 7")
+
+
+def chatml(messages: list[dict]) -> str:
+    """CHAT_TEMPLATE's text for messages, written out by hand (transformers' own rendering of
+    the template was checked to be this text)."""
+    turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages
+                    if m["content"])
+    return f"<|endoftext|>{time.strftime('%Y')}\n{turns}<|im_start|>assistant\n"
+
+
+def chat_checkpoint(path, template: str | None = CHAT_TEMPLATE,
+                    generation_config: dict | None = None, **tokenizer_config) -> str:
+    """The shipped checkpoint copied into `path`, with a tokenizer_config.json (GPT-2's special
+    tokens, `template` as its chat_template unless None, then tokenizer_config) and, if given,
+    a generation_config.json: the directory."""
+    shutil.copytree(os.path.join(HERE, "checkpoints", "shakespeare"), path, dirs_exist_ok=True)
+    config = dict(bos_token="<|endoftext|>", eos_token="<|endoftext|>") | tokenizer_config
+    if template is not None:
+        config["chat_template"] = template
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    if generation_config is not None:
+        (path / "generation_config.json").write_text(json.dumps(generation_config))
+    return str(path)
+
+
+def checkpoint_llm(path: str, **kwargs) -> LLM:
+    return LLM(model=path, device="cpu", dtype="float32", **kwargs)
+
+
+def record_params(monkeypatch, engine: Engine) -> list[SamplingParams]:
+    """The SamplingParams of each request the engine is given from now on, as it holds them."""
+    seen = []
+    add_request = engine.add_request
+
+    def add_and_record(prompt, params=None, request_id=None):
+        request_id = add_request(prompt, params, request_id)
+        seen.append(engine.seqs[request_id].params)
+        return request_id
+    monkeypatch.setattr(engine, "add_request", add_and_record)
+    return seen
+
+
+def test_chat_prompt_is_the_checkpoints_template_rendered_as_transformers_does(tmp_path):
+    llm = checkpoint_llm(chat_checkpoint(tmp_path))
+    messages = [dict(role="system", content="Be brief."), dict(role="user", content=""),
+                dict(role="user", content="Hi")]
+    want = llm.generate(chatml(messages), SamplingParams(max_tokens=8, temperature=0))[0]
+    assert want.prompt_token_ids[0] == 256 != want.prompt_token_ids[1]  # bos_token, once
+    with server_in_process(llm.engine) as url:
+        tokenized = http(url, "/tokenize", dict(messages=messages))[1]
+        status, got = http(url, "/v1/chat/completions", dict(messages=messages, max_tokens=8,
+                                                              temperature=0))
+    assert tokenized["tokens"] == want.prompt_token_ids
+    assert status == 200 and got["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    assert got["choices"][0]["message"]["content"] == want.outputs[0].text
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    llm = checkpoint_llm(chat_checkpoint(tmp_path))
+    messages = [dict(role="user", content="Hi")]
+    _, want = llm.engine.parse_prompt(chatml(messages) + "<think>\n\n</think>\n\n")
+    body = dict(messages=messages, chat_template_kwargs=dict(enable_thinking=False))
+    with server_in_process(llm.engine) as url:
+        assert http(url, "/tokenize", body)[1]["tokens"] == want
+        status, got = http(url, "/v1/chat/completions", body | dict(max_tokens=2))
+    assert status == 200 and got["usage"]["prompt_tokens"] == len(want)
+
+
+@pytest.mark.parametrize("body, param, message", [
+    (dict(messages=[dict(role="user", content="x"), dict(role="tool", content="{}")]),
+     "messages", "the chat template refused the messages: no role tool in this template"),
+    (dict(messages=[dict(role="user", content="x")], chat_template_kwargs=[1]),
+     "chat_template_kwargs", "chat_template_kwargs must be of type dict"),
+    (dict(messages=[dict(role="bot", content="x")]), "messages", "messages must be"),
+], ids=["raise_exception", "kwargs-not-an-object", "unknown-role"])
+def test_a_chat_the_template_cannot_render_gets_400_naming_why(tmp_path, body, param, message):
+    llm = checkpoint_llm(chat_checkpoint(tmp_path))
+    with server_in_process(llm.engine) as url:
+        status, got = http(url, "/v1/chat/completions", body)
+        assert (status, got["error"]["param"]) == (400, param)
+        assert message in got["error"]["message"]
+        assert http(url, "/v1/chat/completions", dict(messages=[dict(role="user", content="x")],
+                                                      max_tokens=1))[0] == 200
+
+
+@pytest.mark.parametrize("files, want", [
+    (dict(chat_template="{{ bos_token }}config"), "<|endoftext|>config"),
+    (dict(chat_template=[dict(name="tool_use", template="tools"),
+                         dict(name="default", template="default")]), "default"),
+    (dict(chat_template="config", jinja="{{ eos_token }}file"), "<|endoftext|>file"),
+    (dict(chat_template="{{ bos_token }}", bos_token=dict(content="<s>", lstrip=False)), "<s>"),
+], ids=["tokenizer-config", "named-default", "jinja-file-first", "token-as-object"])
+def test_chat_template_is_read_where_transformers_reads_it(tmp_path, files, want):
+    jinja = files.pop("jinja", None)
+    path = chat_checkpoint(tmp_path, template=None, **files)
+    if jinja is not None:
+        (tmp_path / "chat_template.jinja").write_text(jinja)
+    template = nanoserve.load_chat_template(path)
+    assert template.render([dict(role="user", content="x")], {}) == want
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{% for %}", "tokenizer_config.json: the chat template does not compile"),
+    ([dict(name="tool_use", template="x")], "no chat template is named default"),
+], ids=["syntax", "no-default"])
+def test_a_broken_chat_template_stops_the_engine_at_start_up(tmp_path, template, message):
+    with pytest.raises(ValueError, match=message):
+        checkpoint_llm(chat_checkpoint(tmp_path, template))
+
+
+def test_a_checkpoint_without_a_template_chats_in_the_documented_transcript(tmp_path):
+    path = chat_checkpoint(tmp_path, template=None)
+    llm = checkpoint_llm(path)
+    messages = [dict(role="user", content="Hi")]
+    _, want = llm.engine.parse_prompt(nanoserve.render_chat(messages))
+    assert nanoserve.load_chat_template(path) is None
+    with server_in_process(llm.engine) as url:
+        assert http(url, "/tokenize", dict(messages=messages))[1]["tokens"] == want
+
+
+def test_the_repl_chats_through_the_template_one_conversation_until_clear(tmp_path, monkeypatch,
+                                                                         capsys):
+    llm = checkpoint_llm(chat_checkpoint(tmp_path))
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    hi = [dict(role="user", content="Hi")]
+    reply = llm.generate(chatml(hi), greedy)[0].outputs[0].text
+    lines = iter(["Hi", "And?", "/clear", "Again"])
+
+    def next_line(prompt: str) -> str:
+        line = next(lines, None)
+        if line is None:
+            raise EOFError
+        return line
+    monkeypatch.setattr("builtins.input", next_line)
+    seen = []
+    add_request = llm.engine.add_request
+
+    def add_and_record(prompt, params=None, request_id=None):
+        seen.append(prompt)
+        return add_request(prompt, params, request_id)
+    monkeypatch.setattr(llm.engine, "add_request", add_and_record)
+    nanoserve.run_terminal(llm.engine, nanoserve.parse_args(["--max-tokens", "4",
+                                                             "--temperature", "0"]))
+    conversation = hi + [dict(role="assistant", content=reply), dict(role="user", content="And?")]
+    assert seen == [chatml(hi), chatml(conversation), chatml([dict(role="user", content="Again")])]
+    assert "a new conversation" in capsys.readouterr().out
+
+
+def test_generate_without_params_takes_the_checkpoints_defaults(tmp_path, monkeypatch):
+    llm = checkpoint_llm(chat_checkpoint(tmp_path, None, GENERATION_CONFIG))
+    seen = record_params(monkeypatch, llm.engine)
+    llm.generate("ROMEO:")
+    llm.generate("ROMEO:", SamplingParams(max_tokens=3))
+    assert seen == [SamplingParams(**SAMPLING_DEFAULTS), SamplingParams(max_tokens=3)]
+    assert llm.get_default_sampling_params() == SamplingParams(**SAMPLING_DEFAULTS)
+
+
+def test_http_fields_absent_or_null_take_the_checkpoints_defaults(tmp_path, monkeypatch):
+    llm = checkpoint_llm(chat_checkpoint(tmp_path, None, GENERATION_CONFIG))
+    seen = record_params(monkeypatch, llm.engine)
+    with server_in_process(llm.engine) as url:
+        assert http(url, "/v1/completions", dict(prompt="x", top_p=None, top_k=5))[0] == 200
+        assert http(url, "/v1/chat/completions", dict(messages=[dict(role="user", content="x")],
+                                                      temperature=0.3))[0] == 200
+    assert [(p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.max_tokens)
+            for p in seen] == [(0.6, 0.9, 5, 0.05, 1.1, 7), (0.3, 0.9, 20, 0.05, 1.1, 7)]
+
+
+def test_cli_flags_given_win_over_the_checkpoints_defaults_which_win_over_its_own(tmp_path):
+    engine = checkpoint_llm(chat_checkpoint(tmp_path, None, GENERATION_CONFIG)).engine
+    args = nanoserve.parse_args(["--temperature", "0.8", "--top-p", "0.5"])  # 0.8: its own
+    params = nanoserve.cli_params(engine, args, "x")
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.8, 0.5, 20, 7)
+    params = nanoserve.cli_params(engine, nanoserve.parse_args([]), "x", max_tokens=2)
+    assert (params.temperature, params.top_p, params.max_tokens) == (0.6, 0.9, 2)
+
+
+def test_generation_config_vllm_ignores_the_checkpoints_defaults(tmp_path):
+    path = chat_checkpoint(tmp_path, None, GENERATION_CONFIG)
+    llm = checkpoint_llm(path, generation_config="vllm")
+    assert llm.get_default_sampling_params() == SamplingParams()
+    params = nanoserve.cli_params(llm.engine, nanoserve.parse_args([]), "x")
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (
+        0.8, 0.95, 0, nanoserve.CLI_MAX_TOKENS)
+
+
+def test_the_start_up_line_names_the_defaults_taken(tmp_path, capsys):
+    llm = checkpoint_llm(chat_checkpoint(tmp_path, None, GENERATION_CONFIG))
+    with server_in_process(llm.engine):
+        pass
+    assert DEFAULTS_LINE in capsys.readouterr().err
+    status, _, err = nanoserve_main(capsys, "--model", str(tmp_path), "--device", "cpu",
+                                    "--prompt", "x", "--max-tokens", "1")
+    assert status == 0 and DEFAULTS_LINE in err
+    status, _, err = nanoserve_main(capsys, "--model", str(tmp_path), "--device", "cpu",
+                                    "--prompt", "x", "--max-tokens", "1",
+                                    "--generation-config", "vllm")
+    assert status == 0 and "sampling defaults" not in err
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("temperature", -1, "temperature must be a number in [0, inf], got -1"),
+    ("top_p", 0, "top_p must be a number in (0, 1], got 0"),
+    ("top_k", 1.5, "top_k must be an integer >= -1, got 1.5"),
+    ("max_new_tokens", 0, "max_tokens must be an integer >= 1, got 0"),
+])
+def test_a_bad_generation_config_value_is_a_clear_error_at_start_up(tmp_path, capsys, key,
+                                                                      value, message):
+    path = chat_checkpoint(tmp_path, None, {key: value})
+    said = f"generation_config.json: {key} {value!r} is not a valid default ({message})"
+    with pytest.raises(ValueError, match=re.escape(said)):
+        checkpoint_llm(path)
+    status, _, err = nanoserve_main(capsys, "--model", path, "--device", "cpu", "--prompt", "x")
+    assert status == 2 and err.startswith("error: ") and said in err
+
+
+# ----------------------------------------------------------------------------- tokenizer.json
+# Small tokenizer.json files configured as Llama 3's, Qwen2's, GPT-2's and SmolLM2's are, with
+# the ids Hugging Face tokenizers gives for a text of mixed scripts (and for two others), and a
+# SentencePiece-style one: .ci/fixtures/tokenizers/make_tokenizer_fixtures.py made them, so the
+# tests need no tokenizers.
+TOKENIZER_FIXTURES = os.path.join(HERE, ".ci", "fixtures", "tokenizers")
+TOKENIZER_KINDS = ["llama3", "qwen2", "gpt2", "smollm2"]
+
+
+def tokenizer_fixture(kind: str) -> tuple[M.Tokenizer, list[dict]]:
+    """A fixture's tokenizer, as load_tokenizer reads its directory, and its reference cases
+    ({text, ids, decoded})."""
+    path = os.path.join(TOKENIZER_FIXTURES, kind)
+    with open(os.path.join(path, "reference.json"), encoding="utf-8") as f:
+        return M.load_tokenizer(path), json.load(f)["cases"]
+
+
+@pytest.mark.parametrize("kind", TOKENIZER_KINDS)
+def test_tokenizer_json_encodes_to_the_ids_hugging_face_tokenizers_gives(kind):
+    """Exactly tokenizers' ids: accents in NFC and NFD, CJK, Cyrillic, emoji, digit runs,
+    runs of spaces, tabs and newlines, contractions, added tokens written in the text, the
+    empty text; Llama 3's BOS first."""
+    tokenizer, cases = tokenizer_fixture(kind)
+    for case in cases:
+        assert tokenizer.encode(case["text"]) == case["ids"], case["text"]
+
+
+@pytest.mark.parametrize("kind", TOKENIZER_KINDS)
+def test_tokenizer_json_decode_leaves_out_special_tokens(kind):
+    """decode is tokenizers' decode(skip_special_tokens=True), as vLLM decodes outputs."""
+    tokenizer, cases = tokenizer_fixture(kind)
+    for case in cases:
+        assert tokenizer.decode(case["ids"]) == case["decoded"]
+
+
+def test_tokenizer_json_added_tokens_not_marked_special_are_text():
+    """Qwen's <tool_call> is an added token (one id) but not special: decoded text keeps it;
+    skip_special_tokens=False (vLLM's /detokenize) keeps the special ones too."""
+    qwen2, _ = tokenizer_fixture("qwen2")
+    ids = qwen2.encode("<|im_start|>a<tool_call>b<|im_end|>")
+    assert qwen2.decode(ids) == "a<tool_call>b"
+    assert qwen2.decode(ids, skip_special_tokens=False) == "<|im_start|>a<tool_call>b<|im_end|>"
+
+
+def test_tokenizer_json_bos_is_added_once():
+    """Llama 3's post-processor puts <|begin_of_text|> before a text, the empty one too; a text
+    that starts with it (a chat template writes it) gets no second one. Without such a
+    post-processor, no BOS."""
+    llama3, _ = tokenizer_fixture("llama3")
+    bos = llama3.token_id("<|begin_of_text|>")
+    assert llama3.bos_token_id == bos and llama3.bos_token == "<|begin_of_text|>"
+    hi = llama3.encode("Hi")
+    assert hi[0] == bos and hi[1:].count(bos) == 0
+    assert llama3.encode("<|begin_of_text|>Hi") == hi
+    assert llama3.encode("") == [bos]
+    assert llama3.encode("x<|begin_of_text|>") == [bos, llama3.token_id(b"x"), bos]  # as written
+    qwen2, _ = tokenizer_fixture("qwen2")
+    assert qwen2.bos_token_id is None and qwen2.encode("") == []
+
+
+@pytest.mark.parametrize("kind", TOKENIZER_KINDS)
+def test_tokenizer_json_added_tokens_in_a_text_are_their_ids(kind):
+    """Each added token written in a text is its one id, wherever it stands; one less a
+    character is ordinary text."""
+    tokenizer, _ = tokenizer_fixture(kind)
+    prefix = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    ordinary = tokenizer.encoding.encode_ordinary  # BPE alone: no added tokens, no BOS
+    for text, token_id in tokenizer.added_tokens.items():
+        if token_id == tokenizer.bos_token_id:
+            continue
+        assert tokenizer.encode(text) == prefix + [token_id]
+        between = prefix + ordinary("a ") + [token_id] + ordinary("b")
+        assert tokenizer.encode(f"a {text}b") == between
+        assert token_id not in tokenizer.encode(text[:-1])
+
+
+def test_tokenizer_json_nfc_applies_where_declared():
+    """Qwen2's normalizer is NFC: decomposed text (e + U+0301) encodes as composed text does.
+    Llama 3 declares none: there the two differ, as in tokenizers."""
+    composed, decomposed = "café naïve Ångström", "cafe\u0301 nai\u0308ve A\u030angstro\u0308m"
+    qwen2, _ = tokenizer_fixture("qwen2")
+    assert qwen2.encode(decomposed) == qwen2.encode(composed)
+    llama3, _ = tokenizer_fixture("llama3")
+    assert llama3.encode(decomposed) != llama3.encode(composed)
+
+
+def test_tokenizer_json_ids_past_the_vocabulary_have_no_text():
+    """Qwen's embedding has rows past its tokenizer's ids: such an id (or a negative one)
+    decodes to nothing, in decode and in a request's Detokenizer."""
+    qwen2, _ = tokenizer_fixture("qwen2")
+    ids = qwen2.encode("ab")
+    assert qwen2.decode([qwen2.n_vocab, *ids, qwen2.n_vocab + 100, -1]) == "ab"
+    detokenizer = M.Detokenizer(qwen2, [])
+    for token in [*ids, qwen2.n_vocab, qwen2.token_id("<|im_end|>")]:
+        detokenizer.append(token)
+    assert detokenizer.text == "ab"
+
+
+def test_sentencepiece_style_tokenizer_is_refused_by_name(tmp_path):
+    """Llama 2's kind (Metaspace, byte_fallback) is refused saying what it is and who uses it,
+    from its tokenizer.json or from a directory holding only tokenizer.model."""
+    with pytest.raises(ValueError, match=re.escape(
+            "a SentencePiece-style tokenizer (Metaspace pre_tokenizer, Metaspace decoder, "
+            "byte_fallback), which is not served: Llama 2, TinyLlama and Mistral 7B use it")):
+        M.load_tokenizer(os.path.join(TOKENIZER_FIXTURES, "sentencepiece"))
+    (tmp_path / "tokenizer.model").write_bytes(b"\n\x05<unk>")
+    with pytest.raises(ValueError, match=re.escape(
+            "has only a SentencePiece model (tokenizer.model, no tokenizer.json), which is not "
+            "served: Llama 2, TinyLlama and Mistral 7B use it")):
+        M.load_tokenizer(str(tmp_path))
+
+
+@pytest.mark.parametrize("where, value, message", [
+    ("model.type", "WordPiece", "a WordPiece model is not served"),
+    ("model.dropout", 0.1, "BPE's dropout 0.1 is not served"),
+    ("model.merges.0", ["e", "r"], "the merges are not in the order of their tokens' ids"),
+    ("normalizer", {"type": "NFKC"}, "normalizer NFKC is not served"),
+    ("pre_tokenizer", {"type": "Whitespace"}, "pre-tokenizer Whitespace is not served"),
+    ("pre_tokenizer.pretokenizers.0.behavior", "Removed", "a Split pre-tokenizer is served as"),
+    ("pre_tokenizer.pretokenizers.1.add_prefix_space", True, "add_prefix_space is not served"),
+    ("pre_tokenizer.pretokenizers.1.use_regex", True, "(ByteLevel use_regex True) is not served"),
+    ("post_processor.processors.1.single", [{"Sequence": {"id": "A", "type_id": 0}},
+                                            {"SpecialToken": {"id": "<|eot_id|>", "type_id": 0}}],
+     "template '$A <|eot_id|>' is not served"),
+    ("decoder", {"type": "WordPiece"}, "decoder WordPiece is not served"),
+    ("added_tokens.1.lstrip", True, "added token '<|end_of_text|>' takes the spaces beside it"),
+    ("model.vocab", {}, "256 of the 256 bytes are no token"),
+])
+def test_tokenizer_json_not_served_is_refused_by_name(tmp_path, where, value, message):
+    """Llama 3's tokenizer.json with one thing changed to what is not served: a ValueError
+    naming the file and that thing, at load time."""
+    with open(os.path.join(TOKENIZER_FIXTURES, "llama3", "tokenizer.json"), encoding="utf-8") as f:
+        spec = json.load(f)
+    *parents, last = where.split(".")
+    part = spec
+    for key in parents:
+        part = part[int(key)] if isinstance(part, list) else part[key]
+    part[int(last) if isinstance(part, list) else last] = value
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    with pytest.raises(ValueError, match=re.escape(message)) as refused:
+        M.load_tokenizer(str(tmp_path))
+    assert str(refused.value).startswith(str(tmp_path / "tokenizer.json") + ": ")
+
+
+def test_engine_encodes_a_text_prompt_with_the_checkpoints_tokenizer_json(tmp_path):
+    """A checkpoint with a Llama 3 tokenizer.json (its bytes only: the fixture models embed
+    257 ids, <|begin_of_text|> = 256) and vocab.json beside it: tokenizer.json is read, a text
+    prompt gets the BOS once, and the output's text leaves it out."""
+    shutil.copytree(os.path.join(MODEL_FIXTURES, "llama3-tied"), tmp_path, dirs_exist_ok=True)
+    write_byte_tokenizer(tmp_path)  # read only if tokenizer.json were not there
+    with open(os.path.join(TOKENIZER_FIXTURES, "llama3", "tokenizer.json"), encoding="utf-8") as f:
+        spec = json.load(f)
+    spec["model"]["vocab"] = {ch: i for i, (_, ch) in enumerate(M.gpt2_byte_chars())}
+    spec["model"]["merges"] = []
+    spec["added_tokens"] = [spec["added_tokens"][0] | {"id": 256}]  # <|begin_of_text|>
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    llm = LLM(model=str(tmp_path), kv_cache_tokens=1024, device="cpu", dtype="float32")
+    tokenizer = llm.engine.tokenizer
+    assert tokenizer.bos_token_id == 256
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logit_bias={256: 100})
+    for prompt in ["Hi", "<|begin_of_text|>Hi"]:
+        out = llm.generate([prompt], params)[0]
+        assert out.prompt_token_ids == [256, tokenizer.token_id(b"H"), tokenizer.token_id(b"i")]
+        assert out.outputs[0].token_ids == [256] * 4 and out.outputs[0].text == ""
+
+
 # ----------------------------------------------------------------------------- architectures
 # Tiny random Llama, Qwen2, Qwen3 and Mistral checkpoints in Hugging Face's layout, with
 # transformers' logits for them (in fp64): .ci/fixtures/make_model_fixtures.py made them, so
@@ -2493,8 +2908,8 @@ def test_gpt2_tokenizer_from_shared_files_gives_gpt2_ids_and_round_trips_text():
     assert enc.encode("Hello world") == [15496, 995]
     text = "héllo wörld, 你好, привет, 👋🏽 \u200b\ufeff\t\n"
     assert enc.decode(enc.encode(text)) == text
-    assert enc.encode("<|endoftext|>", allowed_special="all") == [50256] == [enc.eot_token]
-    assert enc.encode_ordinary("<|endoftext|>") == [27, 91, 437, 1659, 5239, 91, 29]
+    assert enc.encode("<|endoftext|>") == [50256] == [enc.token_id(M.EOT)]
+    assert enc.encoding.encode_ordinary("<|endoftext|>") == [27, 91, 437, 1659, 5239, 91, 29]
 
 
 def test_gpt2_name_is_found_in_the_hugging_face_cache(tmp_path, monkeypatch):
@@ -3661,14 +4076,13 @@ def test_tokenize_and_detokenize_equal_the_engines_tokenizer(server, offline):
     text; /detokenize decodes back."""
     tokenizer = offline.engine.tokenizer
     text = "ROMEO: é <|endoftext|>\n"
-    ids = tokenizer.encode(text, allowed_special="all")
+    ids = tokenizer.encode(text)
     assert http(server, "/tokenize", dict(prompt=text)) == (200, dict(
         count=len(ids), max_model_len=offline.engine.max_model_len, tokens=ids))
     messages = [dict(role="system", content="Be brief."), dict(role="user", content="Hi")]
     status, got = http(server, "/tokenize", dict(messages=messages))
     assert status == 200
-    assert got["tokens"] == tokenizer.encode(nanoserve.render_chat(messages),
-                                             allowed_special="all")
+    assert got["tokens"] == tokenizer.encode(nanoserve.render_chat(messages))
     assert http(server, "/detokenize", dict(tokens=ids)) == (200, {"prompt": text})
     assert http(server, "/detokenize", dict(tokens=[200, 201])) == (
         200, {"prompt": tokenizer.decode([200, 201])})
