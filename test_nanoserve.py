@@ -2835,6 +2835,77 @@ def test_dtype_auto_is_float32_on_a_cpu_and_the_checkpoints_on_cuda(tmp_path):
 
 
 
+def write_published_qwen(path) -> M.Tokenizer:
+    """A tiny Qwen2 checkpoint laid out as Qwen2.5-Instruct is published: config.json (bf16,
+    a sliding_window that use_sliding_window turns off), two safetensors shards and their
+    index, the embedding padded past the tokenizer, a tokenizer.json (the Qwen2-style
+    fixture), a ChatML template in tokenizer_config.json, and generation_config.json with two
+    EOS ids and sampling defaults. Random weights in bf16. Returns its tokenizer."""
+    tokenizer_dir = os.path.join(HERE, ".ci", "fixtures", "tokenizers", "qwen2")
+    shutil.copy(os.path.join(tokenizer_dir, "tokenizer.json"), path)
+    tokenizer = M.load_tokenizer(tokenizer_dir)
+    hf = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=64,
+              intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+              rope_theta=1e6, rope_scaling=None, hidden_act="silu", tie_word_embeddings=True,
+              vocab_size=tokenizer.n_vocab + 42, sliding_window=64, use_sliding_window=False,
+              max_window_layers=2, torch_dtype="bfloat16", eos_token_id=800)
+    (path / "config.json").write_text(json.dumps(hf))
+    torch.manual_seed(0)
+    model = M.GPT(M.config_from_hf(hf, str(path)))
+    state = {name: t.to(torch.bfloat16) for name, t in model.state_dict().items()
+             if name != "lm_head.weight"}  # tied: published without it
+    names = sorted(state)
+    weight_map = {}
+    for i, shard_names in enumerate((names[:9], names[9:])):
+        shard = f"model-0000{i + 1}-of-00002.safetensors"
+        M.write_safetensors({name: state[name] for name in shard_names}, str(path / shard))
+        weight_map |= dict.fromkeys(shard_names, shard)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}"
+                     "<|im_start|>assistant\n{% endif %}")
+    (path / "tokenizer_config.json").write_text(json.dumps(dict(
+        chat_template=chat_template, eos_token="<|im_end|>", bos_token=None)))
+    (path / "generation_config.json").write_text(json.dumps(dict(
+        eos_token_id=[802, 800], temperature=0.7, top_p=0.8, top_k=20, max_new_tokens=12)))
+    return tokenizer
+
+
+@torch.inference_mode()
+def test_a_checkpoint_as_published_serves_end_to_end(tmp_path):
+    """Everything a published checkpoint brings, at once: the greedy reply to a chat equals a
+    dense greedy loop over the model's own weights (bf16 on disk, fp32 here) on the prompt
+    the template renders, taking only the tokenizer's ids, ending at an EOS of
+    generation_config.json; an unset field takes the checkpoint's default."""
+    tokenizer = write_published_qwen(tmp_path)
+    llm = LLM(model=str(tmp_path), device="cpu", kv_cache_tokens=2048)
+    engine = llm.engine
+    assert engine.eos_token_ids == [802, 800] and engine.vocab_size == tokenizer.n_vocab
+    assert engine.sampling_defaults == dict(temperature=0.7, top_p=0.8, top_k=20, max_tokens=12)
+    messages = [dict(role="user", content="Wherefore art thou?")]
+    prompt = engine.chat_template.render(messages, {})
+    assert prompt == "<|im_start|>user\nWherefore art thou?<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer.encode(prompt)
+    want = []
+    for _ in range(12):  # the dense greedy loop, over the tokenizer's ids only
+        logits = engine.model.forward_dense(torch.tensor([ids + want]))[0, -1, :tokenizer.n_vocab]
+        want.append(int(logits.argmax()))
+        if want[-1] in (802, 800):
+            break
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]
+    assert out.prompt_token_ids == ids and out.outputs[0].token_ids == want
+    default = llm.generate([prompt])[0].outputs[0]  # the checkpoint's defaults: at most 12
+    assert len(default.token_ids) <= 12 and max(default.token_ids) < tokenizer.n_vocab
+    with server_in_process(engine) as url:
+        status, reply = http(url, "/v1/chat/completions", dict(messages=messages, temperature=0,
+                                                              max_tokens=12))
+    assert status == 200 and reply["usage"]["prompt_tokens"] == len(ids)
+    assert reply["choices"][0]["message"]["content"] == out.outputs[0].text
+    assert_no_leaks(engine)
+
+
+
 REPETITION_PENALTY_FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".ci",
                                           "fixtures", "repetition_penalty.json")
 
