@@ -492,14 +492,9 @@ class Engine:
         self.attention = select_attention(config.attention, config.device)
         # K and V for every layer and K/V head: grouped-query attention's saving is here
         self.kv_bytes_per_token = kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_dim, dtype)
-        kv_cache_tokens = config.kv_cache_tokens
-        if kv_cache_tokens is None:  # a full context for every sequence, within 1 GiB
-            context = config.max_model_len or c.n_positions
-            kv_cache_tokens = min(config.max_num_seqs * context,
-                                  KV_CACHE_BYTES // self.kv_bytes_per_token)
         self.k_cache, self.v_cache, self.block_pool = allocate_kv_cache(
-            c.n_layer, c.n_kv_head, c.head_dim, kv_cache_tokens, config.block_size, config.device,
-            dtype, config.enable_prefix_caching)
+            c.n_layer, c.n_kv_head, c.head_dim, self._kv_cache_tokens(c.n_positions),
+            config.block_size, config.device, dtype, config.enable_prefix_caching)
         self.max_model_len = self._max_model_len(config.max_model_len, c.n_positions)
         self.scheduler = Scheduler(self.block_pool, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
@@ -514,6 +509,16 @@ class Engine:
         self._lock = threading.Lock()  # abort() from other threads against step()
         self._aborted_outputs: list[RequestOutput] = []  # for the next step() to return
         self.dead: str | None = None  # why the engine cannot step any more (a device error)
+
+    def _kv_cache_tokens(self, context: int) -> int:
+        """kv_cache_tokens if given, else a full context (max_model_len's, or the model's) for
+        every one of max_num_seqs sequences, within KV_CACHE_BYTES."""
+        config = self.config
+        if config.kv_cache_tokens is not None:
+            return config.kv_cache_tokens
+        if config.max_model_len is not None:
+            context = config.max_model_len
+        return min(config.max_num_seqs * context, KV_CACHE_BYTES // self.kv_bytes_per_token)
 
     def _dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         """--dtype, or for auto on CUDA the checkpoint's torch_dtype (bfloat16 if it gives
