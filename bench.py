@@ -21,7 +21,7 @@ the online runs; the hardware view; the report; main.
 Left out: real text (random ids, EOS ignored: every mode computes the same tokens), sampling in
 the experiments (greedy only), and pass/fail goals for the figures (those are prose, in the README).
 
-    python bench.py --out bench.json         # about 5 minutes on 2 CPU cores; .ci/gpu: on a GPU
+    python bench.py --out bench.json         # about 5.5 minutes on 2 CPU cores; .ci/gpu: on a GPU
 """
 import argparse
 import asyncio
