@@ -639,12 +639,14 @@ class Engine:
                     request_id: str | None = None) -> str:
         """Queue a prompt (a string, a list of token ids, {"prompt": str} or
         {"prompt_token_ids": [...]}) with a copy of params (none: the checkpoint's sampling
-        defaults over SamplingParams' own); ValueError if it can never run."""
-        params = params or SamplingParams(**self.sampling_defaults)
+        defaults over SamplingParams' own, its max_tokens at most what the context leaves);
+        ValueError if it can never run."""
+        text, token_ids = self.parse_prompt(prompt)
+        if params is None:
+            params = self.default_params(len(token_ids))
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)  # a copy, validated again
-        text, token_ids = self.parse_prompt(prompt)
         if request_id is None:  # the next free number: never a caller's id
             request_id = next(i for i in map(str, self._ids) if i not in self.requests)
         self._validate(token_ids, params, request_id)
@@ -657,6 +659,16 @@ class Engine:
                 self.scheduler.add(seq)
         self.stats.num_prompt_tokens += len(token_ids)
         return request_id
+
+    def default_params(self, num_prompt_tokens: int) -> SamplingParams:
+        """A request's sampling when it gives none: the checkpoint's defaults over
+        SamplingParams' own, a default max_tokens cut to what the context leaves (at least
+        1), as vLLM cuts it: a max_new_tokens past max_model_len would refuse every prompt."""
+        params = SamplingParams(**self.sampling_defaults)
+        if "max_tokens" not in self.sampling_defaults:
+            return params
+        room_left = self.max_model_len - num_prompt_tokens
+        return dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, room_left)))
 
     def _sample_sequence(self, request_id: str, index: int, text: str | None,
                          token_ids: list[int], params: SamplingParams) -> Sequence:
@@ -1094,24 +1106,23 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args):
         self.engine = Engine(EngineConfig(model=model, **engine_args))
-        # a bad generation_config.json is an error here, not at the first generate()
-        self.default_params = SamplingParams(**self.engine.sampling_defaults)
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """vLLM's: what generate() uses when given no params, the checkpoint's sampling defaults
-        (generation_config.json, unless --generation-config vllm) over SamplingParams' own."""
-        return dataclasses.replace(self.default_params)
+        """vLLM's: the checkpoint's sampling defaults (generation_config.json, unless
+        --generation-config vllm) over SamplingParams' own, what generate() uses when given no
+        params (there with max_tokens cut to each prompt's context: Engine.default_params)."""
+        return SamplingParams(**self.engine.sampling_defaults)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  trace: bool = False, use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Serve all prompts (any form add_request takes) as one batch; whole outputs, in order.
-        params None: get_default_sampling_params(). trace: print the step-by-step timeline to
-        stderr at the end. use_tqdm (vLLM's name): the progress line on stderr (Progress);
-        None: only when stderr is a terminal."""
+        params None: Engine.default_params for each prompt (the checkpoint's defaults). trace:
+        print the step-by-step timeline to stderr at the end. use_tqdm (vLLM's name): the
+        progress line on stderr (Progress); None: only when stderr is a terminal."""
         show_progress = progress_wanted(use_tqdm)
         prompts = as_prompt_list(prompts)
-        if not isinstance(params, (list, tuple)):
-            params = [params or self.get_default_sampling_params()] * len(prompts)
+        if not isinstance(params, (list, tuple)):  # None: each prompt's default_params
+            params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = []
@@ -1604,7 +1615,20 @@ def parse_request(body: dict, engine: Engine, model_name: str, chat: bool,
                    include_usage=typed(stream_options, "include_usage", False, bool))
     transcript = chat and template is None  # a reply there ends at its turn's blank line
     params = sample_params(fields, n, transcript, typed(body, "top_logprobs", 0, int))
-    return [(prompt, params) for prompt in prompts], options
+    if chat or body.get("max_tokens") is not None or "max_tokens" not in defaults:
+        return [(prompt, params) for prompt in prompts], options
+    return [(prompt, within_context(engine, prompt, params)) for prompt in prompts], options
+
+
+def within_context(engine: Engine, prompt, params: SamplingParams) -> SamplingParams:
+    """params with the checkpoint's default max_tokens (the request gave none) cut to what
+    the prompt's context leaves, as Engine.default_params cuts it."""
+    try:
+        _, token_ids = engine.parse_prompt(prompt)
+    except ValueError as e:
+        raise HTTPError(400, str(e), "prompt") from None
+    default_max_tokens = engine.default_params(len(token_ids)).max_tokens
+    return dataclasses.replace(params, max_tokens=default_max_tokens)
 
 
 def check_known_fields(body: dict, chat: bool) -> None:

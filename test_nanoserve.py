@@ -2374,6 +2374,25 @@ def test_the_start_up_line_names_the_defaults_taken(tmp_path, capsys):
     assert status == 0 and "sampling defaults" not in err
 
 
+def test_a_default_max_tokens_past_the_context_is_cut_to_what_each_prompt_leaves(tmp_path):
+    """generation_config.json's max_new_tokens 5000, max_model_len 32: a completion without
+    max_tokens gets what its prompt's context leaves (vLLM's rule); one that asks for more
+    than that itself is refused, naming why."""
+    path = chat_checkpoint(tmp_path, None, dict(max_new_tokens=5000))
+    llm = checkpoint_llm(path, max_model_len=32)
+    with server_in_process(llm.engine) as url:
+        status, reply = http(url, "/v1/completions", dict(prompt=["ROMEO:", "JULIET, my love:"],
+                                                          temperature=0, ignore_eos=True))
+        assert status == 200
+        assert [c["finish_reason"] for c in reply["choices"]] == ["length", "length"]
+        assert reply["usage"]["completion_tokens"] == (32 - 6) + (32 - 16)
+        status, reply = http(url, "/v1/completions", dict(prompt="ROMEO:", max_tokens=100))
+        assert status == 400 and "context is 32" in reply["error"]["message"]
+    outputs = llm.generate(["ROMEO:", "JULIET, my love:"])  # generate() without params, the same
+    lengths = [len(out.outputs[0].token_ids) for out in outputs]
+    assert lengths[0] <= 32 - 6 and lengths[1] <= 32 - 16
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("temperature", -1, "temperature must be a number in [0, inf], got -1"),
     ("top_p", 0, "top_p must be a number in (0, 1], got 0"),
