@@ -4378,6 +4378,17 @@ def test_bench_grouped_query_runs_more_sequences_in_the_same_kv_memory(bench_run
     assert "Grouped-query attention at equal KV memory" in printed
 
 
+def test_bench_naive_dense_baseline_equals_the_engine_on_a_grouped_query_model():
+    """On llama-tiny the naive baseline (a dense cache, left-padded batches, RoPE from each
+    row's shifted positions, grouped heads through SDPA) gives the paged engine's tokens."""
+    status, result, _, _ = run_bench(TINY + ["--preset", "llama-tiny", "--modes", "naive", "fcfs",
+                                             "--no-grouped-query", "--rates", "inf"])
+    assert status == 0
+    for experiment in ("offline", "equal_memory"):
+        for runs in result[experiment].values():
+            assert runs["modes"]["fcfs"]["same_tokens"] == 1.0  # fcfs against naive, token by token
+
+
 def test_bench_equal_memory_holds_every_mode_to_the_kv_budget(bench_run):
     """80 tokens of KV each: naive and static reserve prompt + limit a sequence (80 // 24 = 3 at
     limit 8, 80 // 32 = 2 at 16); the paged modes hold what fits, preempting if they must."""
