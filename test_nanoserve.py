@@ -2275,6 +2275,37 @@ def test_chat_template_is_read_where_transformers_reads_it(tmp_path, files, want
     assert template.render([dict(role="user", content="x")], {}) == want
 
 
+CHAT_TEMPLATE_FIXTURE = os.path.join(HERE, ".ci", "fixtures", "chat_templates", "rendered.json")
+
+
+def chat_template_fixture() -> dict:
+    """Templates in the style of Llama 3's, Qwen3's and SmolLM2's, with the prompts that
+    transformers' renderer gave for them (.ci/fixtures/chat_templates/, with the script that
+    made them, which needs transformers; the tests do not)."""
+    with open(CHAT_TEMPLATE_FIXTURE, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def fixture_template(text: str) -> nanoserve.ChatTemplate:
+    template = nanoserve.chat_template_environment().from_string(text)
+    return nanoserve.ChatTemplate(template, {}, CHAT_TEMPLATE_FIXTURE)
+
+
+@pytest.mark.parametrize("case", chat_template_fixture()["cases"], ids=lambda case: case["name"])
+def test_chat_templates_render_as_transformers_renders_them(case):
+    """Whitespace control, namespaces, reversed loops, tojson (indented, non-ASCII), tools,
+    a date_string default and chat_template_kwargs: the prompt, character for character."""
+    rendered = fixture_template(case["template"]).render(case["messages"], case["kwargs"])
+    assert rendered == case["rendered"]
+
+
+def test_a_template_refusal_carries_the_message_transformers_gives():
+    fixture = chat_template_fixture()
+    qwen3 = next(case for case in fixture["cases"] if case["name"] == "qwen3")
+    with pytest.raises(ValueError, match=re.escape(fixture["refusal"])):
+        fixture_template(qwen3["template"]).render([dict(role="robot", content="beep")], {})
+
+
 @pytest.mark.parametrize("template, message", [
     ("{% for %}", "tokenizer_config.json: the chat template does not compile"),
     ([dict(name="tool_use", template="x")], "no chat template is named default"),
