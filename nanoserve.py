@@ -667,8 +667,17 @@ class Engine:
         params = SamplingParams(**self.sampling_defaults)
         if "max_tokens" not in self.sampling_defaults:
             return params
+        max_tokens = self.max_tokens_within_context(params.max_tokens, num_prompt_tokens)
+        return dataclasses.replace(params, max_tokens=max_tokens)
+
+    def max_tokens_within_context(self, max_tokens: int | None, num_prompt_tokens: int) -> int:
+        """A default max_tokens (None: no limit but the context) cut to what max_model_len
+        leaves after a prompt, at least 1 (a prompt too long is then refused, saying why). Only
+        defaults are cut: a request's own max_tokens past the context is refused."""
         room_left = self.max_model_len - num_prompt_tokens
-        return dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, room_left)))
+        if max_tokens is None:
+            max_tokens = room_left
+        return max(1, min(max_tokens, room_left))
 
     def _sample_sequence(self, request_id: str, index: int, text: str | None,
                          token_ids: list[int], params: SamplingParams) -> Sequence:
@@ -1597,8 +1606,9 @@ def parse_request(body: dict, engine: Engine, model_name: str, chat: bool,
     echo = typed(body, "echo", False, bool)
     if chat:  # as token ids, encoded once and as the engine encodes text (special tokens too)
         prompts = [engine.tokenizer.encode(chat_prompt(body, template))]
-        room_left = engine.max_model_len - len(prompts[0])
-        fields["max_tokens"] = chat_max_tokens(body, room_left, defaults)
+        default_max_tokens = engine.max_tokens_within_context(defaults.get("max_tokens"),
+                                                              len(prompts[0]))
+        fields["max_tokens"] = chat_max_tokens(body, default_max_tokens)
         fields["logprobs"] = None
         if typed(body, "logprobs", False, bool):
             fields["logprobs"] = typed(body, "top_logprobs", 0, int)
@@ -1622,13 +1632,13 @@ def parse_request(body: dict, engine: Engine, model_name: str, chat: bool,
 
 def within_context(engine: Engine, prompt, params: SamplingParams) -> SamplingParams:
     """params with the checkpoint's default max_tokens (the request gave none) cut to what
-    the prompt's context leaves, as Engine.default_params cuts it."""
+    the prompt's context leaves (Engine.max_tokens_within_context)."""
     try:
         _, token_ids = engine.parse_prompt(prompt)
     except ValueError as e:
         raise HTTPError(400, str(e), "prompt") from None
-    default_max_tokens = engine.default_params(len(token_ids)).max_tokens
-    return dataclasses.replace(params, max_tokens=default_max_tokens)
+    max_tokens = engine.max_tokens_within_context(params.max_tokens, len(token_ids))
+    return dataclasses.replace(params, max_tokens=max_tokens)
 
 
 def check_known_fields(body: dict, chat: bool) -> None:
@@ -1644,13 +1654,13 @@ def check_known_fields(body: dict, chat: bool) -> None:
             raise HTTPError(400, f"{name} is not supported (only {NEUTRAL[name]!r})", name)
 
 
-def chat_max_tokens(body: dict, room_left: int, defaults: dict) -> int:
-    """max_completion_tokens, else max_tokens, else what the context has left or the
-    checkpoint's default, whichever is less (at least 1: a prompt too long then says why)."""
+def chat_max_tokens(body: dict, default: int) -> int:
+    """max_completion_tokens, else max_tokens, else `default` (the checkpoint's, or what the
+    context has left, whichever is less: Engine.max_tokens_within_context)."""
     for name in ("max_completion_tokens", "max_tokens"):
         if body.get(name) is not None:
             return body[name]
-    return max(1, min(room_left, defaults.get("max_tokens", room_left)))
+    return default
 
 
 def completion_prompts(body: dict) -> list:
@@ -2473,10 +2483,10 @@ def cli_params(engine: Engine, args: argparse.Namespace, prompt, **fields) -> Sa
     else the command line's own (the flags' defaults; max_tokens 200). A default max_tokens is
     at most what the context leaves (at least 1: a prompt too long then says why)."""
     _, token_ids = engine.parse_prompt(prompt)
-    room_left = engine.max_model_len - len(token_ids)
     defaults = {name: getattr(args, name) for name in CLI_SAMPLING}
     defaults |= dict(max_tokens=CLI_MAX_TOKENS) | engine.sampling_defaults
-    defaults["max_tokens"] = max(1, min(defaults["max_tokens"], room_left))
+    defaults["max_tokens"] = engine.max_tokens_within_context(defaults["max_tokens"],
+                                                              len(token_ids))
     return SamplingParams(**defaults | args.sampling_given | fields)
 
 
