@@ -981,8 +981,7 @@ def load_checkpoint(path: str) -> GPT:
     config_file = os.path.join(path, "config.json")
     if not os.path.exists(config_file):
         raise ValueError(f"{path} is not a checkpoint directory: no config.json")
-    with open(config_file) as f:
-        hf = json.load(f)
+    hf = read_json(config_file)
     model = GPT(config_from_hf(hf, path))
     tensors = read_weights(path)
     if hf["model_type"] == "gpt2":
@@ -1152,11 +1151,11 @@ def load_model(model: str | None = None, preset: str | None = None, seed: int = 
         tokenizer = byte_tokenizer()
         return Checkpoint(GPT(PRESETS[preset]), tokenizer, eos_token_ids(tokenizer, {}, {}))
     path = checkpoint_path(model or DEFAULT_MODEL)
+    gpt = load_checkpoint(path)  # first: a directory that is no checkpoint says so
     hf = read_json(os.path.join(path, "config.json"))
     generation_config = read_json(os.path.join(path, "generation_config.json"))
     tokenizer = load_tokenizer(path)
-    return Checkpoint(load_checkpoint(path), tokenizer,
-                      eos_token_ids(tokenizer, hf, generation_config),
+    return Checkpoint(gpt, tokenizer, eos_token_ids(tokenizer, hf, generation_config),
                       dtype=CONFIG_DTYPES.get(hf.get("torch_dtype", hf.get("dtype"))),
                       generation_config=generation_config, path=path)
 
