@@ -2200,7 +2200,8 @@ def chat_checkpoint(path, template: str | None = CHAT_TEMPLATE,
 
 
 def checkpoint_llm(path: str, **kwargs) -> LLM:
-    return LLM(model=path, device="cpu", dtype="float32", **kwargs)
+    """An LLM serving the checkpoint directory path, on CPU in fp32 unless kwargs say."""
+    return LLM(model=str(path), **{"device": "cpu", "dtype": "float32"} | kwargs)
 
 
 def record_params(monkeypatch, engine: Engine) -> list[SamplingParams]:
@@ -2596,7 +2597,7 @@ def test_engine_encodes_a_text_prompt_with_the_checkpoints_tokenizer_json(tmp_pa
     spec["model"]["merges"] = []
     spec["added_tokens"] = [spec["added_tokens"][0] | {"id": 256}]  # <|begin_of_text|>
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
-    llm = LLM(model=str(tmp_path), kv_cache_tokens=1024, device="cpu", dtype="float32")
+    llm = checkpoint_llm(tmp_path, kv_cache_tokens=1024)
     tokenizer = llm.engine.tokenizer
     assert tokenizer.bos_token_id == 256
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logit_bias={256: 100})
@@ -2649,8 +2650,7 @@ def fixture_llm(name: str, path, **kwargs) -> LLM:
     the fixtures' 257 ids are its ids), on CPU in fp32."""
     shutil.copytree(os.path.join(MODEL_FIXTURES, name), path, dirs_exist_ok=True)
     write_byte_tokenizer(path)
-    return LLM(model=str(path), **{"kv_cache_tokens": 1024, "device": "cpu",
-                                   "dtype": "float32"} | kwargs)
+    return checkpoint_llm(path, **{"kv_cache_tokens": 1024} | kwargs)
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
@@ -2816,7 +2816,7 @@ def test_every_eos_id_of_the_checkpoint_ends_a_request(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [second, 256]}))
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(config | {"eos_token_id": [first]}))
-    llm = LLM(model=str(tmp_path), kv_cache_tokens=1024, device="cpu", dtype="float32")
+    llm = checkpoint_llm(tmp_path, kv_cache_tokens=1024)
     assert llm.engine.eos_token_ids == [second, 256, first]
     out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0]
     assert out.token_ids == [first] and out.finish_reason == "stop"
@@ -2829,7 +2829,7 @@ def test_checkpoint_without_eos_ids_ends_at_the_tokenizers_end_of_text(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     del config["eos_token_id"]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    engine = LLM(model=str(tmp_path), kv_cache_tokens=1024, device="cpu").engine
+    engine = checkpoint_llm(tmp_path, kv_cache_tokens=1024).engine
     assert engine.eos_token_ids == [256] and llm.engine.eos_token_ids == [256]
 
 
@@ -2846,7 +2846,7 @@ def test_embedding_rows_past_the_tokenizer_are_never_sampled(tmp_path):
     state["transformer.wte.weight"][257:] = 10 * hidden[0, -1]
     write_hf_checkpoint(tmp_path, state, config, "safetensors")
     write_byte_tokenizer(tmp_path)
-    llm = LLM(model=str(tmp_path), kv_cache_tokens=1024, device="cpu")
+    llm = checkpoint_llm(tmp_path, kv_cache_tokens=1024)
     assert llm.engine.vocab_size == 257
     dense = llm.engine.model.forward_dense(torch.tensor([[1, 2, 3]]))[0, -1]
     assert dense.argmax() >= 257  # the padding wins, where it is not cut off
@@ -2929,7 +2929,7 @@ def test_a_checkpoint_as_published_serves_end_to_end(tmp_path):
     the template renders, taking only the tokenizer's ids, ending at an EOS of
     generation_config.json; an unset field takes the checkpoint's default."""
     tokenizer = write_published_qwen(tmp_path)
-    llm = LLM(model=str(tmp_path), device="cpu", kv_cache_tokens=2048)
+    llm = checkpoint_llm(tmp_path, kv_cache_tokens=2048)
     engine = llm.engine
     assert engine.eos_token_ids == [802, 800] and engine.vocab_size == tokenizer.n_vocab
     assert engine.sampling_defaults == dict(temperature=0.7, top_p=0.8, top_k=20, max_tokens=12)
@@ -3010,7 +3010,7 @@ def test_greedy_repetition_penalty_equals_transformers(tmp_path):
     with open(REPETITION_PENALTY_FIXTURE) as f:
         cases = json.load(f)["cases"]
     write_random_gpt2(tmp_path)
-    llm = LLM(model=str(tmp_path), device="cpu", dtype="float32")
+    llm = checkpoint_llm(tmp_path)
     params = [SamplingParams(max_tokens=len(case["token_ids"]), temperature=0, ignore_eos=True,
                              repetition_penalty=case["repetition_penalty"]) for case in cases]
     outputs = token_ids(llm.generate([case["prompt_token_ids"] for case in cases], params))
