@@ -422,6 +422,15 @@ def gpt2_byte_chars() -> list[tuple[int, str]]:
     return [(b, chr(b)) for b in printable] + [(b, chr(256 + n)) for n, b in enumerate(others)]
 
 
+BYTE_OF_CHAR = {ch: b for b, ch in gpt2_byte_chars()}  # a byte-level file's character -> byte
+
+
+def byte_level_bytes(token: str) -> bytes:
+    """A token as byte-level files write it (vocab.json, merges, tokenizer.json: a character
+    per byte, gpt2_byte_chars's) -> its bytes; KeyError for a character that is no byte's."""
+    return bytes(BYTE_OF_CHAR[ch] for ch in token)
+
+
 class Tokenizer:
     """Text <-> token ids, for the engine. tiktoken does the byte-level BPE (in Rust); around it
     is what a Hugging Face tokenizer.json adds: added tokens, each its id wherever a text writes
@@ -523,21 +532,17 @@ def load_gpt2_tokenizer(path: str) -> Tokenizer:
     """GPT-2 BPE: Hugging Face's vocab.json + merges.txt, or OpenAI's encoder.json + vocab.bpe.
     The ranks the merges give must be the ids the vocabulary gives."""
     vocab_file, merges_file = tokenizer_files(path)
-    byte_of = {ch: b for b, ch in gpt2_byte_chars()}
-
-    def to_bytes(chars: str) -> bytes:  # the files write a token a character per byte
-        return bytes(byte_of[c] for c in chars)
-
     ranks = {bytes([b]): i for i, (b, _) in enumerate(gpt2_byte_chars())}
     with open(merges_file, encoding="utf-8") as f:
         merges = [line.split() for line in f.read().split("\n")[1:] if line]  # line 0: #version
-    ranks |= {to_bytes(a) + to_bytes(b): rank for rank, (a, b) in enumerate(merges, start=256)}
+    ranks |= {byte_level_bytes(a) + byte_level_bytes(b): rank
+              for rank, (a, b) in enumerate(merges, start=256)}
     with open(vocab_file, encoding="utf-8") as f:
         vocab = json.load(f)
     if EOT not in vocab:
         raise ValueError(f"{vocab_file} has no {EOT} token")
     eot_id = vocab.pop(EOT)
-    if {to_bytes(t): i for t, i in vocab.items()} != ranks:
+    if {byte_level_bytes(t): i for t, i in vocab.items()} != ranks:
         raise ValueError(f"{vocab_file} and {merges_file} disagree on the token ranks")
     return Tokenizer(os.path.basename(os.path.normpath(path)), GPT2_PATTERN, ranks,
                      {EOT: eot_id}, {eot_id})
@@ -674,16 +679,15 @@ def bpe_ranks(bpe: dict, added_ids: set[int], file: str) -> dict[bytes, int]:
     """tiktoken's mergeable ranks: each vocabulary token's bytes (ByteLevel writes a byte as one
     of GPT-2's 256 characters) -> its id, less the added tokens (GPT-2 and SmolLM2 list theirs
     in the vocabulary too). Every byte must be a token; the merges must be in id order."""
-    byte_of = {ch: b for b, ch in gpt2_byte_chars()}
     vocab = bpe.get("vocab") or {}
     ranks = {}
     for token, token_id in vocab.items():
         if token_id in added_ids:
             continue
-        if not all(ch in byte_of for ch in token):
+        if not all(ch in BYTE_OF_CHAR for ch in token):
             raise ValueError(f"{file}: vocabulary token {token!r} is not byte-level: byte-level "
                              "BPE only")
-        ranks[bytes(byte_of[ch] for ch in token)] = token_id
+        ranks[byte_level_bytes(token)] = token_id
     missing = [b for b in range(256) if bytes([b]) not in ranks]
     if missing:
         raise ValueError(f"{file}: {len(missing)} of the 256 bytes are no token (byte "
