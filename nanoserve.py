@@ -546,6 +546,11 @@ class Engine:
         """The KV cache's capacity: whole blocks of block_size tokens."""
         return self.block_pool.num_blocks * self.block_pool.block_size
 
+    @property
+    def kv_tokens_per_gib(self) -> int:
+        """How many tokens' K/V a GiB holds: what grouped-query attention multiplies."""
+        return 2**30 // self.kv_bytes_per_token
+
     def _max_model_len(self, asked: int | None, context: int) -> int:
         """The longest sequence served: asked for, else the model's context, but never more
         than the KV cache holds (as vLLM refuses such a max_model_len: a sequence that cannot
@@ -1403,7 +1408,7 @@ class EngineThread(threading.Thread):
                   ("kv_blocks_used", "gauge", kv_blocks_used),
                   ("kv_blocks_free", "gauge", engine.block_pool.num_blocks - kv_blocks_used),
                   ("kv_cache_tokens", "gauge", engine.kv_cache_tokens),
-                  ("kv_cache_tokens_per_gib", "gauge", 2**30 // engine.kv_bytes_per_token),
+                  ("kv_cache_tokens_per_gib", "gauge", engine.kv_tokens_per_gib),
                   ("prompt_tokens_total", "counter", engine.stats.num_prompt_tokens),
                   ("generation_tokens_total", "counter", engine.stats.num_generated_tokens),
                   ("prefix_cache_queries_total", "counter", engine.stats.num_prompt_tokens),
@@ -2569,8 +2574,7 @@ def print_summary(engine: Engine, elapsed: float, trace_ids: list[str] | None) -
 def kv_cache_description(engine: Engine) -> str:
     """How many tokens a GiB of KV cache holds, and why: "16384 a GiB (2 K/V heads for 8)"."""
     c = engine.model.config
-    tokens_per_gib = 2**30 // engine.kv_bytes_per_token
-    return f"{tokens_per_gib} a GiB ({c.n_kv_head} K/V heads for {c.n_head})"
+    return f"{engine.kv_tokens_per_gib} a GiB ({c.n_kv_head} K/V heads for {c.n_head})"
 
 
 def read_lines(stream, lines: queue.Queue) -> None:
