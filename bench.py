@@ -327,6 +327,13 @@ def add_ratios(runs: dict) -> None:
             run["steps_vs_static"] = runs["static"]["steps"] / run["steps"]
 
 
+def preset_kv_bytes(preset: str) -> int:
+    """A preset's KV cache bytes a token, counted in fp32: the grouped-query experiment uses
+    only their ratio, the same in any one dtype."""
+    c = PRESETS[preset]
+    return kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_dim, torch.float32)
+
+
 def grouped_query(cfg: BenchConfig, progress) -> dict:
     """At equal KV memory, how much grouped-query attention buys: llama-tiny (8 query heads
     sharing 2 K/V heads) against llama-tiny-mha (a K/V head per query head), fcfs, the same
@@ -334,17 +341,14 @@ def grouped_query(cfg: BenchConfig, progress) -> dict:
     model's cache holds 4x the tokens, so more sequences run a step (up to
     memory_max_num_seqs); tokens/s says what that is worth on this device."""
     found = {}
-    mha = PRESETS["llama-tiny-mha"]
-    budget_bytes = cfg.kv_budget * kv_bytes_per_token(mha.n_layer, mha.n_kv_head, mha.head_dim,
-                                                      torch.float32)
+    budget_bytes = cfg.kv_budget * preset_kv_bytes("llama-tiny-mha")
     for limit in cfg.limits:
         prompts, lengths = make_workload(cfg, cfg.num_requests, limit, shared=True)
         runs = {}
         for preset in ("llama-tiny-mha", "llama-tiny"):
             c = PRESETS[preset]
-            bytes_per_token = kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_dim,
-                                                 torch.float32)
-            run_cfg = replace(cfg, preset=preset, kv_cache_tokens=budget_bytes // bytes_per_token,
+            kv_tokens = budget_bytes // preset_kv_bytes(preset)
+            run_cfg = replace(cfg, preset=preset, kv_cache_tokens=kv_tokens,
                               max_num_seqs=cfg.memory_max_num_seqs)
             run, _ = run_offline_engine(run_cfg, "fcfs", prompts, lengths, limit)
             runs[preset] = run | dict(kv_heads=c.n_kv_head, kv_tokens=run_cfg.kv_cache_tokens)
@@ -829,7 +833,7 @@ def grouped_query_table(result: dict) -> str:
         for preset, figures in runs.items():
             rows.append(dict(limit=limit, model=preset) | figures)
     title = (f"Grouped-query attention at equal KV memory (what {cfg['kv_budget']} tokens of "
-             "llama-tiny-mha take, fp32), fcfs: the KV tokens that memory holds, sequences a "
+             "llama-tiny-mha take), fcfs: the KV tokens that memory holds, sequences a "
              "step, useful output tokens/s")
     return table(title, rows, "limit model kv_heads kv_tokens seqs_per_step seqs_peak "
                  "tokens_per_step tok_s vs_mha steps preemptions")
