@@ -104,17 +104,18 @@ class GPTConfig:
                 raise ValueError(f"{name} {value!r}: choose {' or '.join(allowed)}")
 
 
-LLAMA_TINY = dict(norm="rmsnorm", position_encoding="rope", mlp="swiglu", qkv_bias=False,
-                  o_bias=False, mlp_bias=False, norm_eps=1e-6)
+# The fields of the presets in Llama's layout (no biases anywhere, as Llama 3)
+LLAMA_LAYOUT = dict(norm="rmsnorm", position_encoding="rope", mlp="swiglu", qkv_bias=False,
+                    o_bias=False, mlp_bias=False, norm_eps=1e-6)
 PRESETS = {"tiny": GPTConfig(),  # 3.5M parameters: tests, benchmarks, quick runs
            "gpt2": GPTConfig(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12),
            # Llama's layout at tiny's size (3.4M parameters), 8 query heads sharing 2 K/V heads:
            # a quarter of tiny's KV cache a token
            "llama-tiny": GPTConfig(n_head=8, n_kv_head=2, head_dim=32, intermediate_size=688,
-                                   **LLAMA_TINY),
+                                   **LLAMA_LAYOUT),
            # the same with a K/V head per query head: bench.py's grouped-query experiment
            "llama-tiny-mha": GPTConfig(n_head=8, head_dim=32, intermediate_size=688,
-                                       **LLAMA_TINY)}
+                                       **LLAMA_LAYOUT)}
 
 
 @dataclass
