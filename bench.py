@@ -39,11 +39,12 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 import torch
 
+from cli import add_config_args
 from model import PRESETS, DenseKVCache
-from kernels import sample
+from nanoserve import Engine, EngineConfig, accumulate
+from options import check_fields, option
 from paged_cache import kv_bytes_per_token
-from nanoserve import (Engine, EngineConfig, SamplingParams, accumulate, add_config_args,
-                       check_fields, option)
+from sampling import SamplingParams, sample, sampling_tensors
 
 MODES = {  # mode -> (what it is, EngineConfig overrides); naive does not use the engine
     "naive": ("naive: padded static batches, dense KV cache", None),
@@ -776,7 +777,8 @@ def sampling_time(cfg: BenchConfig, rows: int = 64, reps: int = 50, rounds: int 
     seqs = list(out.sampled_token_ids)
 
     def step():
-        return sample(out.logits, engine.sampling_tensors(seqs), engine.generator)
+        tensors = sampling_tensors(seqs, engine.vocab_size, engine.eos_token_ids, cfg.device)
+        return sample(out.logits, tensors, engine.generator)
 
     plain_times = [per_call(step, reps, cfg.device) for _ in range(rounds)]
     for seq in seqs:

@@ -1,6 +1,6 @@
-"""The step's device ops beside the model: paged attention, a PyTorch reference (the
-specification), a faster CPU path and a Triton kernel with the same signature (the GPU path);
-the write of new K/V into their slots; and the batched sampler that turns logits into tokens.
+"""Attention over the paged KV cache: a PyTorch reference (the specification), a faster CPU
+path and a Triton kernel with the same signature (the GPU path); and the write of new K/V
+into their slots.
 
 One forward pass carries every scheduled token of every sequence in one flat batch: decode
 tokens (one query each) and prefill chunks (many queries). The new tokens' K/V are first
@@ -18,9 +18,8 @@ per query head.
 
 In this file, in order: AttentionMetadata and store_kv; paged_attention_ref (the spec), then
 paged_attention_cpu (the CPU default) and the Triton kernel with its launcher paged_attention
-(the CUDA default), all with one signature; select_attention; then sampling (SamplingTensors,
-sample, apply_top_k_top_p). model.py calls the attention function it is given; the engine
-(nanoserve.py) builds the metadata and calls sample().
+(the CUDA default), all with one signature; select_attention. model.py calls the attention
+function it is given; the engine (nanoserve.py) builds the metadata.
 
 Left out on purpose: sliding windows, ALiBi, fp8 caches, split-K decode. Checked on a CPU
 only (test_nanoserve.py): the kernel against the reference in Triton's interpreter (fp32,
@@ -370,92 +369,3 @@ def select_attention(name: str, device: str):
         print("note: Triton attention on a CPU runs in Triton's interpreter: exact but slow",
               file=sys.stderr)
     return ATTENTION_BACKENDS[name]
-
-
-@dataclass
-class SamplingTensors:
-    """The sampling parameters of a step's rows that sample, on the device: one entry a row."""
-    temperature: torch.Tensor       # (n,) fp32; 1 on greedy rows
-    top_k: torch.Tensor             # (n,) int64; the vocabulary size where off
-    top_p: torch.Tensor             # (n,) fp32; 1 where off
-    greedy: torch.Tensor            # (n,) bool
-    generators: list                # per row: its own torch.Generator, or None (the engine's)
-    all_greedy: bool
-    any_top_k_top_p: bool
-    # Built only when some row uses them (None otherwise: the fast path pays nothing).
-    logit_bias: torch.Tensor | None = None      # (n, vocab) fp32: logit_bias, -inf where
-                                                # min_tokens bans a token (end-of-text, stop ids)
-    min_p: torch.Tensor | None = None           # (n,) fp32; 0 where off
-    penalties: "Penalties | None" = None
-
-
-@dataclass
-class Penalties:
-    """What the penalties need, per row that samples (zeros and ones on rows without them)."""
-    output_counts: torch.Tensor     # (n, vocab) fp32: each token's count in the row's output
-    seen: torch.Tensor              # (n, vocab) bool: the token is in the prompt or the output
-    presence: torch.Tensor          # (n,) fp32; 0 where off
-    frequency: torch.Tensor         # (n,) fp32; 0 where off
-    repetition: torch.Tensor        # (n,) fp32; 1 where off
-
-
-def sample(logits: torch.Tensor, t: SamplingTensors, generator: torch.Generator) -> torch.Tensor:
-    """One token per row of logits (n, vocab) -> (n,), the whole batch at once, in vLLM's
-    order: logit_bias (and min_tokens' bans), then the penalties; greedy rows take the argmax;
-    the others temperature, min_p, top-k, top-p, then the Gumbel-max trick, argmax(probs / E)
-    with E ~ Exponential(1), a draw from probs. A seeded row's E comes from its own generator
-    and no row depends on another's parameters: its tokens do not depend on its batch. The
-    logits are not changed in place: log-probabilities are the model's own, before all this."""
-    if t.logit_bias is not None:
-        logits = logits + t.logit_bias
-    if t.penalties is not None:
-        logits = apply_penalties(logits, t.penalties)
-    greedy = logits.argmax(dim=-1)
-    if t.all_greedy:
-        return greedy
-    logits = logits / t.temperature[:, None]
-    if t.min_p is not None:
-        logits = apply_min_p(logits, t.min_p)
-    if t.any_top_k_top_p:
-        logits = apply_top_k_top_p(logits, t.top_k, t.top_p)
-    probs = logits.softmax(dim=-1)
-    uniform = torch.rand(probs.shape, generator=generator, device=probs.device) \
-        if None in t.generators else torch.empty_like(probs)
-    for row, gen in enumerate(t.generators):
-        if gen is not None:
-            uniform[row].uniform_(generator=gen)
-    drawn = (probs / uniform.log_().neg_()).argmax(dim=-1)  # E = -log U ~ Exp(1) > 0: no NaN
-    return torch.where(t.greedy, greedy, drawn)
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-                      ) -> torch.Tensor:
-    """Mask logits (n, vocab) outside each row's top-k, then outside its top-p nucleus (the
-    fewest most likely tokens whose probability reaches top_p: the token that crosses it
-    stays). top_k = vocab and top_p = 1 leave a row exactly as it was."""
-    ascending, order = logits.sort(dim=-1)
-    kth = ascending.gather(1, (logits.shape[-1] - top_k).clamp(min=0)[:, None])  # k-th largest
-    ascending = ascending.masked_fill(ascending < kth, float("-inf"))
-    below = ascending.softmax(dim=-1).cumsum(dim=-1)  # probability of this token and all less
-    drop = below <= 1 - top_p[:, None]
-    drop[:, -1] = False  # the most likely token always stays, whatever rounding did to `below`
-    return torch.empty_like(logits).scatter_(1, order, ascending.masked_fill(drop, float("-inf")))
-
-
-def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
-    """The repetition penalty (transformers' and vLLM's): a token of the prompt or the output
-    has its logit divided by it if positive, multiplied by it if negative. Then OpenAI's
-    frequency and presence penalties, over the output only: logit - frequency x count -
-    presence x [count > 0]. Elementwise over (n, vocab), without a wait for the device."""
-    repetition = torch.where(p.seen, p.repetition[:, None], 1.0)
-    logits = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = logits - p.frequency[:, None] * p.output_counts
-    return logits - p.presence[:, None] * (p.output_counts > 0)
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask each row's tokens whose probability is below min_p times its most likely token's
-    (after temperature, before top-k and top-p, as vLLM). min_p = 0 leaves a row as it was."""
-    probs = logits.softmax(dim=-1)
-    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-    return logits.masked_fill(probs < threshold, float("-inf"))

@@ -32,14 +32,23 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import bench
+import checkpoint
+import cli
+import display
 import kernels
 import model as M
-from kernels import (AttentionMetadata, SamplingTensors, apply_top_k_top_p, paged_attention,
-                     paged_attention_cpu, paged_attention_ref, sample, store_kv)
 import nanoserve
-from nanoserve import LLM, Engine, EngineConfig, SamplingParams, accumulate, token_text
+import sampling
+from kernels import (AttentionMetadata, paged_attention, paged_attention_cpu, paged_attention_ref,
+                     store_kv)
+from nanoserve import LLM, Engine, EngineConfig, accumulate
 from paged_cache import BlockPool, BlockTable, cdiv, hash_block
+from sampling import SamplingParams, SamplingTensors, apply_top_k_top_p, sample
 from scheduler import Scheduler, Sequence, SequenceStatus
+from server import MAX_BODY_BYTES, SAMPLING_FIELDS, Server, ServerConfig, render_chat, token_text
+from tokenizer import (EOT, ChatTemplate, Detokenizer, Tokenizer, byte_tokenizer,
+                       chat_template_environment, gpt2_byte_chars, load_chat_template,
+                       load_tokenizer)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARED_GPT2 = os.path.join(HERE, "..", "shared", "data", "gpt2")
@@ -755,8 +764,8 @@ def test_streamed_text_is_always_a_prefix_of_the_final_text():
 
 
 def test_detokenizer_holds_back_a_possible_stop_string_and_split_utf8():
-    enc = M.byte_tokenizer()
-    detok = M.Detokenizer(enc, ["the end"])
+    enc = byte_tokenizer()
+    detok = Detokenizer(enc, ["the end"])
     pieces = []
     for byte in "us in th\u00e9 the x".encode():
         assert detok.append(enc.token_id(bytes([byte]))) is None
@@ -804,7 +813,7 @@ def test_stop_string_earliest_in_the_text_wins_then_the_longest(stop, expected):
     """Text "x", then one token "abc" that completes both stop strings: the one that starts
     first in the text ends it, whatever the list's order; of two starting at the same place,
     the longer. The text is cut where the winner starts."""
-    detokenizer = M.Detokenizer(TextTokens(["x", "abc"]), stop)
+    detokenizer = Detokenizer(TextTokens(["x", "abc"]), stop)
     assert detokenizer.append(0) is None
     assert detokenizer.append(1) == expected
     assert detokenizer.text == "x"
@@ -813,7 +822,7 @@ def test_stop_string_earliest_in_the_text_wins_then_the_longest(stop, expected):
 def test_max_tokens_and_end_of_text_set_finish_reason():
     llm = tiny()
     assert llm.generate(["Hi"], GREEDY)[0].outputs[0].finish_reason == "length"
-    eot = llm.engine.tokenizer.token_id(M.EOT)
+    eot = llm.engine.tokenizer.token_id(EOT)
 
     def always_end_of_text(hidden):
         return torch.nn.functional.one_hot(torch.full((len(hidden),), eot), 257).float()
@@ -982,12 +991,12 @@ def test_penalties_do_not_depend_on_batching_chunking_or_preemption():
 
 def test_no_count_tensor_is_built_when_no_row_has_a_penalty(monkeypatch):
     built = []
-    penalties = Engine._penalties
+    penalty_counts = sampling.penalty_counts
 
-    def counting(self, seqs):
+    def counting(seqs, vocab_size, device):
         built.append(len(seqs))
-        return penalties(self, seqs)
-    monkeypatch.setattr(Engine, "_penalties", counting)
+        return penalty_counts(seqs, vocab_size, device)
+    monkeypatch.setattr(sampling, "penalty_counts", counting)
     llm = tiny()
     llm.generate(PROMPTS[:3], SamplingParams(max_tokens=4, seed=1, top_k=5, min_p=0.1))
     assert built == []
@@ -1029,7 +1038,7 @@ def test_min_p_of_one_keeps_only_the_most_likely_token():
 def test_min_tokens_holds_back_end_of_text_and_stop_tokens():
     """End-of-text biased to certain: never among the first min_tokens tokens, then at once."""
     llm = tiny()
-    eot = llm.engine.tokenizer.token_id(M.EOT)
+    eot = llm.engine.tokenizer.token_id(EOT)
     params = SamplingParams(max_tokens=20, temperature=0, min_tokens=5, logit_bias={eot: 100})
     out = llm.generate(["ab"], params)[0].outputs[0]
     assert out.token_ids[5:] == [eot] and eot not in out.token_ids[:5]
@@ -1087,17 +1096,17 @@ def test_stop_strings_count_only_after_min_tokens():
 
 def test_the_repl_and_the_command_line_take_the_new_sampling_fields(capsys):
     engine = tiny().engine
-    args = nanoserve.parse_args(["--presence-penalty", "0.5", "--min-p", "0.1",
+    args = cli.parse_args(["--presence-penalty", "0.5", "--min-p", "0.1",
                                  "--stop-token-ids", "7", "8", "--n", "2"])
-    params = nanoserve.cli_params(engine, args, "x")
+    params = cli.cli_params(engine, args, "x")
     assert (params.presence_penalty, params.min_p, params.stop_token_ids, params.n) == (
         0.5, 0.1, [7, 8], 2)
     settings = {}
-    reply = nanoserve.repl_command('/set logit_bias {"65": 5}', settings, engine,
-                                   nanoserve.parse_args([]))
+    reply = cli.repl_command('/set logit_bias {"65": 5}', settings, engine,
+                                   cli.parse_args([]))
     assert reply == "logit_bias = {'65': 5}" and settings == {"logit_bias": {"65": 5}}
-    reply = nanoserve.repl_command("/set repetition_penalty 0", settings, engine,
-                                   nanoserve.parse_args([]))
+    reply = cli.repl_command("/set repetition_penalty 0", settings, engine,
+                                   cli.parse_args([]))
     assert reply.startswith("error: repetition_penalty must be a number in (0, inf]")
 
 
@@ -1442,7 +1451,7 @@ def test_server_answers_every_open_request_when_the_engine_dies():
             return working_forward(*args)
         raise RuntimeError("CUDA error: device-side assert triggered")
     engine.model.forward = forward
-    server = nanoserve.Server(engine, nanoserve.ServerConfig(port=0))
+    server = Server(engine, ServerConfig(port=0))
     raised = []
 
     def run_server() -> None:
@@ -2099,7 +2108,7 @@ def test_hf_checkpoint_loads_with_identical_logits(tmp_path, fmt):
         saved = {k.removeprefix("transformer."): v for k, v in state.items()
                  if k != "lm_head.weight"}
     write_hf_checkpoint(tmp_path, saved, SMALL, fmt)
-    loaded = M.load_checkpoint(str(tmp_path))
+    loaded = checkpoint.load_checkpoint(str(tmp_path))
     idx = torch.randint(0, 257, (20,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(loaded.forward_dense(idx[None])[0],
@@ -2110,9 +2119,9 @@ def test_gpt2_checkpoint_round_trips_through_our_llama_names(tmp_path):
     """The shipped GPT-2 checkpoint, loaded (renamed to our Llama-style names, q, k, v split
     out of c_attn, Conv1D weights transposed) and saved again, is the same file's tensors."""
     shipped = os.path.join(HERE, "checkpoints", "shakespeare")
-    M.save_checkpoint(M.load_checkpoint(shipped), str(tmp_path))
-    before = M.read_safetensors(os.path.join(shipped, "model.safetensors"))
-    after = M.read_safetensors(str(tmp_path / "model.safetensors"))
+    checkpoint.save_checkpoint(checkpoint.load_checkpoint(shipped), str(tmp_path))
+    before = checkpoint.read_safetensors(os.path.join(shipped, "model.safetensors"))
+    after = checkpoint.read_safetensors(str(tmp_path / "model.safetensors"))
     assert sorted(before) == sorted(after)
     assert all(torch.equal(before[name], after[name]) for name in before)
 
@@ -2126,7 +2135,7 @@ def test_bad_checkpoint_names_the_problem(tmp_path, damage, message):
     damage(state)
     write_hf_checkpoint(tmp_path, state, SMALL, "safetensors")
     with pytest.raises(ValueError, match=message):
-        M.load_checkpoint(str(tmp_path))
+        checkpoint.load_checkpoint(str(tmp_path))
 
 
 @pytest.mark.parametrize("header", [b"\xff" * 4, struct.pack("<Q", 10**9) + b"{}",
@@ -2137,7 +2146,7 @@ def test_corrupt_safetensors_header_is_reported(tmp_path, header):
     with open(tmp_path / "model.safetensors", "wb") as f:
         f.write(header)
     with pytest.raises(ValueError, match="corrupt safetensors header"):
-        M.load_checkpoint(str(tmp_path))
+        checkpoint.load_checkpoint(str(tmp_path))
 
 
 # ----------------------------------------------------------------------------- chat, defaults
@@ -2272,7 +2281,7 @@ def test_chat_template_is_read_where_transformers_reads_it(tmp_path, files, want
     path = chat_checkpoint(tmp_path, template=None, **files)
     if jinja is not None:
         (tmp_path / "chat_template.jinja").write_text(jinja)
-    template = nanoserve.load_chat_template(path)
+    template = load_chat_template(path)
     assert template.render([dict(role="user", content="x")], {}) == want
 
 
@@ -2287,9 +2296,9 @@ def chat_template_fixture() -> dict:
         return json.load(f)
 
 
-def fixture_template(text: str) -> nanoserve.ChatTemplate:
-    template = nanoserve.chat_template_environment().from_string(text)
-    return nanoserve.ChatTemplate(template, {}, CHAT_TEMPLATE_FIXTURE)
+def fixture_template(text: str) -> ChatTemplate:
+    template = chat_template_environment().from_string(text)
+    return ChatTemplate(template, {}, CHAT_TEMPLATE_FIXTURE)
 
 
 @pytest.mark.parametrize("case", chat_template_fixture()["cases"], ids=lambda case: case["name"])
@@ -2320,8 +2329,8 @@ def test_a_checkpoint_without_a_template_chats_in_the_documented_transcript(tmp_
     path = chat_checkpoint(tmp_path, template=None)
     llm = checkpoint_llm(path)
     messages = [dict(role="user", content="Hi")]
-    _, want = llm.engine.parse_prompt(nanoserve.render_chat(messages))
-    assert nanoserve.load_chat_template(path) is None
+    _, want = llm.engine.parse_prompt(render_chat(messages))
+    assert load_chat_template(path) is None
     with server_in_process(llm.engine) as url:
         assert http(url, "/tokenize", dict(messages=messages))[1]["tokens"] == want
 
@@ -2347,7 +2356,7 @@ def test_the_repl_chats_through_the_template_one_conversation_until_clear(tmp_pa
         seen.append(prompt)
         return add_request(prompt, params, request_id)
     monkeypatch.setattr(llm.engine, "add_request", add_and_record)
-    nanoserve.run_terminal(llm.engine, nanoserve.parse_args(["--max-tokens", "4",
+    cli.run_terminal(llm.engine, cli.parse_args(["--max-tokens", "4",
                                                              "--temperature", "0"]))
     conversation = hi + [dict(role="assistant", content=reply), dict(role="user", content="And?")]
     assert seen == [chatml(hi), chatml(conversation), chatml([dict(role="user", content="Again")])]
@@ -2376,10 +2385,10 @@ def test_http_fields_absent_or_null_take_the_checkpoints_defaults(tmp_path, monk
 
 def test_cli_flags_given_win_over_the_checkpoints_defaults_which_win_over_its_own(tmp_path):
     engine = checkpoint_llm(chat_checkpoint(tmp_path, None, GENERATION_CONFIG)).engine
-    args = nanoserve.parse_args(["--temperature", "0.8", "--top-p", "0.5"])  # 0.8: its own
-    params = nanoserve.cli_params(engine, args, "x")
+    args = cli.parse_args(["--temperature", "0.8", "--top-p", "0.5"])  # 0.8: its own
+    params = cli.cli_params(engine, args, "x")
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.8, 0.5, 20, 7)
-    params = nanoserve.cli_params(engine, nanoserve.parse_args([]), "x", max_tokens=2)
+    params = cli.cli_params(engine, cli.parse_args([]), "x", max_tokens=2)
     assert (params.temperature, params.top_p, params.max_tokens) == (0.6, 0.9, 2)
 
 
@@ -2387,9 +2396,9 @@ def test_generation_config_vllm_ignores_the_checkpoints_defaults(tmp_path):
     path = chat_checkpoint(tmp_path, None, GENERATION_CONFIG)
     llm = checkpoint_llm(path, generation_config="vllm")
     assert llm.get_default_sampling_params() == SamplingParams()
-    params = nanoserve.cli_params(llm.engine, nanoserve.parse_args([]), "x")
+    params = cli.cli_params(llm.engine, cli.parse_args([]), "x")
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (
-        0.8, 0.95, 0, nanoserve.CLI_MAX_TOKENS)
+        0.8, 0.95, 0, cli.CLI_MAX_TOKENS)
 
 
 def test_the_start_up_line_names_the_defaults_taken(tmp_path, capsys):
@@ -2450,12 +2459,12 @@ TOKENIZER_FIXTURES = os.path.join(HERE, ".ci", "fixtures", "tokenizers")
 TOKENIZER_KINDS = ["llama3", "qwen2", "gpt2", "smollm2"]
 
 
-def tokenizer_fixture(kind: str) -> tuple[M.Tokenizer, list[dict]]:
+def tokenizer_fixture(kind: str) -> tuple[Tokenizer, list[dict]]:
     """A fixture's tokenizer, as load_tokenizer reads its directory, and its reference cases
     ({text, ids, decoded})."""
     path = os.path.join(TOKENIZER_FIXTURES, kind)
     with open(os.path.join(path, "reference.json"), encoding="utf-8") as f:
-        return M.load_tokenizer(path), json.load(f)["cases"]
+        return load_tokenizer(path), json.load(f)["cases"]
 
 
 @pytest.mark.parametrize("kind", TOKENIZER_KINDS)
@@ -2533,7 +2542,7 @@ def test_tokenizer_json_ids_past_the_vocabulary_have_no_text():
     qwen2, _ = tokenizer_fixture("qwen2")
     ids = qwen2.encode("ab")
     assert qwen2.decode([qwen2.n_vocab, *ids, qwen2.n_vocab + 100, -1]) == "ab"
-    detokenizer = M.Detokenizer(qwen2, [])
+    detokenizer = Detokenizer(qwen2, [])
     for token in [*ids, qwen2.n_vocab, qwen2.token_id("<|im_end|>")]:
         detokenizer.append(token)
     assert detokenizer.text == "ab"
@@ -2545,12 +2554,12 @@ def test_sentencepiece_style_tokenizer_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=re.escape(
             "a SentencePiece-style tokenizer (Metaspace pre_tokenizer, Metaspace decoder, "
             "byte_fallback), which is not served: Llama 2, TinyLlama and Mistral 7B use it")):
-        M.load_tokenizer(os.path.join(TOKENIZER_FIXTURES, "sentencepiece"))
+        load_tokenizer(os.path.join(TOKENIZER_FIXTURES, "sentencepiece"))
     (tmp_path / "tokenizer.model").write_bytes(b"\n\x05<unk>")
     with pytest.raises(ValueError, match=re.escape(
             "has only a SentencePiece model (tokenizer.model, no tokenizer.json), which is not "
             "served: Llama 2, TinyLlama and Mistral 7B use it")):
-        M.load_tokenizer(str(tmp_path))
+        load_tokenizer(str(tmp_path))
 
 
 @pytest.mark.parametrize("where, value, message", [
@@ -2581,7 +2590,7 @@ def test_tokenizer_json_not_served_is_refused_by_name(tmp_path, where, value, me
     part[int(last) if isinstance(part, list) else last] = value
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
     with pytest.raises(ValueError, match=re.escape(message)) as refused:
-        M.load_tokenizer(str(tmp_path))
+        load_tokenizer(str(tmp_path))
     assert str(refused.value).startswith(str(tmp_path / "tokenizer.json") + ": ")
 
 
@@ -2593,7 +2602,7 @@ def test_engine_encodes_a_text_prompt_with_the_checkpoints_tokenizer_json(tmp_pa
     write_byte_tokenizer(tmp_path)  # read only if tokenizer.json were not there
     with open(os.path.join(TOKENIZER_FIXTURES, "llama3", "tokenizer.json"), encoding="utf-8") as f:
         spec = json.load(f)
-    spec["model"]["vocab"] = {ch: i for i, (_, ch) in enumerate(M.gpt2_byte_chars())}
+    spec["model"]["vocab"] = {ch: i for i, (_, ch) in enumerate(gpt2_byte_chars())}
     spec["model"]["merges"] = []
     spec["added_tokens"] = [spec["added_tokens"][0] | {"id": 256}]  # <|begin_of_text|>
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
@@ -2619,14 +2628,14 @@ PARITY_TOL = 1e-4  # max |logit - transformers' logit|, our fp32 against its fp6
 
 def reference_logits(name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The fixture's input ids (2, 40) and transformers' logits for them (2, 40, vocab)."""
-    tensors = M.read_safetensors(os.path.join(MODEL_FIXTURES, name, "reference.safetensors"))
+    tensors = checkpoint.read_safetensors(os.path.join(MODEL_FIXTURES, name, "reference.safetensors"))
     return tensors["input_ids"], tensors["logits"]
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
 @torch.inference_mode()
 def test_architecture_logits_equal_transformers(name):
-    model = M.load_checkpoint(os.path.join(MODEL_FIXTURES, name))
+    model = checkpoint.load_checkpoint(os.path.join(MODEL_FIXTURES, name))
     input_ids, want = reference_logits(name)
     assert (model.forward_dense(input_ids) - want).abs().max() < PARITY_TOL
 
@@ -2636,7 +2645,7 @@ def test_architecture_logits_equal_transformers(name):
 def test_architecture_greedy_tokens_equal_transformers_where_decided(name):
     """Wherever transformers' top two logits are further apart than twice the tolerance (tiny
     random weights give near-ties elsewhere), the greedy token is its token."""
-    model = M.load_checkpoint(os.path.join(MODEL_FIXTURES, name))
+    model = checkpoint.load_checkpoint(os.path.join(MODEL_FIXTURES, name))
     input_ids, want = reference_logits(name)
     top_two = want.topk(2, dim=-1).values
     decided = top_two[..., 0] - top_two[..., 1] > 2 * PARITY_TOL
@@ -2673,7 +2682,7 @@ def test_grouped_query_kv_cache_holds_n_kv_head_heads():
     assert engine.kv_bytes_per_token == 2 * c.n_layer * 2 * 32 * 4
     full = dataclasses.replace(c, n_kv_head=c.n_head)
     assert M.GPT(full).config.n_kv_head == 8
-    assert nanoserve.kv_cache_description(engine) == "524288 a GiB (2 K/V heads for 8)"
+    assert cli.kv_cache_description(engine) == "524288 a GiB (2 K/V heads for 8)"
 
 
 def llama_tiny(**kwargs) -> LLM:
@@ -2745,7 +2754,7 @@ def write_fixture_config(path, name: str, **changes) -> None:
 def test_config_that_changes_the_computation_is_refused_by_name(tmp_path, name, changes, message):
     write_fixture_config(tmp_path, name, **changes)
     with pytest.raises(ValueError, match=message):
-        M.load_checkpoint(str(tmp_path))
+        checkpoint.load_checkpoint(str(tmp_path))
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -2758,7 +2767,7 @@ def test_config_that_changes_the_computation_is_refused_by_name(tmp_path, name, 
 def test_malformed_config_is_a_clear_error(tmp_path, changes, message):
     write_fixture_config(tmp_path, "qwen3", **changes)
     with pytest.raises(ValueError, match=re.escape(message)):
-        M.load_checkpoint(str(tmp_path))
+        checkpoint.load_checkpoint(str(tmp_path))
 
 
 def test_sliding_window_that_does_not_apply_is_accepted(tmp_path):
@@ -2767,7 +2776,7 @@ def test_sliding_window_that_does_not_apply_is_accepted(tmp_path):
     for name, changes in (("qwen2", dict(sliding_window=64)), ("mistral", dict(sliding_window=256))):
         write_fixture_config(tmp_path, name, **changes)
         with open(tmp_path / "config.json") as f:
-            M.config_from_hf(json.load(f), str(tmp_path))
+            checkpoint.config_from_hf(json.load(f), str(tmp_path))
 
 
 def test_transformers5_config_form_gives_the_same_config():
@@ -2778,8 +2787,8 @@ def test_transformers5_config_form_gives_the_same_config():
     newer = dict(published, rope_parameters=dict(published["rope_scaling"],
                                                  rope_theta=published["rope_theta"]))
     del newer["rope_scaling"], newer["rope_theta"]
-    assert M.config_from_hf(newer, "x") == M.config_from_hf(published, "x")
-    assert M.config_from_hf(published, "x").rope_scaling["factor"] == 8.0
+    assert checkpoint.config_from_hf(newer, "x") == checkpoint.config_from_hf(published, "x")
+    assert checkpoint.config_from_hf(published, "x").rope_scaling["factor"] == 8.0
 
 
 
@@ -2788,22 +2797,22 @@ def test_transformers5_config_form_gives_the_same_config():
 def test_sharded_checkpoint_loads_as_the_whole_one(tmp_path):
     """model.safetensors.index.json: each tensor from the shard its weight_map names."""
     source = os.path.join(MODEL_FIXTURES, "mistral")
-    tensors = M.read_safetensors(os.path.join(source, "model.safetensors"))
+    tensors = checkpoint.read_safetensors(os.path.join(source, "model.safetensors"))
     names = sorted(tensors)
     shards = {"model-00001-of-00002.safetensors": names[:10],
               "model-00002-of-00002.safetensors": names[10:]}
     for shard, shard_names in shards.items():
-        M.write_safetensors({name: tensors[name] for name in shard_names}, str(tmp_path / shard))
+        checkpoint.write_safetensors({name: tensors[name] for name in shard_names}, str(tmp_path / shard))
     weight_map = {name: shard for shard, shard_names in shards.items() for name in shard_names}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     shutil.copy(os.path.join(source, "config.json"), tmp_path)
-    whole = M.load_checkpoint(source).state_dict()
-    sharded = M.load_checkpoint(str(tmp_path)).state_dict()
+    whole = checkpoint.load_checkpoint(source).state_dict()
+    sharded = checkpoint.load_checkpoint(str(tmp_path)).state_dict()
     assert all(torch.equal(whole[name], sharded[name]) for name in whole)
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(ValueError, match="lists shard model-00002-of-00002.safetensors, which is "
                                          "missing"):
-        M.load_checkpoint(str(tmp_path))
+        checkpoint.load_checkpoint(str(tmp_path))
 
 
 def test_every_eos_id_of_the_checkpoint_ends_a_request(tmp_path):
@@ -2842,7 +2851,7 @@ def test_embedding_rows_past_the_tokenizer_are_never_sampled(tmp_path):
     state["transformer.wte.weight"][257:] = 0
     write_hf_checkpoint(tmp_path, state, config, "safetensors")
     with torch.no_grad():  # the padding rows made 10x the last hidden state: their logits win
-        hidden = M.load_checkpoint(str(tmp_path)).dense_hidden_states(torch.tensor([[1, 2, 3]]))
+        hidden = checkpoint.load_checkpoint(str(tmp_path)).dense_hidden_states(torch.tensor([[1, 2, 3]]))
     state["transformer.wte.weight"][257:] = 10 * hidden[0, -1]
     write_hf_checkpoint(tmp_path, state, config, "safetensors")
     write_byte_tokenizer(tmp_path)
@@ -2885,7 +2894,7 @@ def test_dtype_auto_is_float32_on_a_cpu_and_the_checkpoints_on_cuda(tmp_path):
 
 
 
-def write_published_qwen(path) -> M.Tokenizer:
+def write_published_qwen(path) -> Tokenizer:
     """A tiny Qwen2 checkpoint laid out as Qwen2.5-Instruct is published: config.json (bf16,
     a sliding_window that use_sliding_window turns off), two safetensors shards and their
     index, the embedding padded past the tokenizer, a tokenizer.json (the Qwen2-style
@@ -2893,7 +2902,7 @@ def write_published_qwen(path) -> M.Tokenizer:
     EOS ids and sampling defaults. Random weights in bf16. Returns its tokenizer."""
     tokenizer_dir = os.path.join(HERE, ".ci", "fixtures", "tokenizers", "qwen2")
     shutil.copy(os.path.join(tokenizer_dir, "tokenizer.json"), path)
-    tokenizer = M.load_tokenizer(tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)
     hf = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=64,
               intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
@@ -2902,14 +2911,14 @@ def write_published_qwen(path) -> M.Tokenizer:
               max_window_layers=2, torch_dtype="bfloat16", eos_token_id=800)
     (path / "config.json").write_text(json.dumps(hf))
     torch.manual_seed(0)
-    model = M.GPT(M.config_from_hf(hf, str(path)))
+    model = M.GPT(checkpoint.config_from_hf(hf, str(path)))
     state = {name: t.to(torch.bfloat16) for name, t in model.state_dict().items()
              if name != "lm_head.weight"}  # tied: published without it
     names = sorted(state)
     weight_map = {}
     for i, shard_names in enumerate((names[:9], names[9:])):
         shard = f"model-0000{i + 1}-of-00002.safetensors"
-        M.write_safetensors({name: state[name] for name in shard_names}, str(path / shard))
+        checkpoint.write_safetensors({name: state[name] for name in shard_names}, str(path / shard))
         weight_map |= dict.fromkeys(shard_names, shard)
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
@@ -2985,7 +2994,7 @@ def write_random_gpt2(path) -> None:
 def write_byte_tokenizer(path) -> None:
     """The byte-level tokenizer's files in directory path (ids 0-255 the bytes, 256
     <|endoftext|>), as Hugging Face's vocab.json and merges.txt."""
-    vocab = {ch: i for i, (_, ch) in enumerate(M.gpt2_byte_chars())} | {M.EOT: 256}
+    vocab = {ch: i for i, (_, ch) in enumerate(gpt2_byte_chars())} | {EOT: 256}
     with open(os.path.join(path, "vocab.json"), "w", encoding="utf-8") as f:
         json.dump(vocab, f)
     with open(os.path.join(path, "merges.txt"), "w", encoding="utf-8") as f:
@@ -3025,20 +3034,20 @@ def test_greedy_repetition_penalty_equals_transformers(tmp_path):
 
 @needs_shared
 def test_gpt2_tokenizer_from_shared_files_gives_gpt2_ids_and_round_trips_text():
-    enc = M.load_tokenizer(SHARED_GPT2)
+    enc = load_tokenizer(SHARED_GPT2)
     assert enc.encode("Hello world") == [15496, 995]
     text = "héllo wörld, 你好, привет, 👋🏽 \u200b\ufeff\t\n"
     assert enc.decode(enc.encode(text)) == text
-    assert enc.encode("<|endoftext|>") == [50256] == [enc.token_id(M.EOT)]
+    assert enc.encode("<|endoftext|>") == [50256] == [enc.token_id(EOT)]
     assert enc.encoding.encode_ordinary("<|endoftext|>") == [27, 91, 437, 1659, 5239, 91, 29]
 
 
 def test_gpt2_name_is_found_in_the_hugging_face_cache(tmp_path, monkeypatch):
     snapshot = tmp_path / "hub" / "models--openai-community--gpt2" / "snapshots" / "abc123"
-    M.save_checkpoint(M.GPT(SMALL), str(snapshot))
+    checkpoint.save_checkpoint(M.GPT(SMALL), str(snapshot))
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    assert M.hub_checkpoint("gpt2") == str(snapshot)
+    assert checkpoint.hub_checkpoint("gpt2") == str(snapshot)
     assert LLM(model="gpt2").engine.model.config == SMALL
 
 
@@ -3052,7 +3061,7 @@ def test_download_writes_the_file_with_a_progress_line(tmp_path, capsys):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         target = tmp_path / "hub" / "snapshot" / "model.safetensors"
-        M._download(f"http://127.0.0.1:{server.server_address[1]}/model.safetensors", str(target))
+        checkpoint._download(f"http://127.0.0.1:{server.server_address[1]}/model.safetensors", str(target))
     finally:
         server.shutdown()
     assert target.read_bytes() == b"w" * 2_500_000 and not os.path.exists(f"{target}.part")
@@ -3089,12 +3098,11 @@ def test_cli_streams_the_text_then_a_summary():
 
 
 def nanoserve_main(capsys, *args) -> tuple[int, str, str]:
-    """nanoserve.main in this process (a subprocess costs 1.5 s of imports): exit status,
+    """cli.main in this process (a subprocess costs 1.5 s of imports): exit status,
     stdout, stderr. Threads are put back: the command line sets them."""
-    import nanoserve
     threads = torch.get_num_threads()
     try:
-        nanoserve.main(list(args))
+        cli.main(list(args))
         status = 0
     except SystemExit as e:
         status = e.code if isinstance(e.code, int) else 1
@@ -3162,7 +3170,7 @@ def test_closed_stdout_ends_a_run_quietly():
 
 
 def test_help_shows_every_default(capsys):
-    from nanoserve import parse_args
+    from cli import parse_args
     with pytest.raises(SystemExit):
         parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
@@ -3336,7 +3344,7 @@ def test_trace_draws_each_request_step_by_step(capsys, policy, grid):
     as soon as one ends. The 40-token prompt takes two chunks (=) before its first token."""
     tiny(max_num_seqs=2, max_num_batched_tokens=16, policy=policy).generate(
         TRACE_PROMPTS, TRACE_PARAMS, trace=True)
-    assert capsys.readouterr().err == "\n".join(grid + ["", nanoserve.TRACE_LEGEND]) + "\n"
+    assert capsys.readouterr().err == "\n".join(grid + ["", display.TRACE_LEGEND]) + "\n"
 
 
 def test_trace_marks_a_preemption():
@@ -3346,7 +3354,7 @@ def test_trace_marks_a_preemption():
         llm.engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0,
                                                       ignore_eos=True), str(i))
     run_to_end(llm.engine)
-    rows = nanoserve.render_trace(llm.engine.step_records, ["0", "1", "2", "3"]).split("\n")
+    rows = display.render_trace(llm.engine.step_records, ["0", "1", "2", "3"]).split("\n")
     assert rows[2] == "      1 | .=oooox......ooooooo*"  # preempted, back from the cache
     assert sum(len(r.preempted) for r in llm.engine.step_records) == \
         llm.engine.scheduler.num_preemptions == 2
@@ -3381,7 +3389,7 @@ def test_cli_trace_needs_prompts_and_is_printed_after_the_summary(capsys):
     assert nanoserve_main(capsys, "--trace")[::2] == (2, "error: --trace needs --prompt\n")
     status, _, err = nanoserve_main(capsys, "--preset", "tiny", "--prompt", "a", "--prompt", "b",
                                     "--max-tokens", "3", "--ignore-eos", "--trace")
-    assert status == 0 and err.endswith("      0 | oo*\n      1 | oo*\n\n" + nanoserve.TRACE_LEGEND
+    assert status == 0 and err.endswith("      0 | oo*\n      1 | oo*\n\n" + display.TRACE_LEGEND
                                         + "\n") and "generated tokens" in err, err
 
 
@@ -3530,7 +3538,7 @@ def streamed_text(events: list) -> str:
 
 def offline_text(offline: LLM, body: dict) -> str:
     """The offline API's text for a completion request's prompt and sampling fields."""
-    fields = {name: body[name] for name in nanoserve.SAMPLING_FIELDS if name in body}
+    fields = {name: body[name] for name in SAMPLING_FIELDS if name in body}
     return offline.generate(body["prompt"], SamplingParams(**fields))[0].outputs[0].text
 
 
@@ -3932,8 +3940,8 @@ BAD_REQUESTS = [
     ("POST", "/v1/chat/completions", dict(messages=[dict(role="bot", content="x")]), 400,
      "messages must be"),
     # a body of exactly MAX_BODY_BYTES is parsed (it is not JSON); one byte more is refused
-    ("POST", "/v1/completions", b"x" * nanoserve.MAX_BODY_BYTES, 400, "not valid JSON"),
-    ("POST", "/v1/completions", b"x" * (nanoserve.MAX_BODY_BYTES + 1), 413, "the limit is"),
+    ("POST", "/v1/completions", b"x" * MAX_BODY_BYTES, 400, "not valid JSON"),
+    ("POST", "/v1/completions", b"x" * (MAX_BODY_BYTES + 1), 413, "the limit is"),
     ("GET", "/v2/nothing", None, 404, "no such path"),
     ("GET", "/v1/completions", None, 405, "takes POST"),
     ("DELETE", "/v1/models", None, 405, "takes GET"),
@@ -3957,9 +3965,9 @@ def test_http_bad_input_gets_an_openai_error_and_the_server_goes_on(
 
 @contextlib.contextmanager
 def server_in_process(engine: Engine):
-    """nanoserve.Server on a thread of this process (its loop there), serving `engine`: its
+    """Server on a thread of this process (its loop there), serving `engine`: its
     URL; stopped at the end (shutdown without waiting, then the thread joined)."""
-    server = nanoserve.Server(engine, nanoserve.ServerConfig(port=0))
+    server = Server(engine, ServerConfig(port=0))
     thread = threading.Thread(target=asyncio.run, args=(server.run(),), daemon=True)
     thread.start()
     try:
@@ -4203,7 +4211,7 @@ def test_tokenize_and_detokenize_equal_the_engines_tokenizer(server, offline):
     messages = [dict(role="system", content="Be brief."), dict(role="user", content="Hi")]
     status, got = http(server, "/tokenize", dict(messages=messages))
     assert status == 200
-    assert got["tokens"] == tokenizer.encode(nanoserve.render_chat(messages))
+    assert got["tokens"] == tokenizer.encode(render_chat(messages))
     assert http(server, "/detokenize", dict(tokens=ids)) == (200, {"prompt": text})
     assert http(server, "/detokenize", dict(tokens=[200, 201])) == (
         200, {"prompt": tokenizer.decode([200, 201])})

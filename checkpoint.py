@@ -1,0 +1,515 @@
+"""Checkpoints: a Hugging Face directory, a name in its cache or a preset, made ready to serve.
+
+config_from_hf maps config.json onto a GPTConfig through an allow-list (a key that would change
+the computation and is not served is refused by name); read_safetensors reads the weights,
+sharded or not (Llama-family parameters keep Hugging Face's names; GPT-2's are renamed and its
+Conv1D weights transposed); load_model puts it all together as a Checkpoint: the model, its
+tokenizer and chat template, its EOS ids, dtype and generation_config.json. A name is looked
+up in the local Hugging Face cache (GPT-2's are downloaded there if missing). save_checkpoint
+writes GPT-2's layout (train.py saves with it).
+
+The engine (nanoserve.py) calls load_model once, as it starts.
+"""
+import json
+import math
+import os
+import sys
+import urllib.request
+from dataclasses import dataclass, field
+
+import torch
+
+from model import GPT, PRESETS, GPTConfig
+from tokenizer import (EOT, ChatTemplate, Tokenizer, byte_tokenizer, gpt2_byte_chars,
+                       load_chat_template, load_tokenizer, read_json)
+
+SERVED_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                        "mistral": "MistralForCausalLM"}
+
+# config.json keys that change nothing a forward pass computes: metadata, training settings
+# (dropout, init), generation defaults. max_window_layers counts sliding-window layers, and
+# those are refused; pretraining_tp only split the matmuls while training.
+NEUTRAL_KEYS = {"architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
+                "_name_or_path", "bos_token_id", "eos_token_id", "pad_token_id", "use_cache",
+                "initializer_range", "attention_dropout", "attn_pdrop", "embd_pdrop",
+                "resid_pdrop", "summary_activation", "summary_first_dropout",
+                "summary_proj_to_labels", "summary_type", "summary_use_proj",
+                "task_specific_params", "reorder_and_upcast_attn", "max_window_layers",
+                "pretraining_tp", "is_llama_config", "rope_interleaved", "transformers.js_config"}
+
+# The keys config_from_hf reads, each into a GPTConfig field or a check.
+GPT2_KEYS = {"vocab_size", "n_positions", "n_ctx", "n_embd", "n_layer", "n_head", "n_inner",
+             "layer_norm_epsilon", "activation_function", "scale_attn_weights",
+             "scale_attn_by_inverse_layer_idx", "tie_word_embeddings"}
+
+LLAMA_KEYS = {"vocab_size", "max_position_embeddings", "hidden_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+              "rms_norm_eps", "hidden_act", "attention_bias", "mlp_bias", "tie_word_embeddings",
+              "rope_theta", "rope_scaling", "rope_parameters", "sliding_window",
+              "use_sliding_window", "layer_types", "use_mrope"}
+
+LLAMA3_SCALING_KEYS = {"factor", "low_freq_factor", "high_freq_factor",
+                       "original_max_position_embeddings"}
+
+
+def config_from_hf(hf: dict, path: str) -> GPTConfig:
+    """A Hugging Face config.json -> GPTConfig. An allow-list: a key this function does not
+    know is refused by name, since serving a model while ignoring what a key changes (another
+    RoPE scaling, a sliding window, experts) would give wrong text without a word."""
+    model_type = hf.get("model_type")
+    if model_type not in SERVED_ARCHITECTURES:
+        raise ValueError(f"{path}: model_type {model_type!r} is not served; nanoserve serves "
+                         f"{', '.join(SERVED_ARCHITECTURES)}")
+    architecture = SERVED_ARCHITECTURES[model_type]
+    if hf.get("architectures", [architecture]) != [architecture]:
+        raise ValueError(f"{path}: architectures {hf['architectures']} is not served; a "
+                         f"{model_type} checkpoint is served as {architecture}")
+    known = GPT2_KEYS if model_type == "gpt2" else LLAMA_KEYS
+    if unknown := sorted(set(hf) - known - NEUTRAL_KEYS):
+        raise ValueError(f"{path}: config.json key {unknown[0]!r} is not served: it may change "
+                         "what the model computes, and nanoserve would ignore it")
+    try:
+        if model_type == "gpt2":
+            return gpt2_config(hf, path)
+        return llama_config(hf, path)
+    except KeyError as e:  # a size every config of the family has
+        raise ValueError(f"{path}: config.json lacks {e.args[0]!r}") from None
+
+
+def require(hf: dict, key: str, allowed: tuple, path: str) -> None:
+    """Refuse a config whose `key` is present with a value not in `allowed`."""
+    if key in hf and hf[key] not in allowed:
+        raise ValueError(f"{path}: {key} {hf[key]!r} is not served (only {allowed})")
+
+
+def gpt2_config(hf: dict, path: str) -> GPTConfig:
+    require(hf, "activation_function", ("gelu_new", "gelu_pytorch_tanh"), path)
+    require(hf, "scale_attn_weights", (True,), path)
+    require(hf, "scale_attn_by_inverse_layer_idx", (False,), path)
+    require(hf, "tie_word_embeddings", (True,), path)
+    require(hf, "n_ctx", (hf["n_positions"],), path)
+    return GPTConfig(vocab_size=hf["vocab_size"], n_positions=hf["n_positions"],
+                     n_embd=hf["n_embd"], n_layer=hf["n_layer"], n_head=hf["n_head"],
+                     intermediate_size=hf.get("n_inner"),
+                     norm_eps=hf.get("layer_norm_epsilon", 1e-5))
+
+
+def llama_config(hf: dict, path: str) -> GPTConfig:
+    """Llama, Qwen2, Qwen3 and Mistral: one layout; they differ in biases, q/k norm and RoPE."""
+    model_type = hf["model_type"]
+    require(hf, "hidden_act", ("silu",), path)
+    require(hf, "use_mrope", (False,), path)  # Qwen2-VL's multimodal RoPE
+    check_full_attention(hf, path)
+    rope_theta, rope_scaling = rope_settings(hf, path)
+    attention_bias = hf.get("attention_bias", False)
+    # Biases as transformers builds each family: Qwen2 has them on q, k, v always; Mistral and
+    # Qwen2 have no attention_bias key (transformers ignores one), Llama and Qwen3 do.
+    qkv_bias = {"llama": attention_bias, "qwen2": True, "qwen3": attention_bias}
+    o_bias = {"llama": attention_bias, "qwen3": attention_bias}
+    return GPTConfig(vocab_size=hf["vocab_size"], n_positions=hf["max_position_embeddings"],
+                     n_embd=hf["hidden_size"], n_layer=hf["num_hidden_layers"],
+                     n_head=hf["num_attention_heads"],
+                     n_kv_head=hf.get("num_key_value_heads"), head_dim=hf.get("head_dim"),
+                     intermediate_size=hf["intermediate_size"], norm="rmsnorm",
+                     norm_eps=hf.get("rms_norm_eps", 1e-6), position_encoding="rope",
+                     mlp="swiglu", qkv_bias=qkv_bias.get(model_type, False),
+                     o_bias=o_bias.get(model_type, False),
+                     mlp_bias=model_type == "llama" and hf.get("mlp_bias", False),
+                     qk_norm=model_type == "qwen3",
+                     tie_word_embeddings=hf.get("tie_word_embeddings", False),
+                     rope_theta=rope_theta, rope_scaling=rope_scaling)
+
+
+def check_full_attention(hf: dict, path: str) -> None:
+    """Refuse sliding-window attention where it would apply: a window shorter than the context
+    (Mistral's whenever set; Qwen's only with use_sliding_window), or sliding layer_types."""
+    window = hf.get("sliding_window")
+    applies = hf.get("use_sliding_window", hf["model_type"] == "mistral")
+    if applies and window is not None and window < hf["max_position_embeddings"]:
+        raise ValueError(f"{path}: sliding_window {window} is shorter than the context "
+                         f"{hf['max_position_embeddings']}: sliding-window attention is not "
+                         "served")
+    sliding = [kind for kind in hf.get("layer_types") or [] if kind != "full_attention"]
+    if sliding:
+        raise ValueError(f"{path}: layer_types has {sliding[0]!r} layers: only "
+                         "full_attention is served")
+
+
+def rope_settings(hf: dict, path: str) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from published configs' rope_theta and rope_scaling keys, or
+    transformers 5's rope_parameters; a scaling other than Llama 3's is refused by name."""
+    parameters = hf.get("rope_parameters")
+    if parameters is None:
+        theta = hf.get("rope_theta", 10000.0)
+        scaling = hf.get("rope_scaling")
+    else:
+        theta = parameters.get("rope_theta", 10000.0)
+        scaling = parameters
+    if scaling is None:
+        return theta, None
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(f"{path}: rope_scaling type {rope_type!r} is not served (only llama3)")
+    if missing := sorted(LLAMA3_SCALING_KEYS - set(scaling)):
+        raise ValueError(f"{path}: llama3 rope_scaling lacks {missing[0]!r}")
+    if unknown := sorted(set(scaling) - LLAMA3_SCALING_KEYS - {"rope_type", "type", "rope_theta"}):
+        raise ValueError(f"{path}: rope_scaling key {unknown[0]!r} is not served")
+    return theta, {key: scaling[key] for key in sorted(LLAMA3_SCALING_KEYS)}
+
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "F64": torch.float64, "I64": torch.int64, "U8": torch.uint8}
+
+HUB_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+
+DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints",
+                             "shakespeare")  # trained by train() below, shipped with the repo
+
+
+def read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """A .safetensors file: 8-byte little-endian header length, a JSON header, raw tensors."""
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    n = int.from_bytes(data[:8], "little") if len(data) >= 8 else len(data)
+    if len(data) < 8 or 8 + n > len(data):
+        raise ValueError(f"{path}: corrupt safetensors header (length {n}, file {len(data)} bytes)")
+    try:
+        header = json.loads(data[8:8 + n])
+    except ValueError as e:
+        raise ValueError(f"{path}: corrupt safetensors header: {e}") from None
+    header.pop("__metadata__", None)
+    tensors = {}
+    for name, info in header.items():
+        dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
+        start, end = info["data_offsets"]
+        numel = math.prod(info["shape"])
+        if dtype is None or end - start != numel * dtype.itemsize or 8 + n + end > len(data):
+            raise ValueError(f"{path}: corrupt safetensors entry for {name}: {info}")
+        tensors[name] = torch.frombuffer(data, dtype=dtype, count=numel,
+                                         offset=8 + n + start).reshape(info["shape"])
+    return tensors
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str) -> None:
+    names = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+    header = {}
+    offset = 0  # of the tensor's bytes, after the header
+    for name, t in tensors.items():
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        for t in tensors.values():
+            f.write(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
+
+
+def load_checkpoint(path: str) -> GPT:
+    """A Hugging Face checkpoint directory of a served architecture (config_from_hf):
+    config.json + model.safetensors or pytorch_model.bin."""
+    config_file = os.path.join(path, "config.json")
+    if not os.path.exists(config_file):
+        raise ValueError(f"{path} is not a checkpoint directory: no config.json")
+    hf = read_json(config_file)
+    model = GPT(config_from_hf(hf, path))
+    tensors = read_weights(path)
+    if hf["model_type"] == "gpt2":
+        tensors = from_gpt2_state(checked_state(gpt2_tensors(tensors),
+                                                to_gpt2_state(model.state_dict()), path))
+    else:
+        tensors = checked_llama_state(tensors, model, path)
+    if model.config.tie_word_embeddings:  # one tensor under two names
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    model.load_state_dict(tensors)
+    return model
+
+
+def read_weights(path: str) -> dict[str, torch.Tensor]:
+    """The tensors of model.safetensors, else of the shards model.safetensors.index.json
+    lists, else of pytorch_model.bin, in `path`."""
+    safetensors_file = os.path.join(path, "model.safetensors")
+    index_file = os.path.join(path, "model.safetensors.index.json")
+    pickle_file = os.path.join(path, "pytorch_model.bin")
+    if os.path.exists(safetensors_file):
+        return read_safetensors(safetensors_file)
+    if os.path.exists(index_file):
+        return read_shards(index_file)
+    if os.path.exists(pickle_file):
+        return torch.load(pickle_file, map_location="cpu", weights_only=True)
+    raise ValueError(f"{path} has no model.safetensors, model.safetensors.index.json or "
+                     "pytorch_model.bin")
+
+
+def read_shards(index_file: str) -> dict[str, torch.Tensor]:
+    """A sharded checkpoint: each shard its index's weight_map names, read once; a tensor the
+    index places in a shard that lacks it is an error, not a silent gap."""
+    weight_map = read_json(index_file).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index_file} has no weight_map")
+    directory = os.path.dirname(index_file)
+    tensors = {}
+    for shard in sorted(set(weight_map.values())):
+        shard_file = os.path.join(directory, shard)
+        if not os.path.exists(shard_file):
+            raise ValueError(f"{index_file} lists shard {shard}, which is missing")
+        tensors |= read_safetensors(shard_file)
+    if missing := sorted(set(weight_map) - set(tensors)):
+        raise ValueError(f"{index_file}: tensor {missing[0]} is not in its shard "
+                         f"{weight_map[missing[0]]}")
+    return tensors
+
+
+def checked_state(state: dict, expected: dict, path: str) -> dict:
+    """state, once every tensor of `expected` is in it with its shape and nothing else is."""
+    for key, want in expected.items():
+        if key not in state:
+            raise ValueError(f"{path}: checkpoint is missing tensor {key}")
+        if state[key].shape != want.shape:
+            raise ValueError(f"{path}: tensor {key} has shape {tuple(state[key].shape)}; "
+                             f"config.json implies {tuple(want.shape)}")
+    if unexpected := sorted(set(state) - set(expected)):
+        raise ValueError(f"{path}: unexpected tensors {unexpected[:5]}")
+    return state
+
+
+def checked_llama_state(tensors: dict, model: GPT, path: str) -> dict:
+    """A Llama-family checkpoint's tensors, named as ours already, checked: old checkpoints'
+    saved RoPE buffers dropped, and a tied head's copy (some checkpoints store one) too."""
+    tied = model.config.tie_word_embeddings
+    state = {key: t for key, t in tensors.items()
+             if not key.endswith("rotary_emb.inv_freq") and not (tied and key == "lm_head.weight")}
+    expected = model.state_dict()
+    if tied:
+        expected.pop("lm_head.weight")
+    return checked_state(state, expected, path)
+
+
+# GPT-2's names for our parameters (ours are Llama's): top level, then within layer i ("h.i.").
+# q, k and v are one fused c_attn in GPT-2; its Conv1D weights are stored (in, out).
+GPT2_NAMES = {"model.embed_tokens": "wte", "model.embed_positions": "wpe", "model.norm": "ln_f"}
+
+GPT2_LAYER_NAMES = {"input_layernorm": "ln_1", "self_attn.o_proj": "attn.c_proj",
+                    "post_attention_layernorm": "ln_2", "mlp.up_proj": "mlp.c_fc",
+                    "mlp.down_proj": "mlp.c_proj"}
+
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
+                  "mlp.c_proj.weight")  # HF's Conv1D stores (in, out); nn.Linear wants (out, in)
+
+
+def gpt2_tensors(tensors: dict) -> dict:
+    """A GPT-2 checkpoint's parameters, by GPT-2's names without the "transformer." prefix
+    (safetensors files drop it, pytorch_model.bin keeps it); no causal-mask buffers, no LM head
+    (GPT-2's is tied to wte)."""
+    state = {}
+    for key, t in tensors.items():
+        key = key.removeprefix("transformer.")
+        if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
+            continue
+        state[key] = t
+    return state
+
+
+def to_gpt2_state(state: dict) -> dict:
+    """Our parameters -> GPT-2's: renamed, q, k, v fused into c_attn, Conv1D weights (in, out)."""
+    gpt2 = {}
+    for key, t in state.items():
+        if key == "lm_head.weight" or ".self_attn.k_proj." in key or ".self_attn.v_proj." in key:
+            continue  # the head is wte; k and v go into c_attn with q
+        if ".self_attn.q_proj." in key:
+            k = state[key.replace(".q_proj.", ".k_proj.")]
+            v = state[key.replace(".q_proj.", ".v_proj.")]
+            t = torch.cat((t, k, v))
+            key = key.replace(".self_attn.q_proj.", ".self_attn.c_attn.")
+        gpt2_key = gpt2_name(key)
+        if gpt2_key.endswith(CONV1D_WEIGHTS):
+            t = t.t()
+        gpt2[gpt2_key] = t
+    return gpt2
+
+
+def gpt2_name(key: str) -> str:
+    """Ours -> GPT-2's: "model.layers.3.mlp.up_proj.bias" -> "h.3.mlp.c_fc.bias"."""
+    module, param = key.rsplit(".", 1)
+    if module in GPT2_NAMES:
+        return f"{GPT2_NAMES[module]}.{param}"
+    layer, inner = module.removeprefix("model.layers.").split(".", 1)
+    if inner == "self_attn.c_attn":
+        return f"h.{layer}.attn.c_attn.{param}"
+    return f"h.{layer}.{GPT2_LAYER_NAMES[inner]}.{param}"
+
+
+def from_gpt2_state(gpt2: dict) -> dict:
+    """GPT-2's parameters (gpt2_tensors) -> ours: to_gpt2_state undone."""
+    ours = {}
+    top_names = {theirs: mine for mine, theirs in GPT2_NAMES.items()}
+    layer_names = {theirs: mine for mine, theirs in GPT2_LAYER_NAMES.items()}
+    for key, t in gpt2.items():
+        if key.endswith(CONV1D_WEIGHTS):
+            t = t.t()
+        module, param = key.rsplit(".", 1)
+        if module in top_names:
+            ours[f"{top_names[module]}.{param}"] = t
+            continue
+        _, layer, inner = module.split(".", 2)  # "h", "3", "mlp.c_fc"
+        prefix = f"model.layers.{layer}."
+        if inner == "attn.c_attn":
+            q, k, v = t.chunk(3)
+            ours |= {prefix + f"self_attn.{name}_proj.{param}": part
+                     for name, part in zip("qkv", (q, k, v))}
+            continue
+        ours[prefix + f"{layer_names[inner]}.{param}"] = t
+    return ours
+
+
+@dataclass
+class Checkpoint:
+    """What load_model gives the engine: the model, its tokenizer, and what else a checkpoint
+    directory says about serving it."""
+    model: GPT
+    tokenizer: Tokenizer
+    eos_token_ids: list[int]          # every id that ends a request (unless it ignores EOS)
+    dtype: torch.dtype | None = None  # config.json's torch_dtype: --dtype auto's on CUDA
+    generation_config: dict = field(default_factory=dict)  # generation_config.json, or {}
+    path: str | None = None           # the checkpoint's directory; None for a preset
+    chat_template: ChatTemplate | None = None  # None: a preset, or a checkpoint without one
+
+
+def load_model(model: str | None = None, preset: str | None = None, seed: int = 0
+               ) -> Checkpoint:
+    """A preset (seeded random weights), a checkpoint directory, a name in the local Hugging
+    Face cache (Qwen/Qwen3-0.6B; GPT-2's are downloaded there if missing) or the shipped model."""
+    if preset is not None:
+        torch.manual_seed(seed)
+        tokenizer = byte_tokenizer()
+        return Checkpoint(GPT(PRESETS[preset]), tokenizer, eos_token_ids(tokenizer, {}, {}))
+    path = checkpoint_path(model or DEFAULT_MODEL)
+    gpt = load_checkpoint(path)  # first: a directory that is no checkpoint says so
+    hf = read_json(os.path.join(path, "config.json"))
+    generation_config = read_json(os.path.join(path, "generation_config.json"))
+    tokenizer = load_tokenizer(path)
+    return Checkpoint(gpt, tokenizer, eos_token_ids(tokenizer, hf, generation_config),
+                      dtype=CONFIG_DTYPES.get(hf.get("torch_dtype", hf.get("dtype"))),
+                      generation_config=generation_config, path=path,
+                      chat_template=load_chat_template(path))
+
+
+CONFIG_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def eos_token_ids(tokenizer: Tokenizer, hf: dict, generation_config: dict) -> list[int]:
+    """Every id that ends a request: generation_config.json's eos_token_id, then config.json's
+    (each an int or a list: Llama 3 Instruct ends at <|end_of_text|>, <|eom_id|> and
+    <|eot_id|>); with neither, the tokenizer's <|endoftext|>, if it has one."""
+    ids = []
+    for source in (generation_config, hf):
+        value = source.get("eos_token_id")
+        if value is None:
+            continue
+        for token_id in value if isinstance(value, list) else [value]:
+            if type(token_id) is not int or token_id < 0:
+                raise ValueError(f"eos_token_id {value!r} is not a token id or a list of them")
+            if token_id not in ids:
+                ids.append(token_id)
+    if not ids and EOT in tokenizer.added_tokens:
+        ids.append(tokenizer.added_tokens[EOT])
+    return ids
+
+
+def checkpoint_path(model: str) -> str:
+    """The directory of `model`: a directory as given, else a name in the local Hugging Face
+    cache (GPT-2's downloaded into it if missing)."""
+    if os.path.isdir(model):
+        return model
+    if model in HUB_MODELS:
+        return hub_checkpoint(model)
+    cached = find_in_hub_cache(model, hub_cache_dir(), ("config.json",))
+    if cached is not None:
+        return cached
+    raise ValueError(f"model {model!r} is neither a checkpoint directory, nor in the Hugging "
+                     f"Face cache ({hub_cache_dir()}), nor one of {', '.join(HUB_MODELS)}; "
+                     f"download it first (huggingface-cli download {model})")
+
+
+HUB_FILES = ("config.json", "vocab.json", "merges.txt", "model.safetensors")
+
+
+def hub_cache_dir() -> str:
+    """Where Hugging Face keeps downloaded models: $HF_HUB_CACHE, $HF_HOME/hub or the default."""
+    return os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"), "hub")
+
+
+def hub_checkpoint(name: str) -> str:
+    """A GPT-2 checkpoint from the local Hugging Face cache, else downloaded into it."""
+    hub = hub_cache_dir()
+    cached = find_in_hub_cache(name, hub, HUB_FILES)
+    if cached is not None:
+        return cached
+    advice = (f"{name} is not in the Hugging Face cache ({hub}) and cannot be downloaded ({{}});"
+              " pass --model DIR with a GPT-2 checkpoint directory, or no --model for the "
+              "built-in Shakespeare model")
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", ""):
+        raise ValueError(advice.format("HF_HUB_OFFLINE is set"))
+    target = os.path.join(hub, f"models--openai-community--{name}", "snapshots", "main")
+    for file_name in HUB_FILES:
+        try:
+            _download(f"https://huggingface.co/openai-community/{name}/resolve/main/{file_name}",
+                      os.path.join(target, file_name))
+        except OSError as e:
+            raise ValueError(advice.format(e)) from None
+    return target
+
+
+def find_in_hub_cache(name: str, hub: str, files: tuple) -> str | None:
+    """The first snapshot of `name` (or openai-community/`name`) in the hub cache that holds
+    every one of `files`, or None."""
+    for repo in (name, f"openai-community/{name}"):
+        snapshots = os.path.join(hub, "models--" + repo.replace("/", "--"), "snapshots")
+        if not os.path.isdir(snapshots):
+            continue
+        for snapshot in sorted(os.listdir(snapshots)):
+            path = os.path.join(snapshots, snapshot)
+            if all(os.path.exists(os.path.join(path, file_name)) for file_name in files):
+                return path
+    return None
+
+
+def _download(url: str, path: str) -> None:
+    """url -> path, with a progress line; a partial file never takes the final name."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        os.makedirs(os.path.dirname(path), exist_ok=True)  # only once the hub has answered
+        total = int(r.headers.get("Content-Length") or 0)
+        done = 0
+        with open(path + ".part", "wb") as f:
+            while chunk := r.read(1 << 20):
+                done += f.write(chunk)
+                print(f"\rdownloading {os.path.basename(path)}: {done / 1e6:.0f}/"
+                      f"{total / 1e6:.0f} MB", end="", file=sys.stderr)
+    print(file=sys.stderr)
+    os.replace(path + ".part", path)
+
+
+def save_checkpoint(model: GPT, path: str, dtype=torch.float16) -> None:
+    """Write a GPT-2-shaped `model` (the trainer's) as a Hugging Face GPT-2 directory, with the
+    byte-level tokenizer files."""
+    c = model.config
+    if c != GPTConfig(vocab_size=c.vocab_size, n_positions=c.n_positions, n_embd=c.n_embd,
+                      n_layer=c.n_layer, n_head=c.n_head, norm_eps=c.norm_eps):
+        raise ValueError("save_checkpoint writes GPT-2's layout only")
+    os.makedirs(path, exist_ok=True)
+    state = {key: t.to(dtype).contiguous() for key, t in to_gpt2_state(model.state_dict()).items()}
+    write_safetensors(state, os.path.join(path, "model.safetensors"))
+    hf = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_ctx=c.n_positions,
+              bos_token_id=c.vocab_size - 1, eos_token_id=c.vocab_size - 1,
+              vocab_size=c.vocab_size, n_positions=c.n_positions, n_embd=c.n_embd,
+              n_layer=c.n_layer, n_head=c.n_head, layer_norm_epsilon=c.norm_eps)
+    vocab = {ch: i for i, (_, ch) in enumerate(gpt2_byte_chars())} | {EOT: 256}
+    for name, text in [("config.json", json.dumps(hf, indent=2)), ("vocab.json", json.dumps(vocab)),
+                       ("merges.txt", "#version: 0.2\n")]:  # bytes only: no merges
+        with open(os.path.join(path, name), "w", encoding="utf-8") as f:
+            f.write(text)

@@ -1,0 +1,335 @@
+"""Sampling: from a step's logits to one token for each sequence that samples.
+
+SamplingParams is a request's sampling, as vLLM and the OpenAI API name it, validated when it
+is made. Each step, sampling_tensors() gathers the parameters of the sequences that sample
+into device tensors (SamplingTensors; the penalties' token counts and the logit_bias rows only
+when some sequence uses them), and sample() turns the logits (n, vocab) into n tokens at once:
+logit_bias and min_tokens' bans, penalties, greedy or temperature, min_p, top-k, top-p, then
+the Gumbel-max draw, a seeded sequence from its own generator, so that its tokens do not
+depend on its batch. generation_config_defaults() reads a checkpoint's generation_config.json
+as the default fields of requests that leave them unset.
+
+The engine (nanoserve.py) calls sampling_tensors() and sample(); nothing here knows of the
+model or the KV cache.
+"""
+import itertools
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from options import check_fields, check_float, check_int, option
+from scheduler import Sequence
+
+GREEDY_BELOW = 1e-5       # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+
+MAX_LOGPROBS = 20         # top log-probabilities per token at most (vLLM's max_logprobs)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling, as vLLM and the OpenAI API name it."""
+    n: int = option(1, "samples of the prompt, one request (a seeded sample i uses seed + i)")
+    max_tokens: int = option(16, "tokens to generate at most")
+    temperature: float = option(1.0, "0 (or below 1e-5): greedy", low=0)
+    top_k: int = option(0, "keep the k most likely tokens; 0 or -1: all", low=-1)
+    top_p: float = option(1.0, "keep the fewest most likely tokens whose probability reaches "
+                          "top_p", low=0, high=1, open_low=True)
+    seed: int | None = option(None, "per-request RNG: the same tokens whatever the batch",
+                              low=0, type=int)
+    stop: list[str] | None = option(None, "stop before any of these strings", type=list)
+    ignore_eos: bool = option(False, "keep going after an end-of-sequence token")
+    logprobs: int | None = option(None, "each output token's log-probability and the top k",
+                                  low=0, high=MAX_LOGPROBS, type=int)
+    prompt_logprobs: int | None = option(None, "each prompt token's log-probability and the "
+                                         "top k", low=0, high=MAX_LOGPROBS, type=int)
+    presence_penalty: float = option(0.0, "minus this from the logit of every token generated "
+                                     "so far (OpenAI's)", low=-2, high=2)
+    frequency_penalty: float = option(0.0, "minus this times its count from the logit of every "
+                                      "token generated so far (OpenAI's)", low=-2, high=2)
+    repetition_penalty: float = option(1.0, "divide the positive logits (multiply the negative) "
+                                       "of every token of the prompt and output by this",
+                                       low=0, open_low=True)
+    min_p: float = option(0.0, "drop tokens less likely than min_p times the most likely",
+                          low=0, high=1)
+    min_tokens: int = option(0, "no end-of-text, stop token or stop string before this many "
+                             "tokens", low=0)
+    stop_token_ids: list[int] | None = option(None, "stop after any of these tokens (kept in "
+                                              "token_ids, not in the text)", type=list)
+    include_stop_str_in_output: bool = option(False, "keep the stop string (or stop token) at "
+                                              "the end of the text")
+    logit_bias: dict[int, float] | None = option(None, "token id -> a bias in [-100, 100] "
+                                                 "added to its logit (OpenAI's)", type=dict)
+
+    def __post_init__(self):
+        try:  # a string, or any iterable of strings, read once here (a generator is used up)
+            self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        except TypeError:
+            raise ValueError(f"stop must be a string or strings, got {self.stop!r}") from None
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        self.stop_token_ids = parse_token_ids("stop_token_ids", self.stop_token_ids)
+        self.logit_bias = parse_logit_bias(self.logit_bias)
+        check_fields(self)
+        self.top_k = max(self.top_k, 0)  # vLLM's -1 and 0 both mean off
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens "
+                             f"({self.max_tokens})")
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the sampler needs this row's token counts."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 \
+            or self.repetition_penalty != 1
+
+
+def parse_token_ids(name: str, value) -> list[int]:
+    """None or token ids -> a new list; ValueError naming `name` unless ints >= 0 (a bool is
+    not; the vocabulary's bound is the engine's to check)."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list of token ids, got {value!r}")
+    for token_id in value:
+        check_int(name, token_id, 0)
+    return list(value)
+
+
+def parse_logit_bias(value) -> dict[int, float]:
+    """None or {token id: bias} -> a new dict; ValueError unless ids are ints >= 0 (or their
+    decimal strings, as JSON sends them) and biases numbers in [-100, 100], as OpenAI's."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be a map of token id to bias, got {value!r}")
+    bias = {}
+    for key, number in value.items():
+        token_id = key
+        if isinstance(key, str) and key.isascii() and key.isdigit():
+            token_id = int(key)
+        check_int("logit_bias's token id", token_id, 0)
+        check_float("logit_bias's bias", number, -100, 100, open_low=False)
+        bias[token_id] = float(number)
+    return bias
+
+
+# generation_config.json's sampling fields (vLLM's list) -> SamplingParams' names for them
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                            "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                            "max_new_tokens": "max_tokens"}
+
+
+def generation_config_defaults(generation_config: dict, path: str | None, mode: str) -> dict:
+    """The sampling fields a checkpoint's generation_config.json gives, by SamplingParams'
+    names ({"temperature": 0.6, "top_p": 0.95, ...}; {} with mode "vllm", for a preset or
+    without the file): the defaults of a request that leaves them unset, as vLLM takes them
+    (do_sample is not read). Each front end lays them over its own defaults, and the user's
+    values over them. ValueError naming the file and the field unless each is a valid request
+    value."""
+    if mode == "vllm":
+        return {}
+    defaults = {}
+    for key, name in GENERATION_CONFIG_FIELDS.items():
+        if generation_config.get(key) is None:
+            continue
+        try:
+            SamplingParams(**{name: generation_config[key]})
+        except ValueError as e:
+            file = os.path.join(path, "generation_config.json")
+            raise ValueError(f"{file}: {key} {generation_config[key]!r} is not a valid default "
+                             f"({e}); --generation-config vllm ignores the file") from None
+        defaults[name] = generation_config[key]
+    return defaults
+
+
+def print_sampling_defaults(defaults: dict) -> None:
+    """The start-up line (stderr) that names the checkpoint's sampling defaults, if it gave any."""
+    if not defaults:
+        return
+    taken = ", ".join(f"{name} {value}" for name, value in defaults.items())
+    print(f"using the checkpoint's sampling defaults (generation_config.json): {taken}; a "
+          "request's own values win (--generation-config vllm ignores the file)",
+          file=sys.stderr, flush=True)
+
+
+@dataclass
+class SamplingTensors:
+    """The sampling parameters of a step's rows that sample, on the device: one entry a row."""
+    temperature: torch.Tensor       # (n,) fp32; 1 on greedy rows
+    top_k: torch.Tensor             # (n,) int64; the vocabulary size where off
+    top_p: torch.Tensor             # (n,) fp32; 1 where off
+    greedy: torch.Tensor            # (n,) bool
+    generators: list                # per row: its own torch.Generator, or None (the engine's)
+    all_greedy: bool
+    any_top_k_top_p: bool
+    # Built only when some row uses them (None otherwise: the fast path pays nothing).
+    logit_bias: torch.Tensor | None = None      # (n, vocab) fp32: logit_bias, -inf where
+                                                # min_tokens bans a token (end-of-text, stop ids)
+    min_p: torch.Tensor | None = None           # (n,) fp32; 0 where off
+    penalties: "Penalties | None" = None
+
+
+@dataclass
+class Penalties:
+    """What the penalties need, per row that samples (zeros and ones on rows without them)."""
+    output_counts: torch.Tensor     # (n, vocab) fp32: each token's count in the row's output
+    seen: torch.Tensor              # (n, vocab) bool: the token is in the prompt or the output
+    presence: torch.Tensor          # (n,) fp32; 0 where off
+    frequency: torch.Tensor         # (n,) fp32; 0 where off
+    repetition: torch.Tensor        # (n,) fp32; 1 where off
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of logits (n, vocab) -> (n,), the whole batch at once, in vLLM's
+    order: logit_bias (and min_tokens' bans), then the penalties; greedy rows take the argmax;
+    the others temperature, min_p, top-k, top-p, then the Gumbel-max trick, argmax(probs / E)
+    with E ~ Exponential(1), a draw from probs. A seeded row's E comes from its own generator
+    and no row depends on another's parameters: its tokens do not depend on its batch. The
+    logits are not changed in place: log-probabilities are the model's own, before all this."""
+    if t.logit_bias is not None:
+        logits = logits + t.logit_bias
+    if t.penalties is not None:
+        logits = apply_penalties(logits, t.penalties)
+    greedy = logits.argmax(dim=-1)
+    if t.all_greedy:
+        return greedy
+    logits = logits / t.temperature[:, None]
+    if t.min_p is not None:
+        logits = apply_min_p(logits, t.min_p)
+    if t.any_top_k_top_p:
+        logits = apply_top_k_top_p(logits, t.top_k, t.top_p)
+    probs = logits.softmax(dim=-1)
+    uniform = torch.rand(probs.shape, generator=generator, device=probs.device) \
+        if None in t.generators else torch.empty_like(probs)
+    for row, gen in enumerate(t.generators):
+        if gen is not None:
+            uniform[row].uniform_(generator=gen)
+    drawn = (probs / uniform.log_().neg_()).argmax(dim=-1)  # E = -log U ~ Exp(1) > 0: no NaN
+    return torch.where(t.greedy, greedy, drawn)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+                      ) -> torch.Tensor:
+    """Mask logits (n, vocab) outside each row's top-k, then outside its top-p nucleus (the
+    fewest most likely tokens whose probability reaches top_p: the token that crosses it
+    stays). top_k = vocab and top_p = 1 leave a row exactly as it was."""
+    ascending, order = logits.sort(dim=-1)
+    kth = ascending.gather(1, (logits.shape[-1] - top_k).clamp(min=0)[:, None])  # k-th largest
+    ascending = ascending.masked_fill(ascending < kth, float("-inf"))
+    below = ascending.softmax(dim=-1).cumsum(dim=-1)  # probability of this token and all less
+    drop = below <= 1 - top_p[:, None]
+    drop[:, -1] = False  # the most likely token always stays, whatever rounding did to `below`
+    return torch.empty_like(logits).scatter_(1, order, ascending.masked_fill(drop, float("-inf")))
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """The repetition penalty (transformers' and vLLM's): a token of the prompt or the output
+    has its logit divided by it if positive, multiplied by it if negative. Then OpenAI's
+    frequency and presence penalties, over the output only: logit - frequency x count -
+    presence x [count > 0]. Elementwise over (n, vocab), without a wait for the device."""
+    repetition = torch.where(p.seen, p.repetition[:, None], 1.0)
+    logits = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = logits - p.frequency[:, None] * p.output_counts
+    return logits - p.presence[:, None] * (p.output_counts > 0)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask each row's tokens whose probability is below min_p times its most likely token's
+    (after temperature, before top-k and top-p, as vLLM). min_p = 0 leaves a row as it was."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def upload(host_lists: dict[str, list], dtype: torch.dtype, device: str
+           ) -> dict[str, torch.Tensor]:
+    """Named host lists -> device tensors of one dtype, by the same names: one pinned buffer,
+    one non-blocking copy (on CUDA). The engine sends a step's inputs the same way."""
+    flat = list(itertools.chain.from_iterable(host_lists.values()))
+    pin = str(device).startswith("cuda")
+    host = torch.tensor(flat, dtype=dtype, pin_memory=pin)
+    on_device = host.to(device, non_blocking=True)
+    sizes = [len(values) for values in host_lists.values()]
+    return dict(zip(host_lists, on_device.split(sizes)))
+
+
+def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int],
+                     device: str) -> SamplingTensors:
+    """The sampling parameters of the sequences that sample (a row each), as device tensors."""
+    greedy = [seq.params.temperature < GREEDY_BELOW for seq in seqs]
+    temperature = [1.0 if g else seq.params.temperature for g, seq in zip(greedy, seqs)]
+    top_k = [seq.params.top_k or vocab_size for seq in seqs]
+    top_p = [seq.params.top_p for seq in seqs]
+    floats = upload(dict(temperature=temperature, top_p=top_p), torch.float32, device)
+    ints = upload(dict(top_k=top_k, greedy=greedy), torch.int64, device)
+    any_top_k_top_p = any(k < vocab_size or p < 1 for k, p in zip(top_k, top_p))
+    tensors = SamplingTensors(
+        temperature=floats["temperature"], top_p=floats["top_p"],
+        greedy=ints["greedy"].bool(), top_k=ints["top_k"],
+        generators=[seq.generator for seq in seqs], all_greedy=all(greedy),
+        any_top_k_top_p=any_top_k_top_p)
+    if any(seq.params.min_p > 0 for seq in seqs):
+        min_p = [seq.params.min_p for seq in seqs]
+        tensors.min_p = upload(dict(min_p=min_p), torch.float32, device)["min_p"]
+    tensors.logit_bias = logit_bias_rows(seqs, vocab_size, eos_token_ids, device)
+    if any(seq.params.has_penalties for seq in seqs):
+        tensors.penalties = penalty_counts(seqs, vocab_size, device)
+    return tensors
+
+
+def logit_bias_rows(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int],
+                    device: str) -> torch.Tensor | None:
+    """(n, vocab): each row's logit_bias, and -inf on the tokens that would end it while it
+    has fewer than min_tokens (end-of-text unless ignored, its stop_token_ids); None if no row
+    has either. One scatter from one upload."""
+    rows = []
+    token_ids = []
+    biases = []
+    for row, seq in enumerate(seqs):
+        params = seq.params
+        banned = []
+        if seq.num_output_tokens < params.min_tokens:
+            banned = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned += eos_token_ids
+        entries = list(params.logit_bias.items()) + [(i, -math.inf) for i in banned]
+        for token_id, bias in entries:
+            rows.append(row)
+            token_ids.append(token_id)
+            biases.append(bias)
+    if not rows:
+        return None
+    index = upload(dict(rows=rows, token_ids=token_ids), torch.int64, device)
+    values = upload(dict(biases=biases), torch.float32, device)["biases"]
+    logit_bias = torch.zeros(len(seqs), vocab_size, device=device)
+    return logit_bias.index_put_((index["rows"], index["token_ids"]), values, accumulate=True)
+
+
+def penalty_counts(seqs: list[Sequence], vocab_size: int, device: str) -> Penalties:
+    """The penalized rows' token counts, built on the device from this step's tokens: one
+    upload and one scatter-add for the output counts, one scatter for the tokens seen (prompt
+    and output). Rebuilt each step rather than kept: a row's tokens change by one a step, but
+    its place in the batch changes whenever the batch does."""
+    ints = dict(output_rows=[], output_ids=[], seen_rows=[], seen_ids=[])
+    for row, seq in enumerate(seqs):
+        if not seq.params.has_penalties:
+            continue
+        output = seq.token_ids[len(seq.prompt_token_ids):]
+        ints["output_rows"] += [row] * len(output)
+        ints["output_ids"] += output
+        ints["seen_rows"] += [row] * len(seq.token_ids)
+        ints["seen_ids"] += seq.token_ids
+    index = upload(ints, torch.int64, device)
+    values = upload(dict(
+        presence=[seq.params.presence_penalty for seq in seqs],
+        frequency=[seq.params.frequency_penalty for seq in seqs],
+        repetition=[seq.params.repetition_penalty for seq in seqs]), torch.float32, device)
+    counts = torch.zeros(len(seqs), vocab_size, device=device)
+    ones = torch.ones(len(ints["output_ids"]), device=device)  # made there, not uploaded
+    counts.index_put_((index["output_rows"], index["output_ids"]), ones, accumulate=True)
+    seen = torch.zeros(len(seqs), vocab_size, dtype=torch.bool, device=device)
+    seen[index["seen_rows"], index["seen_ids"]] = True
+    return Penalties(output_counts=counts, seen=seen, presence=values["presence"],
+                     frequency=values["frequency"], repetition=values["repetition"])

@@ -1,0 +1,1130 @@
+"""The OpenAI-compatible HTTP server: python nanoserve.py --serve.
+
+OpenAI's /v1/completions and /v1/chat/completions (streamed as server-sent events or whole,
+n samples, logprobs, echo), /v1/models, vLLM's /tokenize and /detokenize, /health, /version
+and /metrics (Prometheus' text format, vLLM's metric names). One asyncio event loop serves
+every connection (HTTP/1.1 keep-alive, written here on the standard library); the engine runs
+on its own thread (EngineThread), which takes requests and aborts between steps and hands each
+step's outputs to the loop in one call. ServerConfig holds the flags that say where and for
+whom it serves and the limits that keep a slow or silent client from holding anything.
+
+Three kinds of request meet here, each with its own id: an HTTP request (ServedRequest) may
+carry several prompts; each prompt is one engine request (a request id); each request fans
+out into its n samples, the engine's sequences. The server sees requests only.
+"""
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import itertools
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from http import HTTPStatus
+
+from nanoserve import (CompletionOutput, Engine, EngineDeadError, RequestOutput, __version__,
+                       accumulate, as_prompt_list)
+from options import check_fields, check_int, option
+from sampling import MAX_LOGPROBS, SamplingParams, print_sampling_defaults
+from tokenizer import ChatTemplate
+
+
+@dataclass
+class ServerConfig:
+    """How --serve serves: where, under which model name, to whom, and the limits that keep a
+    slow or silent client from holding anything (uvicorn's and vLLM's flag names)."""
+    host: str = option("127.0.0.1", "the address to bind")
+    port: int = option(8000, "the port (0: any free one)", low=0, high=65535)
+    served_model_name: str | None = option(None, "the model's name in the API; default: the "
+                                           "model's or the preset's", type=str)
+    api_key: str | None = option(None, "/v1/*, /tokenize and /detokenize need 'Authorization: "
+                                 "Bearer KEY'; default: $NANOSERVE_API_KEY", type=str)
+    allowed_origins: tuple = option((), "origins a browser may call from (CORS); * for any")
+    timeout_keep_alive: float = option(5.0, "seconds a connection may stay open with no "
+                                       "request under way", low=0, open_low=True)
+    request_timeout: float = option(30.0, "seconds from a request's first byte to its last "
+                                    "(then 408)", low=0, open_low=True)
+    max_write_buffer: int = option(1 << 20, "bytes a client may leave unread; past that it is "
+                                   "dropped and its request aborted")
+    shutdown_timeout: float = option(5.0, "on SIGTERM, seconds the requests in flight may "
+                                     "still run (then they end with finish_reason abort)", low=0)
+    log_requests: bool = option(False, "an access-log line per request, on stderr")
+
+    def __post_init__(self):
+        self.allowed_origins = tuple(self.allowed_origins)
+        if self.api_key is None:
+            self.api_key = os.environ.get("NANOSERVE_API_KEY") or None
+        check_fields(self)
+        if not all(isinstance(origin, str) and origin for origin in self.allowed_origins):
+            raise ValueError(f"allowed_origins must be strings, got {self.allowed_origins!r}")
+
+
+MAX_BODY_BYTES = 1 << 20  # a larger request body is refused (413)
+
+MAX_HEADER_BYTES = 64 << 10  # a larger header block is refused (431)
+
+DRAIN_ANSWER_TIMEOUT = 10.0  # seconds a shutdown waits for aborted requests' answers (a step)
+
+CORS_PREFLIGHT = {"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                  "Access-Control-Allow-Headers": "Authorization, Content-Type",
+                  "Access-Control-Max-Age": "600"}
+
+MAX_N = 64                # samples of one prompt in one request at most
+
+CHAT_TURN_END = "\n\n"    # the chat template ends every turn with a blank line
+
+TRANSCRIPT_ROLES = ("system", "user", "assistant")  # the roles of render_chat's transcript
+
+TEMPLATE_ROLES = (*TRANSCRIPT_ROLES, "tool")        # a checkpoint's template may take tool results
+
+
+# SamplingParams' fields a request may set, OpenAI's and vLLM's extra ones (top_k, min_p, ...)
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                   "stop_token_ids", "include_stop_str_in_output", "logit_bias")
+
+FIELDS = {"model", "n", "stream", "stream_options", "user", "stop", "logprobs",
+          *SAMPLING_FIELDS}  # both endpoints serve these
+
+CHAT_FIELDS = {"messages", "top_logprobs", "max_completion_tokens", "chat_template_kwargs"}
+
+COMPLETION_FIELDS = {"prompt", "echo"}
+
+NEUTRAL = dict(best_of=1, suffix="")  # accepted at these values only
+
+BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
+
+
+class HTTPError(Exception):
+    """Answered as OpenAI does: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+def zero_bucket_counts() -> list[int]:
+    return [0] * len(BUCKETS)
+
+
+@dataclass
+class Histogram:
+    """Prometheus' histogram: for each bucket's bound, how many observations were <= it."""
+    counts: list[int] = field(default_factory=zero_bucket_counts)
+    sum: float = 0.0
+    count: int = 0
+
+    def observe(self, x: float) -> None:
+        for i, upper_bound in enumerate(BUCKETS):
+            if x <= upper_bound:
+                self.counts[i] += 1
+        self.sum += x
+        self.count += 1
+
+    def lines(self, name: str) -> list[str]:
+        lines = [f"# TYPE {name} histogram"]
+        for upper_bound, count in zip(BUCKETS, self.counts):
+            lines.append(f'{name}_bucket{{le="{upper_bound}"}} {count}')
+        lines.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
+        lines.append(f"{name}_sum {self.sum}")
+        lines.append(f"{name}_count {self.count}")
+        return lines
+
+
+@dataclass
+class RequestTimes:
+    """When a request arrived and got its first token, and how many tokens it got so far."""
+    arrival: float
+    first_token: float | None = None
+    num_tokens: int = 0
+
+
+class EngineThread(threading.Thread):
+    """The one thread that touches the engine. Between steps it runs the calls the event loop
+    put in its inbox (add a request, abort, read the gauges), blocking there while the engine
+    has no work; after each step it hands the step's outputs, the whole list, to the loop in
+    one call: one wake-up of the loop per step, however many streams are open. Not a daemon:
+    stop() and join() end it before the process exits."""
+
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, deliver, died):
+        super().__init__(name="engine")
+        self.engine = engine
+        self.loop = loop
+        self.deliver = deliver  # called on the loop with each step's outputs
+        self.died = died        # called on the loop with the EngineDeadError, if the engine dies
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # calls to run between steps; None: stop
+
+    def run(self) -> None:
+        while self._run_inbox():
+            try:
+                outputs = self.engine.step()
+            except EngineDeadError as e:
+                self.loop.call_soon_threadsafe(self.died, e)
+                self._answer_until_stopped()
+                return
+            if outputs:
+                self.loop.call_soon_threadsafe(self.deliver, outputs)
+
+    def _answer_until_stopped(self) -> None:
+        """The engine is dead: run what is still asked (adds now fail) until stop()."""
+        while True:
+            call = self.inbox.get()
+            if call is None:
+                return
+            call()
+
+    def _run_inbox(self) -> bool:
+        """Run the calls waiting in the inbox; with no work in the engine, wait for one first.
+        False once stop() was called."""
+        block = not self.engine.has_unfinished()
+        while True:
+            try:
+                call = self.inbox.get(block=block)
+            except queue.Empty:
+                return True
+            if call is None:
+                return False
+            call()
+            block = False
+
+    def stop(self) -> None:
+        self.inbox.put(None)
+
+    def call(self, fn, *args) -> asyncio.Future:
+        """On the loop: run fn(*args) on this thread between steps; the future gets its result
+        or its exception."""
+        future = self.loop.create_future()
+        self.inbox.put(partial(self._run_call, future, fn, args))
+        return future
+
+    def _run_call(self, future: asyncio.Future, fn, args: tuple) -> None:
+        try:
+            result = fn(*args)
+        except Exception as e:  # noqa: BLE001 (the caller, on the loop, gets it)
+            self.loop.call_soon_threadsafe(settle, future, None, e)
+            return
+        self.loop.call_soon_threadsafe(settle, future, result, None)
+
+    def add(self, requests: list, ids: list[str]) -> None:
+        """All of one HTTP request's sequences, or none of them: ValueError names what is wrong
+        (EngineDeadError: the engine is gone)."""
+        if self.engine.dead is not None:
+            raise EngineDeadError(self.engine.dead)
+        added = []
+        try:
+            for (prompt, params), request_id in zip(requests, ids):
+                self.engine.add_request(prompt, params, request_id)
+                added.append(request_id)
+        except ValueError:
+            self.abort(added, "another prompt of its request was refused")
+            raise
+
+    def abort(self, ids: list[str], reason: str) -> None:
+        for request_id in ids:
+            self.engine.abort(request_id, reason)
+
+    def gauges(self) -> list[str]:
+        """The engine's gauges and counters in Prometheus' text format: vLLM's metric names,
+        with a nanoserve: prefix; the gauges as the newest step's record left them."""
+        engine = self.engine
+        step = engine.last_step
+        num_running = step.num_running if step else 0
+        num_waiting = step.num_waiting if step else 0
+        kv_blocks_used = step.kv_blocks_used if step else 0
+        values = [("num_requests_running", "gauge", num_running),
+                  ("num_requests_waiting", "gauge", num_waiting),
+                  ("kv_blocks_used", "gauge", kv_blocks_used),
+                  ("kv_blocks_free", "gauge", engine.block_pool.num_blocks - kv_blocks_used),
+                  ("kv_cache_tokens", "gauge", engine.kv_cache_tokens),
+                  ("kv_cache_tokens_per_gib", "gauge", engine.kv_tokens_per_gib),
+                  ("prompt_tokens_total", "counter", engine.stats.num_prompt_tokens),
+                  ("generation_tokens_total", "counter", engine.stats.num_generated_tokens),
+                  ("prefix_cache_queries_total", "counter", engine.stats.num_prompt_tokens),
+                  ("prefix_cache_hits_total", "counter", engine.stats.num_cached_tokens),
+                  ("num_preemptions_total", "counter", engine.scheduler.num_preemptions)]
+        lines = []
+        for name, kind, value in values:
+            lines.append(f"# TYPE nanoserve:{name} {kind}")
+            lines.append(f"nanoserve:{name} {value}")
+        return lines
+
+
+def settle(future: asyncio.Future, result, error: Exception | None) -> None:
+    """Give a future its result or error, unless its waiter has gone (then it was cancelled)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+        return
+    future.set_result(result)
+
+
+def typed(body: dict, name: str, default, *kinds):
+    """body[name] (absent or null: default); HTTPError 400 unless of one of the JSON kinds."""
+    if (value := body.get(name)) is None:
+        return default
+    if type(value) not in kinds:
+        raise HTTPError(400, f"{name} must be of type {' or '.join(k.__name__ for k in kinds)}, "
+                        f"got {value!r}", name)
+    return value
+
+
+def check_messages(messages, roles: tuple[str, ...]) -> None:
+    """HTTPError 400 unless messages is a non-empty list of {"role": one of roles, "content":
+    a string} (other keys are the template's to read)."""
+    if isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and m.get("role") in roles and isinstance(m.get("content"), str)
+            for m in messages):
+        return
+    names = ", ".join(f'"{role}"' for role in roles[:-1]) + f' or "{roles[-1]}"'
+    raise HTTPError(400, f'messages must be a non-empty list of {{"role": {names}, "content": '
+                    'a string}', "messages")
+
+
+def render_chat(messages) -> str:
+    """The chat template for a base model: every turn is "ROLE:\\n" + content + a blank line,
+    then "ASSISTANT:\\n" for the model to go on; its reply ends at its own blank line."""
+    check_messages(messages, TRANSCRIPT_ROLES)
+    return "".join(f"{m['role'].upper()}:\n{m['content']}{CHAT_TURN_END}" for m in messages) \
+        + "ASSISTANT:\n"
+
+
+def chat_prompt(body: dict, template: ChatTemplate | None) -> str:
+    """A chat request's prompt text: its messages through the checkpoint's template with its
+    chat_template_kwargs, else render_chat's transcript (which takes no kwargs); HTTPError
+    400 naming the field at fault."""
+    kwargs = typed(body, "chat_template_kwargs", {}, dict)
+    messages = body.get("messages")
+    if template is None:
+        return render_chat(messages)
+    check_messages(messages, TEMPLATE_ROLES)
+    try:
+        return template.render(messages, kwargs)
+    except ValueError as e:
+        raise HTTPError(400, str(e), "messages") from None
+
+
+def parse_request(body: dict, engine: Engine, model_name: str, chat: bool,
+                  template: ChatTemplate | None, defaults: dict) -> tuple[list, dict]:
+    """An OpenAI request -> its sequences [(prompt, SamplingParams)], n for each prompt, and
+    how to answer (stream, include_usage, echo, logprobs k); HTTPError 400 if anything is off.
+    A chat's prompt is the checkpoint's template, if any (template); a sampling field absent
+    or null is the checkpoint's default, if any (defaults: default_sampling's)."""
+    check_known_fields(body, chat)
+    check_model(body, model_name)
+    fields = defaults | {name: body[name] for name in SAMPLING_FIELDS
+                         if body.get(name) is not None}
+    fields["stop"] = typed(body, "stop", [], str, list)
+    n = typed(body, "n", 1, int)
+    echo = typed(body, "echo", False, bool)
+    if chat:  # as token ids, encoded once and as the engine encodes text (special tokens too)
+        prompts = [engine.tokenizer.encode(chat_prompt(body, template))]
+        default_max_tokens = engine.max_tokens_within_context(defaults.get("max_tokens"),
+                                                              len(prompts[0]))
+        fields["max_tokens"] = chat_max_tokens(body, default_max_tokens)
+        fields["logprobs"] = None
+        if typed(body, "logprobs", False, bool):
+            fields["logprobs"] = typed(body, "top_logprobs", 0, int)
+    else:
+        prompts = completion_prompts(body)
+        fields["logprobs"] = typed(body, "logprobs", None, int)
+        if (fields["logprobs"] or 0) > 5:  # OpenAI's limit for completions
+            raise HTTPError(400, f"logprobs must be at most 5, got {fields['logprobs']}",
+                            "logprobs")
+        fields["prompt_logprobs"] = fields["logprobs"] if echo else None
+    stream_options = typed(body, "stream_options", {}, dict)
+    options = dict(stream=typed(body, "stream", False, bool), chat=chat, n=n,
+                   k=fields["logprobs"] or 0, echo=echo,
+                   include_usage=typed(stream_options, "include_usage", False, bool))
+    transcript = chat and template is None  # a reply there ends at its turn's blank line
+    params = sample_params(fields, n, transcript, typed(body, "top_logprobs", 0, int))
+    if chat or body.get("max_tokens") is not None or "max_tokens" not in defaults:
+        return [(prompt, params) for prompt in prompts], options
+    return [(prompt, within_context(engine, prompt, params)) for prompt in prompts], options
+
+
+def within_context(engine: Engine, prompt, params: SamplingParams) -> SamplingParams:
+    """params with the checkpoint's default max_tokens (the request gave none) cut to what
+    the prompt's context leaves (Engine.max_tokens_within_context)."""
+    try:
+        _, token_ids = engine.parse_prompt(prompt)
+    except ValueError as e:
+        raise HTTPError(400, str(e), "prompt") from None
+    max_tokens = engine.max_tokens_within_context(params.max_tokens, len(token_ids))
+    return dataclasses.replace(params, max_tokens=max_tokens)
+
+
+def check_known_fields(body: dict, chat: bool) -> None:
+    """HTTPError 400 naming the first field this endpoint does not serve (a NEUTRAL one is
+    accepted at its neutral value)."""
+    known = FIELDS | (CHAT_FIELDS if chat else COMPLETION_FIELDS)
+    for name, value in body.items():
+        if name in known:
+            continue
+        if name not in NEUTRAL:
+            raise HTTPError(400, f"{name} is not supported", name)
+        if value not in (None, NEUTRAL[name]):
+            raise HTTPError(400, f"{name} is not supported (only {NEUTRAL[name]!r})", name)
+
+
+def chat_max_tokens(body: dict, default: int) -> int:
+    """max_completion_tokens, else max_tokens, else `default` (the checkpoint's, or what the
+    context has left, whichever is less: Engine.max_tokens_within_context)."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        if body.get(name) is not None:
+            return body[name]
+    return default
+
+
+def completion_prompts(body: dict) -> list:
+    """The completions endpoint's prompt field as a non-empty list of prompts."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, (str, list)):
+        prompts = as_prompt_list(prompt)
+        if prompts:
+            return prompts
+    raise HTTPError(400, "prompt must be a string, a list of token ids, or a non-empty list of "
+                    "those", "prompt")
+
+
+def sample_params(fields: dict, n: int, transcript: bool, top_logprobs: int) -> SamplingParams:
+    """The request's SamplingParams (its n samples are the engine's fan-out: sample i of a
+    seeded request uses seed + i); a reply in render_chat's transcript also stops at the end
+    of its turn. HTTPError 400 naming a bad field."""
+    try:
+        check_int("n", n, 1, MAX_N)
+        check_int("top_logprobs", top_logprobs, 0, MAX_LOGPROBS)
+        params = SamplingParams(n=n, **fields)
+    except ValueError as e:
+        bad_field = next((f for f in [*fields, "n", "top_logprobs"] if str(e).startswith(f)), None)
+        raise HTTPError(400, str(e), bad_field) from None
+    if transcript:
+        params = dataclasses.replace(params, stop=params.stop + [CHAT_TURN_END])
+    return params
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """A token as text (a special token's too, as vLLM's logprobs write <|endoftext|>); as
+    OpenAI writes it, "bytes:\\xe2\\x80" if it is not UTF-8 alone."""
+    data = tokenizer.token_bytes(token_id, skip_special_tokens=False)
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+def logprob_value(item: tuple[int, float]) -> float:
+    return item[1]
+
+
+def logprobs_json(tokenizer, token_ids: list[int], entries: list, k: int, chat: bool,
+                  offset: int = 0) -> dict:
+    """Each token's log-probability and the top k, in OpenAI's completions or chat shape (text
+    offsets start at `offset`: the characters that earlier chunks of the choice held). An
+    entry is {token id: log-probability}; the first prompt token's is None."""
+    tops = []
+    for entry in entries:
+        if entry is None:
+            tops.append(None)
+        else:
+            tops.append(sorted(entry.items(), key=logprob_value, reverse=True)[:k])
+    if chat:
+        content = []
+        for token_id, entry, top in zip(token_ids, entries, tops):
+            item = chat_logprob_item(tokenizer, token_id, entry[token_id])
+            item["top_logprobs"] = [chat_logprob_item(tokenizer, t, lp) for t, lp in top]
+            content.append(item)
+        return dict(content=content)
+    token_logprobs = []
+    top_logprobs = []
+    for token_id, entry, top in zip(token_ids, entries, tops):
+        if entry is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+        else:
+            token_logprobs.append(entry[token_id])
+            top_logprobs.append({token_text(tokenizer, t): lp for t, lp in top})
+    text_offset = [offset + len(tokenizer.decode(token_ids[:i], skip_special_tokens=False))
+                   for i in range(len(entries))]  # as vLLM's: the lengths of the tokens' texts
+    return dict(tokens=[token_text(tokenizer, t) for t in token_ids],
+                token_logprobs=token_logprobs, top_logprobs=top_logprobs,
+                text_offset=text_offset)
+
+
+def chat_logprob_item(tokenizer, token_id: int, logprob: float) -> dict:
+    return dict(token=token_text(tokenizer, token_id), logprob=logprob,
+                bytes=list(tokenizer.token_bytes(token_id, skip_special_tokens=False)))
+
+
+def choice(tokenizer, index: int, out: RequestOutput, completion: CompletionOutput,
+           options: dict, first: bool, offset=0) -> dict:
+    """One choice (`completion`, one of out's samples) of a response, or of a stream's chunk
+    (then from a delta, `offset` characters into the choice's text)."""
+    token_ids = completion.token_ids
+    entries = completion.logprobs
+    text = completion.text
+    if first and options["echo"]:  # the prompt (and its log-probabilities) first
+        token_ids = out.prompt_token_ids + token_ids
+        # the prompt as written, or its ids' text with the special tokens (as /detokenize's)
+        prompt = out.prompt or tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+        text = prompt + text
+        if entries is not None:
+            entries = out.prompt_logprobs + entries
+    logprobs = None
+    if entries is not None:
+        logprobs = logprobs_json(tokenizer, token_ids, entries, options["k"],
+                                 options["chat"], offset)
+    if not options["chat"]:
+        return dict(index=index, text=text, logprobs=logprobs,
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason)
+    message = dict(content=text)
+    if first:
+        message = dict(role="assistant", content=text)
+    message_key = "delta" if options["stream"] else "message"
+    return {"index": index, message_key: message, "logprobs": logprobs,
+            "finish_reason": completion.finish_reason}
+
+
+def usage_of(ids: list[str], whole: dict[str, RequestOutput]) -> dict:
+    """OpenAI's usage of one HTTP request: each prompt once, every sample's tokens."""
+    prompt_tokens = sum(len(whole[i].prompt_token_ids) for i in ids)
+    completion_tokens = sum(len(c.token_ids) for i in ids for c in whole[i].outputs)
+    return dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens)
+
+
+@dataclass
+class HTTPRequest:
+    """One request as read off its connection; header names in lower case."""
+    method: str
+    path: str
+    headers: dict[str, str]
+    keep_alive: bool     # HTTP/1.1 unless "Connection: close"; HTTP/1.0 only if asked
+    body: bytes = b""
+
+
+def parse_head(head: bytes) -> HTTPRequest:
+    """The request line and headers (up to the blank line) -> HTTPRequest; HTTPError 400 if
+    they are not HTTP/1.x."""
+    lines = head.decode("latin-1").lstrip("\r\n").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[0].isalpha() or not parts[1].startswith("/") \
+            or parts[2] not in ("HTTP/1.0", "HTTP/1.1"):
+        raise HTTPError(400, f"malformed request line {lines[0][:80]!r}")
+    method, target, version = parts
+    headers = {}
+    for line in lines[1:]:
+        if not line:
+            continue
+        name, colon, value = line.partition(":")
+        if not colon or not name or name != name.strip():
+            raise HTTPError(400, f"malformed header line {line[:80]!r}")
+        headers[name.lower()] = value.strip()
+    connection = headers.get("connection", "").lower()
+    keep_alive = connection == "keep-alive"
+    if version == "HTTP/1.1":
+        keep_alive = connection != "close"
+    return HTTPRequest(method, target.split("?")[0], headers, keep_alive)
+
+
+class ClientProtocol(asyncio.StreamReaderProtocol):
+    """asyncio's stream protocol for one connection, which also notices at once when the
+    client goes away (closes its side, or the connection drops), so that the request it is
+    waiting for is aborted within a step, streamed or not."""
+
+    def __init__(self, server: "Server"):
+        self.server = server
+        self.gone = False
+        self.waiting: ServedRequest | None = None  # woken if the client goes
+        super().__init__(asyncio.StreamReader(limit=MAX_HEADER_BYTES), self._connected)
+
+    def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        return self.server.handle(self, reader, writer)
+
+    def eof_received(self):
+        self.went_away()
+        return super().eof_received()
+
+    def connection_lost(self, exc) -> None:
+        self.went_away()
+        super().connection_lost(exc)
+
+    def went_away(self) -> None:
+        self.gone = True
+        if self.waiting is not None:
+            self.waiting.wake.set()
+
+
+@dataclass(eq=False)  # compared and hashed by identity: the loop keeps a set of them
+class ServedRequest:
+    """One HTTP request's sequences as the loop sees them: the outputs the engine thread
+    delivered that are not yet written, and the event that wakes the coroutine answering."""
+    ids: list[str]
+    outputs: list[RequestOutput] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    ended_by_server: bool = False         # a shutdown aborted it: not a failure
+    dead: EngineDeadError | None = None   # the engine died under it
+
+
+class Exchange:
+    """One request on its connection and its answer: a whole response, or server-sent events
+    in chunked encoding (so that the connection serves another request after the stream)."""
+
+    def __init__(self, request: HTTPRequest, writer: asyncio.StreamWriter,
+                 client: ClientProtocol, headers: dict[str, str]):
+        self.request = request
+        self.writer = writer
+        self.client = client
+        self.headers = headers   # every response carries them (CORS)
+        self.status = None       # the status answered, once answered
+
+    def send(self, status: int, obj, content_type="application/json") -> None:
+        data = (obj if isinstance(obj, str) else json.dumps(obj)).encode()
+        self._write_head(status, {"Content-Type": content_type, "Content-Length": len(data)})
+        self.writer.write(data)
+
+    def send_error(self, error: "HTTPError") -> None:
+        self.send(error.status, error_body(error))
+
+    def start_stream(self) -> None:
+        self._write_head(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                               "Transfer-Encoding": "chunked"})
+
+    def event(self, obj) -> None:
+        """One server-sent event, as one chunk: a JSON object, or "[DONE]"."""
+        text = obj if isinstance(obj, str) else json.dumps(obj)
+        data = b"data: %s\n\n" % text.encode()
+        self.writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+    def end_stream(self) -> None:
+        self.writer.write(b"0\r\n\r\n")
+
+    def unsent_bytes(self) -> int:
+        return self.writer.transport.get_write_buffer_size()
+
+    def _write_head(self, status: int, headers: dict) -> None:
+        self.status = status
+        lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}"]
+        for name, value in (headers | self.headers).items():
+            lines.append(f"{name}: {value}")
+        if not self.request.keep_alive:
+            lines.append("Connection: close")
+        self.writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+
+
+def error_body(error: "HTTPError") -> dict:
+    """OpenAI's error body."""
+    kind = "invalid_request_error" if error.status < 500 else "server_error"
+    return {"error": dict(message=str(error), type=kind, param=error.param, code=error.status)}
+
+
+class Server:
+    """OpenAI's API on one asyncio event loop: every connection is a coroutine on it; the
+    engine runs on its EngineThread, which hands each step's outputs to the loop in one call
+    (deliver). Requests and aborts go the other way, through the thread's inbox. run() serves
+    until shutdown() (SIGTERM, SIGINT) or until the engine dies."""
+    ROUTES = {"/health": ("GET", "health"), "/version": ("GET", "version"),
+              "/v1/models": ("GET", "models"), "/metrics": ("GET", "metrics"),
+              "/tokenize": ("POST", "tokenize"), "/detokenize": ("POST", "detokenize"),
+              "/v1/completions": ("POST", "completions"),
+              "/v1/chat/completions": ("POST", "chat_completions")}
+    NEEDS_KEY = ("/v1/", "/tokenize", "/detokenize")  # paths (prefixes) the API key guards
+
+    def __init__(self, engine: Engine, config: ServerConfig):
+        self.engine = engine
+        self.config = config
+        self.model_name = (config.served_model_name or engine.config.model
+                           or engine.config.preset or "shakespeare")
+        self.created = int(time.time())
+        self.started = threading.Event()  # set once listening; self.url is then the address
+        self.url = None
+        self.requests: dict[str, ServedRequest] = {}  # request id -> its HTTP request
+        self.in_flight: set[ServedRequest] = set()     # HTTP requests not yet answered
+        self.times: dict[str, RequestTimes] = {}      # request id -> its latency so far
+        self.histograms = {name: Histogram() for name in (
+            "time_to_first_token_seconds", "time_per_output_token_seconds",
+            "e2e_request_latency_seconds")}
+        self.connections: set[asyncio.StreamWriter] = set()
+        self.request_numbers = itertools.count()
+        self.draining = False
+        self.dead: EngineDeadError | None = None
+
+    # -- lifetime
+
+    async def run(self) -> None:
+        """Listen, serve until shutdown() or the engine's death, drain, stop the engine
+        thread. Raises EngineDeadError if the engine died."""
+        loop = asyncio.get_running_loop()
+        self.loop = loop
+        self.shutdown_asked = loop.create_future()  # its result: seconds to let requests run
+        self.idle = asyncio.Event()                 # set whenever nothing is in flight
+        self.idle.set()
+        self.engine_thread = EngineThread(self.engine, loop, self.deliver, self.engine_died)
+        listener = await loop.create_server(partial(ClientProtocol, self), self.config.host,
+                                            self.config.port, backlog=256)
+        host, port = listener.sockets[0].getsockname()[:2]
+        self.url = f"http://{host}:{port}"
+        if threading.current_thread() is threading.main_thread():
+            loop.add_signal_handler(signal.SIGTERM, self.shutdown, self.config.shutdown_timeout)
+            loop.add_signal_handler(signal.SIGINT, self.shutdown, 0)
+        self.engine_thread.start()
+        try:
+            print(f"serving {self.model_name} on {self.url}", file=sys.stderr, flush=True)
+            print_sampling_defaults(self.engine.sampling_defaults)
+            self.started.set()
+            timeout = await self.shutdown_asked
+            listener.close()  # no new connections
+            await self.drain(timeout)
+        finally:
+            self.engine_thread.stop()
+            self.engine_thread.join()
+        if self.dead is not None:
+            raise self.dead
+
+    def shutdown(self, timeout: float) -> None:
+        """From any thread: stop accepting connections, let the requests in flight run for up
+        to `timeout` seconds, end the rest with finish_reason "abort"; then run() returns."""
+        self.loop.call_soon_threadsafe(self._ask_shutdown, timeout)
+
+    def _ask_shutdown(self, timeout: float) -> None:
+        if not self.shutdown_asked.done():
+            self.shutdown_asked.set_result(timeout)
+
+    async def drain(self, timeout: float) -> None:
+        """Let what is in flight finish for `timeout` seconds (/health: 503 meanwhile), abort
+        the rest (each still gets its answer), then close every connection."""
+        self.draining = True
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.idle.wait(), timeout)
+        for served in self.in_flight:
+            served.ended_by_server = True
+            self.engine_thread.inbox.put(partial(self.engine_thread.abort, served.ids,
+                                                 "the server is shutting down"))
+        with contextlib.suppress(asyncio.TimeoutError):  # the next step ends them all
+            await asyncio.wait_for(self.idle.wait(), DRAIN_ANSWER_TIMEOUT)
+        for writer in list(self.connections):
+            writer.close()
+        await asyncio.sleep(0)  # the connections' coroutines see the close and end
+
+    def engine_died(self, error: EngineDeadError) -> None:
+        """On the loop: every open request gets the error now; then the server stops."""
+        self.dead = error
+        for served in self.in_flight:
+            served.dead = error
+            served.wake.set()
+        self._ask_shutdown(0)
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """On the loop, once per step: each output to the coroutine answering its request."""
+        now = time.perf_counter()
+        for out in outputs:
+            self.observe(out, now)
+            served = self.requests.get(out.request_id)
+            if out.finished:
+                self.requests.pop(out.request_id, None)
+            if served is None:  # its client went away: aborted, nobody to tell
+                continue
+            served.outputs.append(out)
+            served.wake.set()
+
+    # -- a connection
+
+    async def handle(self, client: ClientProtocol, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> None:
+        """Serve one connection: its requests one after another (keep-alive), until the
+        client closes or asks to, breaks the protocol, is too slow, or the server stops."""
+        self.connections.add(writer)
+        try:
+            keep_alive = True
+            while keep_alive and not client.gone:
+                keep_alive = await self.serve_one(client, reader, writer)
+        except ConnectionError:
+            pass  # the client went away mid-answer
+        finally:
+            self.connections.discard(writer)
+            writer.close()
+
+    async def serve_one(self, client: ClientProtocol, reader: asyncio.StreamReader,
+                        writer: asyncio.StreamWriter) -> bool:
+        """Read one request and answer it; whether the connection may serve another."""
+        try:
+            first_byte = await asyncio.wait_for(reader.read(1), self.config.timeout_keep_alive)
+        except asyncio.TimeoutError:
+            return False  # idle for too long: closed without a word, as uvicorn does
+        if not first_byte:
+            return False  # the client closed the connection
+        try:
+            request = await self.read_request(first_byte, reader, writer)
+        except HTTPError as e:  # malformed, too big or too slow: answered, then closed
+            unreadable = HTTPRequest("", "", {}, keep_alive=False)
+            Exchange(unreadable, writer, client, {}).send_error(e)
+            return False
+        if request is None:
+            return False
+        exchange = Exchange(request, writer, client, self.cors_headers(request))
+        await self.answer(exchange)
+        client.waiting = None  # answered, or abandoned early: nothing of it to wake any more
+        if self.config.log_requests:
+            print(f'"{request.method} {request.path}" {exchange.status}', file=sys.stderr)
+        return request.keep_alive and not client.gone and not writer.is_closing()
+
+    async def read_request(self, first_byte: bytes, reader: asyncio.StreamReader,
+                           writer: asyncio.StreamWriter) -> HTTPRequest | None:
+        """The rest of a request whose first byte came, within --request-timeout (else
+        HTTPError 408): a slow client holds a coroutine, never a thread, and not for long."""
+        try:
+            return await asyncio.wait_for(self._read_rest(first_byte, reader, writer),
+                                          self.config.request_timeout)
+        except asyncio.TimeoutError:
+            raise HTTPError(408, "the request did not arrive within "
+                            f"{self.config.request_timeout} s") from None
+
+    async def _read_rest(self, first_byte: bytes, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> HTTPRequest | None:
+        """The rest of a request whose first byte came: headers, then a Content-Length body.
+        None if the client closed mid-headers; HTTPError for what is not served."""
+        try:
+            head = first_byte + await reader.readuntil(b"\r\n\r\n")
+        except asyncio.LimitOverrunError:
+            raise HTTPError(431, f"the request's headers exceed {MAX_HEADER_BYTES} bytes") \
+                from None
+        except asyncio.IncompleteReadError:
+            return None
+        request = parse_head(head)
+        headers = request.headers
+        if "transfer-encoding" in headers and "content-length" in headers:
+            raise HTTPError(400, "Content-Length and Transfer-Encoding together are ambiguous")
+        if "transfer-encoding" in headers:
+            raise HTTPError(411, "send the body with a Content-Length (Transfer-Encoding is "
+                            "not read)")
+        length_text = headers.get("content-length", "0")
+        if not (length_text.isascii() and length_text.isdigit()):
+            raise HTTPError(400, f"Content-Length must be a number, got {length_text!r}")
+        length = int(length_text)
+        expects_continue = headers.get("expect", "").lower() == "100-continue"
+        if length > MAX_BODY_BYTES:
+            if not expects_continue:  # read (up to 16x) first: unread, closing resets the socket
+                await discard(reader, min(length, 16 * MAX_BODY_BYTES))
+            raise HTTPError(413, f"the body has {length} bytes; the limit is {MAX_BODY_BYTES}")
+        if expects_continue and length:
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        try:
+            request.body = await reader.readexactly(length)
+        except asyncio.IncompleteReadError as e:
+            raise HTTPError(400, f"the body ended after {len(e.partial)} of its {length} "
+                            "bytes") from None
+        return request
+
+    def cors_headers(self, request: HTTPRequest) -> dict[str, str]:
+        """CORS: an allowed Origin is echoed back; none is allowed by default."""
+        origin = request.headers.get("origin")
+        allowed = self.config.allowed_origins
+        if origin is None or not (origin in allowed or "*" in allowed):
+            return {}
+        return {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+
+    async def answer(self, exchange: Exchange) -> None:
+        """Route a request to its method and answer; an error is answered as OpenAI does (a
+        500 for a bug here, logged), and the server goes on."""
+        request = exchange.request
+        try:
+            if request.method == "OPTIONS" and exchange.headers \
+                    and "access-control-request-method" in request.headers:
+                exchange.headers |= CORS_PREFLIGHT  # a browser asking first: no key needed
+                exchange.send(204, "", "text/plain")
+                return
+            self.check_api_key(request)
+            if request.path not in self.ROUTES:
+                raise HTTPError(404, f"no such path: {request.path}")
+            method, name = self.ROUTES[request.path]
+            if request.method != method:
+                raise HTTPError(405, f"{request.path} takes {method}, not {request.method}")
+            await getattr(self, name)(exchange)
+        except HTTPError as e:
+            exchange.send_error(e)
+        except ConnectionError:
+            raise
+        except Exception as e:  # noqa: BLE001 (the request fails; the server goes on)
+            error = HTTPError(500, f"{type(e).__name__}: {e}")
+            print(f"error: {request.method} {request.path}: {error}", file=sys.stderr)
+            if exchange.status is None:  # nothing sent yet
+                exchange.send_error(error)
+
+    def check_api_key(self, request: HTTPRequest) -> None:
+        """With --api-key: HTTPError 401 unless the request carries it (only the paths in
+        NEEDS_KEY; /health and /metrics stay open to probes and scrapers)."""
+        key = self.config.api_key
+        if key is None or not request.path.startswith(self.NEEDS_KEY):
+            return
+        given = request.headers.get("authorization", "")
+        if hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return
+        raise HTTPError(401, "invalid or missing API key: send the header 'Authorization: "
+                        "Bearer <key>'")
+
+    # -- the endpoints
+
+    async def health(self, exchange: Exchange) -> None:
+        if self.draining:
+            exchange.send(503, {"status": "shutting down"})
+            return
+        exchange.send(200, {"status": "ok"})
+
+    async def version(self, exchange: Exchange) -> None:
+        exchange.send(200, {"version": __version__})
+
+    async def models(self, exchange: Exchange) -> None:
+        exchange.send(200, dict(object="list", data=[dict(
+            id=self.model_name, object="model", created=self.created, owned_by="nanoserve",
+            max_model_len=self.engine.max_model_len)]))
+
+    async def metrics(self, exchange: Exchange) -> None:
+        lines = await self.engine_thread.call(self.engine_thread.gauges)
+        for name, histogram in self.histograms.items():
+            lines += histogram.lines("nanoserve:" + name)
+        exchange.send(200, "\n".join(lines) + "\n", "text/plain; version=0.0.4")
+
+    async def tokenize(self, exchange: Exchange) -> None:
+        """vLLM's /tokenize: a prompt's (or chat's) token ids, as the engine encodes them."""
+        body = json_body(exchange.request)
+        check_model(body, self.model_name)
+        if "messages" in body:
+            text = chat_prompt(body, self.engine.chat_template)
+        else:
+            text = typed(body, "prompt", None, str)
+        if text is None:
+            raise HTTPError(400, "give a prompt (a string) or messages", "prompt")
+        tokens = self.engine.tokenizer.encode(text)
+        exchange.send(200, dict(count=len(tokens), max_model_len=self.engine.max_model_len,
+                                tokens=tokens))
+
+    async def detokenize(self, exchange: Exchange) -> None:
+        """vLLM's /detokenize: token ids back to text."""
+        body = json_body(exchange.request)
+        check_model(body, self.model_name)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list):
+            raise HTTPError(400, "tokens must be a list of token ids", "tokens")
+        try:
+            self.engine.parse_prompt(tokens)  # ValueError unless ids of the vocabulary
+            text = self.engine.tokenizer.decode(tokens, skip_special_tokens=False)  # as vLLM's
+        except ValueError as e:
+            raise HTTPError(400, f"tokens: {e}", "tokens") from None
+        exchange.send(200, {"prompt": text})
+
+    async def chat_completions(self, exchange: Exchange) -> None:
+        await self.completions(exchange, chat=True)
+
+    async def completions(self, exchange: Exchange, chat=False) -> None:
+        body = json_body(exchange.request)
+        requests, options = parse_request(body, self.engine, self.model_name, chat,
+                                          self.engine.chat_template, self.engine.sampling_defaults)
+        if self.draining:
+            raise HTTPError(503, "the server is shutting down")
+        served = ServedRequest([str(next(self.request_numbers)) for _ in requests])
+        arrival = time.perf_counter()
+        for request_id in served.ids:
+            self.requests[request_id] = served
+            self.times[request_id] = RequestTimes(arrival)
+        self.in_flight.add(served)
+        self.idle.clear()
+        try:
+            await self.add(served, requests, chat)
+            head = dict(id=f"cmpl-{served.ids[0]}", object="text_completion")
+            if chat and options["stream"]:
+                head = dict(id=f"chatcmpl-{served.ids[0]}", object="chat.completion.chunk")
+            elif chat:
+                head = dict(id=f"chatcmpl-{served.ids[0]}", object="chat.completion")
+            head |= dict(created=int(time.time()), model=self.model_name)
+            await self.respond(exchange, served, head, options)
+        except Exception:  # refused (nothing to abort), or a bug here: its blocks are freed
+            self.abort(served, "the server could not answer")
+            raise
+        finally:
+            self.forget(served)
+
+    async def add(self, served: ServedRequest, requests: list, chat: bool) -> None:
+        """Hand the request's sequences to the engine; HTTPError if it refuses them."""
+        try:
+            await self.engine_thread.call(self.engine_thread.add, requests, served.ids)
+        except ValueError as e:  # the prompt's, unless a token id field's (checked here)
+            param = "messages" if chat else "prompt"
+            for name in ("stop_token_ids", "logit_bias"):
+                if str(e).startswith(name):
+                    param = name
+            raise HTTPError(400, str(e), param) from None
+        except EngineDeadError as e:
+            raise HTTPError(500, str(e)) from None
+
+    def forget(self, served: ServedRequest) -> None:
+        """The request is answered (or its client gone): the loop lets go of it."""
+        for request_id in served.ids:
+            self.requests.pop(request_id, None)
+        self.in_flight.discard(served)
+        if not self.in_flight:
+            self.idle.set()
+
+    async def respond(self, exchange: Exchange, served: ServedRequest, head: dict,
+                      options: dict) -> None:
+        """Whole, or streamed as server-sent events (a chunk per delta, the usage if asked,
+        then [DONE]). A client that goes away, or stops reading, aborts its sequences."""
+        stream = options["stream"]
+        ids = served.ids
+        n = options["n"]
+        first_choice = {request_id: n * k for k, request_id in enumerate(ids)}  # its 1st index
+        whole = {}     # request id -> its whole output so far
+        num_sent = {}  # (request id, sample) -> the characters of its choice streamed so far
+        tokenizer = self.engine.tokenizer
+        if stream:
+            exchange.start_stream()
+        exchange.client.waiting = served
+        while not all(i in whole and whole[i].finished for i in ids):
+            await served.wake.wait()
+            served.wake.clear()
+            if exchange.client.gone:
+                self.abort(served, "the client disconnected")
+                return
+            if served.dead is not None:
+                self.fail(exchange, served, str(served.dead))
+                return
+            outputs = served.outputs
+            served.outputs = []
+            for out in outputs:
+                failure = self.failure(served, out)
+                if failure is not None:
+                    self.fail(exchange, served, failure)
+                    return
+                if stream:
+                    self.stream_delta(exchange, head, out, options, first_choice[out.request_id],
+                                      num_sent)
+                accumulate(whole, out)
+            if exchange.unsent_bytes() > self.config.max_write_buffer:
+                self.drop(exchange, served)
+                return
+        usage = usage_of(ids, whole)
+        if not stream:
+            choices = [choice(tokenizer, first_choice[i] + c.index, whole[i], c, options, True)
+                       for i in ids for c in whole[i].outputs]
+            exchange.send(200, head | dict(choices=choices, usage=usage))
+            return
+        if options["include_usage"]:
+            exchange.event(head | dict(choices=[], usage=usage))
+        exchange.event("[DONE]")
+        exchange.end_stream()
+
+    def stream_delta(self, exchange: Exchange, head: dict, out: RequestOutput, options: dict,
+                     first_choice: int, num_sent: dict) -> None:
+        """A chunk for each sample in a delta; num_sent[(request id, sample)]: the characters
+        of that choice streamed so far (its logprobs' text offsets go on from there)."""
+        for completion in out.outputs:
+            key = (out.request_id, completion.index)
+            offset = num_sent.get(key, 0)
+            chunk = choice(self.engine.tokenizer, first_choice + completion.index, out,
+                           completion, options, key not in num_sent, offset)
+            num_sent[key] = offset + len(chunk.get("text", ""))
+            exchange.event(head | dict(choices=[chunk]))
+
+    @staticmethod
+    def failure(served: ServedRequest, out: RequestOutput) -> str | None:
+        """Why the engine failed this sequence (its error), or None: it did not, or was ended
+        by a shutdown (then its "abort" is an answer, not a failure)."""
+        if served.ended_by_server:
+            return None
+        for completion in out.outputs:
+            if completion.finish_reason == "abort":
+                return completion.stop_reason
+        return None
+
+    def fail(self, exchange: Exchange, served: ServedRequest, message: str) -> None:
+        """The engine failed the request: a 500, or, once streaming, an error event then
+        [DONE] (as vLLM does); its other sequences are aborted."""
+        self.abort(served, "another sequence of its request failed")
+        error = HTTPError(500, message)
+        if exchange.status is None:
+            exchange.send_error(error)
+            return
+        exchange.event(error_body(error))
+        exchange.event("[DONE]")
+        exchange.end_stream()
+
+    def drop(self, exchange: Exchange, served: ServedRequest) -> None:
+        """A client that stopped reading: close its connection, abort its request."""
+        print(f"dropped a client that stopped reading ({exchange.unsent_bytes()} bytes unsent "
+              f"past --max-write-buffer {self.config.max_write_buffer}); its request is "
+              "aborted", file=sys.stderr)
+        exchange.writer.transport.abort()
+        self.abort(served, "the client stopped reading")
+
+    def abort(self, served: ServedRequest, reason: str) -> None:
+        """Abort the request's sequences (their blocks are free after the next step) and let
+        go of it: nothing more is written."""
+        self.engine_thread.inbox.put(partial(self.engine_thread.abort, served.ids, reason))
+        self.forget(served)
+
+    def observe(self, out: RequestOutput, now: float) -> None:
+        """Per request: time to first token, time per output token after it, end to end."""
+        times = self.times.get(out.request_id)
+        if times is None:
+            return
+        num_new_tokens = sum(len(completion.token_ids) for completion in out.outputs)
+        if times.first_token is None and num_new_tokens:
+            times.first_token = now
+            self.histograms["time_to_first_token_seconds"].observe(now - times.arrival)
+        times.num_tokens += num_new_tokens
+        if not out.finished:
+            return
+        del self.times[out.request_id]
+        if any(completion.finish_reason == "abort" for completion in out.outputs):
+            return
+        self.histograms["e2e_request_latency_seconds"].observe(now - times.arrival)
+        if times.num_tokens > 1:
+            time_per_token = (now - times.first_token) / (times.num_tokens - 1)
+            self.histograms["time_per_output_token_seconds"].observe(time_per_token)
+
+
+async def discard(reader: asyncio.StreamReader, num_bytes: int) -> None:
+    """Read and drop up to num_bytes (fewer if the client stops sending)."""
+    while num_bytes > 0:
+        chunk = await reader.read(min(num_bytes, 65536))
+        if not chunk:
+            return
+        num_bytes -= len(chunk)
+
+
+def json_body(request: HTTPRequest) -> dict:
+    """The request's body as a JSON object; HTTPError 400 if it is not one."""
+    if not request.body:
+        raise HTTPError(400, "the request needs a JSON body and its Content-Length")
+    try:
+        body = json.loads(request.body)
+    except ValueError as e:
+        raise HTTPError(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "the body must be a JSON object")
+    return body
+
+
+def check_model(body: dict, model_name: str) -> None:
+    """vLLM's 404 for a request naming a model this server does not serve."""
+    name = typed(body, "model", model_name, str)
+    if name != model_name:
+        raise HTTPError(404, f"The model `{name}` does not exist.", "model")
+
+
+def serve(engine: Engine, config: ServerConfig) -> None:
+    """--serve: OpenAI's API until SIGTERM (requests in flight get config.shutdown_timeout
+    seconds) or SIGINT (at once), or until the engine dies (EngineDeadError, raised after
+    every open request got a 500)."""
+    if config.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
+        print(f"warning: bound to {config.host}: anyone who can reach this machine can use "
+              "the server (give it an --api-key)", file=sys.stderr)
+    asyncio.run(Server(engine, config).run())
+    print("server stopped", file=sys.stderr)
