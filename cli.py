@@ -180,10 +180,10 @@ def sample_heading(args: argparse.Namespace, prompt_number: int, index: int) -> 
 
 
 def print_delta(completion: CompletionOutput) -> None:
-    """A delta's new text, as it comes; why a request aborted, on stderr."""
+    """A delta's new text, as it comes; why a request failed, on stderr."""
     print(completion.text.translate(VISIBLE), end="", flush=True)
-    if completion.finish_reason == "abort":
-        print(f"\n[{completion.stop_reason}]", file=sys.stderr)
+    if completion.finish_reason == "error":
+        print(f"\n[error: {completion.error}]", file=sys.stderr)
 
 
 def print_summary(engine: Engine, elapsed: float, trace_ids: list[str] | None) -> None:
@@ -273,7 +273,7 @@ def serve_stdin(engine: Engine, args: argparse.Namespace, progress: Progress) ->
             progress.clear()
             print_result(result, args.jsonl)
             num_printed += 1
-            if isinstance(result, ValueError) or result.outputs[0].finish_reason == "abort":
+            if isinstance(result, ValueError) or result.outputs[0].finish_reason == "error":
                 num_failed += 1
         progress.draw()
     return num_failed, len(results)
@@ -318,14 +318,19 @@ def print_result(result: RequestOutput | ValueError, jsonl: bool) -> None:
             print(f"error: {result}", file=sys.stderr)
         return
     completion = result.outputs[0]
-    if jsonl:
-        print(json.dumps(dict(
-            prompt=result.prompt, text=completion.text, token_ids=completion.token_ids,
-            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
-            logprobs=completion.logprobs, prompt_logprobs=result.prompt_logprobs)), flush=True)
-    else:
+    failed = completion.finish_reason == "error"
+    if not jsonl:
         text = (result.prompt or "") + completion.text
         print(text.translate(VISIBLE), end="\n\n", flush=True)
+        if failed:
+            print(f"error: {completion.error}", file=sys.stderr)
+        return
+    fields = dict(prompt=result.prompt, text=completion.text, token_ids=completion.token_ids,
+                  finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                  logprobs=completion.logprobs, prompt_logprobs=result.prompt_logprobs)
+    if failed:
+        fields["error"] = completion.error
+    print(json.dumps(fields), flush=True)
 
 
 REPL_HELP = ("/set NAME VALUE sets a sampling field (max_tokens, temperature, top_k, top_p, "
@@ -384,7 +389,7 @@ def stream_completion(engine: Engine, request_id: str) -> str | None:
                 text += out.outputs[0].text
                 print(out.outputs[0].text.translate(VISIBLE), end="", flush=True)
     except KeyboardInterrupt:
-        engine.abort(request_id, "interrupted")
+        engine.abort(request_id)
         engine.step()
         print("\n[interrupted]")
         return None

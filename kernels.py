@@ -12,7 +12,8 @@ cache, BS block size (tokens per block), MB max blocks a sequence.
 
 Grouped-query attention (GQA: Llama 3, Qwen) keeps Hkv < H heads of K/V, a G = H // Hkv times
 smaller cache; query head h reads KV head h // G, so each KV head serves a contiguous group
-of G query heads (Hugging Face's repeat_kv). Hkv == H (G = 1) is plain multi-head attention
+of G query heads (Hugging Face's repeat_kv): G is the group size (group_size in code,
+vLLM's num_queries_per_kv), and "group" means those G heads and nothing else here. Hkv == H (G = 1) is plain multi-head attention
 (GPT-2). The fast paths read each K/V once per KV head for its whole group, never copying it
 per query head.
 
@@ -41,8 +42,8 @@ import triton.language as tl  # noqa: E402
 
 from paged_cache import cdiv  # noqa: E402
 
-DECODE_GROUP = 8         # paged_attention_cpu: the most decodes in one group
-DECODE_BYTES = 8 << 20   # paged_attention_cpu: the most K/V bytes one group gathers
+DECODE_BATCH = 8         # paged_attention_cpu: the most decodes attended together
+DECODE_BYTES = 8 << 20   # paged_attention_cpu: the most K/V bytes one batch of them gathers
 
 
 @dataclass
@@ -86,19 +87,19 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     reads head h of that.
     The specification of paged_attention (Triton) and paged_attention_cpu: one sequence at a
     time, its blocks gathered in the order of its block table."""
-    heads_per_kv = _heads_per_kv(q, k_cache)
+    group_size = group_size_of(q, k_cache)
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
     for s in range(len(starts) - 1):
         rows = slice(starts[s], starts[s + 1])
         k, v = _gather_sequence(k_cache, v_cache, meta, s)  # (T, Hkv, D) each
-        k = k.repeat_interleave(heads_per_kv, dim=1)        # (T, H, D): KV heads 0,0,..,1,1,..
-        v = v.repeat_interleave(heads_per_kv, dim=1)        # (T, H, D)
+        k = k.repeat_interleave(group_size, dim=1)        # (T, H, D): KV heads 0,0,..,1,1,..
+        v = v.repeat_interleave(group_size, dim=1)        # (T, H, D)
         out[rows] = _attend(q[rows], k, v, scale)
     return out
 
 
-def _heads_per_kv(q: torch.Tensor, k_cache: torch.Tensor) -> int:
+def group_size_of(q: torch.Tensor, k_cache: torch.Tensor) -> int:
     """G = H // Hkv, the query heads of q (N, H, D) that share each KV head of the cache
     (NB, BS, Hkv, D). An H that Hkv does not divide would pair heads with the wrong K/V."""
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
@@ -140,46 +141,47 @@ def _attend(q, k, v, scale):
 @dataclass
 class DecodePlan:
     """How paged_attention_cpu attends a step's decodes, made by its first layer for all."""
-    groups: list    # by context length: rows (g,), flat block ids (g * nb,), mask (g, 1, 1, T)
-    buffers: tuple  # K and V gathered for one group: (g * nb, BS, Hkv, D) each
+    batches: list   # by context length: rows (b,), flat block ids (b * nb,), mask (b, 1, 1, T)
+    buffers: tuple  # K and V gathered for one batch: (b * nb, BS, Hkv, D) each
 
 
 def plan_decodes(meta: AttentionMetadata, decode: list, k_cache: torch.Tensor) -> DecodePlan:
-    """Decodes sorted by context length, so each pads only to its group's longest context; as few
-    a group as keep its K/V under DECODE_BYTES, to stay in the CPU's caches while attended."""
+    """Decodes sorted by context length, so each pads only to its batch's longest context, in
+    batches of as few as keep their K/V under DECODE_BYTES, to stay in the CPU's caches while
+    attended."""
     lens = meta.context_lens.tolist()
     block_size = k_cache.shape[1]
     decode = sorted(decode, key=lens.__getitem__)
     longest = lens[decode[-1]]
     # its K and V at the longest context: k_cache[0, 0] is one token's (Hkv, D), the KV heads
     bytes_per_decode = 2 * longest * k_cache[0, 0].nbytes
-    group_size = max(1, min(DECODE_GROUP, DECODE_BYTES // bytes_per_decode))
-    groups = []
-    for i in range(0, len(decode), group_size):
-        group = decode[i:i + group_size]
-        num_blocks = cdiv(lens[group[-1]], block_size)
+    batch_size = max(1, min(DECODE_BATCH, DECODE_BYTES // bytes_per_decode))
+    batches = []
+    for i in range(0, len(decode), batch_size):
+        batch = decode[i:i + batch_size]
+        num_blocks = cdiv(lens[batch[-1]], block_size)
         positions = torch.arange(num_blocks * block_size, device=k_cache.device)
-        past_end = positions >= meta.context_lens[group, None]                   # (g, T)
+        past_end = positions >= meta.context_lens[batch, None]                   # (b, T)
         mask = k_cache.new_zeros(past_end.shape).masked_fill_(past_end, float("-inf"))
-        rows = meta.query_start_loc[group].to(torch.int64)                       # (g,)
-        blocks = meta.block_tables[group, :num_blocks].flatten().to(torch.int64)  # (g * nb,)
-        groups.append((rows, blocks, mask[:, None, None]))                       # mask (g,1,1,T)
-    buffer_shape = (min(len(decode), group_size) * cdiv(longest, block_size), *k_cache.shape[1:])
+        rows = meta.query_start_loc[batch].to(torch.int64)                       # (b,)
+        blocks = meta.block_tables[batch, :num_blocks].flatten().to(torch.int64)  # (b * nb,)
+        batches.append((rows, blocks, mask[:, None, None]))                      # mask (b,1,1,T)
+    buffer_shape = (min(len(decode), batch_size) * cdiv(longest, block_size), *k_cache.shape[1:])
     buffers = (k_cache.new_empty(buffer_shape), k_cache.new_empty(buffer_shape))
-    return DecodePlan(groups, buffers)
+    return DecodePlan(batches, buffers)
 
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """paged_attention_ref's result, faster on a CPU: same arguments. Prefill chunks go one
-    sequence at a time, as there; decodes a group at a time, by a DecodePlan made once a step,
-    not per layer. Every group of every layer gathers K/V into the same two buffers, which stay
+    sequence at a time, as there; decodes a batch at a time, by a DecodePlan made once a step,
+    not per layer. Every batch of every layer gathers K/V into the same two buffers, which stay
     in the CPU's caches while attention reads them: each K/V in the cache is read once from
-    memory, where a fresh gather per group wrote then re-read it (38% of a batch-32 decode
+    memory, where a fresh gather per batch wrote then re-read it (38% of a batch-32 decode
     step, 2-core EPYC). With GQA each KV head is gathered once and serves its G query heads
     as G query rows: K/V are never copied per query head."""
     _, num_heads, head_dim = q.shape
-    heads_per_kv = _heads_per_kv(q, k_cache)
+    group_size = group_size_of(q, k_cache)
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
     q_lens = [end - start for start, end in zip(starts, starts[1:])]
@@ -196,11 +198,11 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if meta.decode_plan is None:
         meta.decode_plan = plan_decodes(meta, decodes, k_cache)
     k_buffer, v_buffer = meta.decode_plan.buffers
-    for rows, blocks, mask in meta.decode_plan.groups:
-        k = _gather_blocks(k_cache, blocks, k_buffer, len(rows))  # (g, Hkv, T, D)
-        v = _gather_blocks(v_cache, blocks, v_buffer, len(rows))  # (g, Hkv, T, D)
+    for rows, blocks, mask in meta.decode_plan.batches:
+        k = _gather_blocks(k_cache, blocks, k_buffer, len(rows))  # (b, Hkv, T, D)
+        v = _gather_blocks(v_cache, blocks, v_buffer, len(rows))  # (b, Hkv, T, D)
         # A KV head's G query heads (contiguous in q) are G query rows; the mask broadcasts.
-        q_rows = q[rows].view(len(rows), -1, heads_per_kv, head_dim)  # (g, Hkv, G, D)
+        q_rows = q[rows].view(len(rows), -1, group_size, head_dim)  # (b, Hkv, G, D)
         out[rows] = torch.nn.functional.scaled_dot_product_attention(
             q_rows, k, v, attn_mask=mask, scale=scale).view(len(rows), num_heads, head_dim)
     return out
@@ -208,9 +210,9 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, buffer: torch.Tensor,
                    num_seqs: int) -> torch.Tensor:
-    """A group's blocks (g * nb,) of cache (NB, BS, Hkv, D) gathered into buffer:
-    (g, Hkv, T, D)."""
-    gathered = torch.index_select(cache, 0, blocks, out=buffer[:len(blocks)])  # (g*nb, BS, Hkv, D)
+    """A batch's blocks (b * nb,) of cache (NB, BS, Hkv, D) gathered into buffer:
+    (b, Hkv, T, D)."""
+    gathered = torch.index_select(cache, 0, blocks, out=buffer[:len(blocks)])  # (b*nb, BS, Hkv, D)
     return gathered.view(num_seqs, -1, *cache.shape[2:]).transpose(1, 2)
 
 
@@ -235,34 +237,34 @@ def _paged_attention_kernel(
     stride_kb, stride_kt, stride_kh, stride_kd,  # k_cache (NB, BS, Hkv, D)
     stride_vb, stride_vt, stride_vh, stride_vd,  # v_cache (NB, BS, Hkv, D)
     stride_on, stride_oh, stride_od, stride_bts,  # out (N, H, D); block_tables (S, MB), rows dense
-    HEADS_PER_KV: tl.constexpr,                     # G = H // Hkv, query heads a KV head serves
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  # D; D padded to a power of 2 >= 16 (tl.dot)
-    CACHE_BLOCK_SIZE: tl.constexpr,                 # BS, tokens per cache block
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,   # rows per program; keys per step (any BS)
+    GROUP_SIZE: tl.constexpr,                         # G = H // Hkv, query heads a KV head serves
+    HEAD_DIM: tl.constexpr, TILE_DIM: tl.constexpr,   # D; D padded to a power of 2 >= 16 (tl.dot)
+    BLOCK_SIZE: tl.constexpr,                         # BS, tokens per KV block
+    TILE_ROWS: tl.constexpr, TILE_KEYS: tl.constexpr,  # rows per program; keys per step (any BS)
     DOT_IN_FP32: tl.constexpr,                      # only Triton's interpreter on bf16: see _dot
 ):
     """FlashAttention-style forward over a paged cache; one program per (sequence, KV head,
-    tile of BLOCK_M rows).
+    tile of TILE_ROWS rows).
 
     A row is a (query, query head) pair of the KV head's group of G heads, stacked query by
     query: row r is query r // G for query head kv_head * G + r % G. A decode fills G rows, a
     chunk of L queries L * G, and each K/V tile, loaded once, serves the whole group (with
     G = 1, a row is a query). The tile's rows are loaded once; keys and values stream past
-    BLOCK_N tokens at a time, each token's row gathered through the block table, with an
+    TILE_KEYS tokens at a time, each token's row gathered through the block table, with an
     online softmax (m_i, l_i, acc) in fp32. Keys stop at the last position the tile's last
     query can see."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    pid_m = tl.program_id(2)  # which tile of BLOCK_M rows
+    pid_m = tl.program_id(2)  # which tile of TILE_ROWS rows
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if pid_m * BLOCK_M >= q_len * HEADS_PER_KV:  # this sequence has fewer tiles than the longest
+    if pid_m * TILE_ROWS >= q_len * GROUP_SIZE:  # this sequence has fewer tiles than the longest
         return
     context_len = tl.load(context_lens_ptr + seq)
-    offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row index within the sequence's rows
-    offs_m = offs_r // HEADS_PER_KV                   # its query index within the sequence
-    heads = kv_head * HEADS_PER_KV + offs_r % HEADS_PER_KV  # its query head
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_r = pid_m * TILE_ROWS + tl.arange(0, TILE_ROWS)  # row index within the sequence's rows
+    offs_m = offs_r // GROUP_SIZE                         # its query index within the sequence
+    heads = kv_head * GROUP_SIZE + offs_r % GROUP_SIZE  # its query head
+    offs_d = tl.arange(0, TILE_DIM)
     mask_m = offs_m < q_len       # past the sequence's last query
     mask_d = offs_d < HEAD_DIM    # past the real head dim
     q_pos = context_len - q_len + offs_m  # absolute position of each row's query
@@ -271,26 +273,26 @@ def _paged_attention_kernel(
     tokens = (q_start + offs_m).to(tl.int64)
     mask_md = mask_m[:, None] & mask_d[None, :]  # past the last query or the real head dim
     q_offs = tokens[:, None] * stride_qn + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptr + q_offs, mask=mask_md, other=0.0)  # (BLOCK_M, BLOCK_D)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max of the scores
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                # running softmax denominator
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)       # running unnormalized output
+    q = tl.load(q_ptr + q_offs, mask=mask_md, other=0.0)  # (TILE_ROWS, TILE_DIM)
+    m_i = tl.full([TILE_ROWS], float("-inf"), dtype=tl.float32)  # running row max of the scores
+    l_i = tl.zeros([TILE_ROWS], dtype=tl.float32)                # running softmax denominator
+    acc = tl.zeros([TILE_ROWS, TILE_DIM], dtype=tl.float32)       # running unnormalized output
     # The tile's rows reach query num_seen - 1 (its last row's, or the sequence's last query):
     # keys stop at the last position that query sees.
-    num_seen = tl.minimum(q_len, ((pid_m + 1) * BLOCK_M - 1) // HEADS_PER_KV + 1)
+    num_seen = tl.minimum(q_len, ((pid_m + 1) * TILE_ROWS - 1) // GROUP_SIZE + 1)
     kv_end = context_len - q_len + num_seen
-    for start_n in range(0, kv_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)  # token positions in this step
+    for start_n in range(0, kv_end, TILE_KEYS):
+        offs_n = start_n + tl.arange(0, TILE_KEYS)  # token positions in this step
         mask_n = offs_n < kv_end
-        # Block ids (BLOCK_N,) of these tokens: masked past kv_end, where the table may be padding.
-        block_ids = tl.load(block_tables_ptr + seq * stride_bts + offs_n // CACHE_BLOCK_SIZE,
+        # Block ids (TILE_KEYS,) of these tokens: masked past kv_end, where the table may be padding.
+        block_ids = tl.load(block_tables_ptr + seq * stride_bts + offs_n // BLOCK_SIZE,
                             mask=mask_n, other=0).to(tl.int64)  # int64: big caches pass 2**31
-        offs_in_block = offs_n % CACHE_BLOCK_SIZE
-        # K tile, loaded transposed (BLOCK_D, BLOCK_N): masked past kv_end and the real head dim.
+        offs_in_block = offs_n % BLOCK_SIZE
+        # K tile, loaded transposed (TILE_DIM, TILE_KEYS): masked past kv_end and the real head dim.
         k_offs = (block_ids * stride_kb + offs_in_block * stride_kt)[None, :] \
             + kv_head * stride_kh + offs_d[:, None] * stride_kd
         k = tl.load(k_cache_ptr + k_offs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
-        scores = _dot(q, k, DOT_IN_FP32) * sm_scale  # (BLOCK_M, BLOCK_N) fp32
+        scores = _dot(q, k, DOT_IN_FP32) * sm_scale  # (TILE_ROWS, TILE_KEYS) fp32
         visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]  # causal + tail
         scores = tl.where(visible, scores, float("-inf"))
         # Online softmax: every row sees position 0 in the first step, so m_new is finite.
@@ -299,7 +301,7 @@ def _paged_attention_kernel(
         m_i = m_new
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        # V tile (BLOCK_N, BLOCK_D): masked like K; masked rows give 0 and have p == 0 anyway.
+        # V tile (TILE_KEYS, TILE_DIM): masked like K; masked rows give 0 and have p == 0 anyway.
         v_offs = (block_ids * stride_vb + offs_in_block * stride_vt)[:, None] \
             + kv_head * stride_vh + offs_d[None, :] * stride_vd
         v = tl.load(v_cache_ptr + v_offs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
@@ -308,8 +310,8 @@ def _paged_attention_kernel(
     tl.store(out_ptr + o_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_md)
 
 
-BLOCK_M = 16  # (query, head) rows per program: tl.dot's minimum (a decode fills G of them)
-BLOCK_N = 64  # keys per inner step
+TILE_ROWS = 16  # (query, head) rows per program: tl.dot's minimum (a decode fills G of them)
+TILE_KEYS = 64  # keys per inner step
 # K/V addresses come from a block-id load, so Triton's pipeliner needs 5 stages to keep step
 # n+1's K/V copies in flight during step n's math (at 3 it waits for every copy): 37 KB of
 # shared memory in fp16/bf16. fp32 tiles are twice that, so fp32 keeps 3 stages (41 KB).
@@ -321,10 +323,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Triton twin of paged_attention_ref: same arguments, same result. The launch reads no
     tensor's value (so never waits for the GPU) and runs on q's device, current or not.
-    One program per (sequence, KV head, tile of BLOCK_M (query, head) rows): each sequence's
+    One program per (sequence, KV head, tile of TILE_ROWS (query, head) rows): each sequence's
     max_query_len * G rows at most, G = H // Hkv."""
     num_tokens, num_heads, head_dim = q.shape
-    heads_per_kv = _heads_per_kv(q, k_cache)  # the caches' heads divide q's, or ValueError
+    group_size = group_size_of(q, k_cache)  # G; the caches' heads divide q's, or ValueError
     tables = meta.block_tables
     lens = meta.context_lens
     starts = meta.query_start_loc
@@ -341,14 +343,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert lens.is_contiguous() and starts.is_contiguous(), "context_lens and query_start_loc " \
         "are read as dense arrays"
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    grid = (len(lens), k_cache.shape[2], cdiv(meta.max_query_len * heads_per_kv, BLOCK_M))
+    grid = (len(lens), k_cache.shape[2], cdiv(meta.max_query_len * group_size, TILE_ROWS))
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, tables, lens, starts, scale,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), tables.stride(0),
-            HEADS_PER_KV=heads_per_kv,
-            HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-            CACHE_BLOCK_SIZE=k_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            GROUP_SIZE=group_size,
+            HEAD_DIM=head_dim, TILE_DIM=max(16, triton.next_power_of_2(head_dim)),
+            BLOCK_SIZE=k_cache.shape[1], TILE_ROWS=TILE_ROWS, TILE_KEYS=TILE_KEYS,
             DOT_IN_FP32=dot_in_fp32,
             num_warps=NUM_WARPS, num_stages=NUM_STAGES[q.element_size()])
     return out

@@ -206,7 +206,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Attention(nn.Module):
     """Causal self-attention with n_head query heads and n_kv_head K/V heads: query head h reads
-    K/V head h // (n_head // n_kv_head), so the cache holds n_kv_head heads a token (GPT-2:
+    K/V head h // G (G = n_head // n_kv_head, the group size), so the cache holds n_kv_head heads a token (GPT-2:
     as many as the queries; Llama-3.2-1B: 8 for 32)."""
 
     def __init__(self, config: GPTConfig):

@@ -36,7 +36,7 @@ from model import PRESETS
 from options import check_fields, option
 from paged_cache import BlockTable, allocate_kv_cache, cdiv, kv_bytes_per_token
 from sampling import SamplingParams, generation_config_defaults, sample, sampling_tensors, upload
-from scheduler import POLICIES, Scheduler, SchedulerOutput, Sequence, SequenceStatus
+from scheduler import POLICIES, Scheduler, SchedulerOutput, Sequence, SequenceStatus, check_stop
 from tokenizer import Detokenizer
 
 __version__ = "0.1.0"     # pyproject.toml reads it from here
@@ -106,9 +106,11 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None       # "stop", "length", "abort" or None while running
-    stop_reason: str | None = None  # the stop string that ended it, or why it was aborted
+    finish_reason: str | None       # "stop", "length", "abort" (cancelled), "error" (failed),
+                                    # or None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[dict[int, float]] | None = None  # per token: its log-probability, the top k
+    error: str | None = None        # why it failed (finish_reason "error")
 
 
 @dataclass
@@ -147,8 +149,8 @@ class ModelOutput:
 
 @dataclass
 class StepRecord:
-    """What one step did, by request id: the record that --trace, /metrics and bench.py read
-    and EngineStats adds up."""
+    """What one step did, by sequence id (a request's first sample has the request's own id):
+    the record that --trace, /metrics and bench.py read and EngineStats adds up."""
     scheduled: dict[str, int]       # tokens computed this step
     sampled: list[str]              # got a token
     finished: list[str]             # ended in this step, or were aborted since the last one
@@ -207,7 +209,7 @@ def to_host(tensor: torch.Tensor) -> list:
     return tensor.tolist()
 
 
-BLOCK_TABLE_COLUMNS = 16  # block tables are padded to a multiple of this many columns
+BLOCK_TABLE_ALIGNMENT = 16  # a block table's width, in block ids, is a multiple of this
 
 
 def padded_block_tables(block_ids: torch.Tensor, num_blocks: torch.Tensor,
@@ -218,7 +220,7 @@ def padded_block_tables(block_ids: torch.Tensor, num_blocks: torch.Tensor,
 
     width is max_num_blocks rounded up to a multiple of 16: Triton specialises the kernel on
     whether the row stride divides by 16, so every batch launches one compiled kernel."""
-    width = cdiv(max_num_blocks, BLOCK_TABLE_COLUMNS) * BLOCK_TABLE_COLUMNS
+    width = cdiv(max_num_blocks, BLOCK_TABLE_ALIGNMENT) * BLOCK_TABLE_ALIGNMENT
     device = block_ids.device
     rows = torch.repeat_interleave(torch.arange(len(num_blocks), device=device), num_blocks,
                                    output_size=len(block_ids))   # each id's sequence
@@ -252,15 +254,16 @@ class Engine:
         if config.max_model_len is not None and config.max_model_len > c.n_positions:
             raise ValueError(f"max_model_len {config.max_model_len} > the context {c.n_positions}")
         self.attention = select_attention(config.attention, config.device)
-        # K and V for every layer and K/V head: grouped-query attention's saving is here
+        # K and V for every layer and K/V head: grouped-query attention's saving is here. The
+        # caches of all layers, k_caches and v_caches (n_layer, NB, BS, Hkv, D); layer i's is [i].
         self.kv_bytes_per_token = kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_dim, dtype)
-        self.k_cache, self.v_cache, self.block_pool = allocate_kv_cache(
+        self.k_caches, self.v_caches, self.block_pool = allocate_kv_cache(
             c.n_layer, c.n_kv_head, c.head_dim, self._kv_cache_tokens(c.n_positions),
             config.block_size, config.device, dtype, config.enable_prefix_caching)
         self.max_model_len = self._max_model_len(config.max_model_len, c.n_positions)
         self.scheduler = Scheduler(self.block_pool, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
-                                   config.policy, self.eos_token_ids)
+                                   config.policy)
         self.generator = torch.Generator(config.device).manual_seed(config.seed)
         self.seqs: dict[str, Sequence] = {}            # sequence id -> its sequence
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n samples
@@ -363,11 +366,12 @@ class Engine:
 
     def update(self, scheduler_output: SchedulerOutput, model_output: ModelOutput
                ) -> list[RequestOutput]:
-        """Apply a step's results: failed sequences abort; the scheduler advances the others
-        and appends their tokens; each sampled sequence detokenizes and makes its output."""
+        """Apply a step's results: failed sequences fail; the scheduler advances the others
+        and appends their tokens; each sampled sequence detokenizes, finishes or not
+        (check_stop), and makes its output."""
         outputs = []
         for seq, error in model_output.failed.items():
-            outputs.append(self._abort(seq, error))
+            outputs.append(self._fail(seq, error))
         ran = dict(scheduler_output.num_scheduled_tokens)
         for seq in model_output.failed:
             del ran[seq]
@@ -504,17 +508,19 @@ class Engine:
             raise ValueError(f"request may need to prefill {num_kv_tokens} tokens in one step, "
                              f"but max_num_batched_tokens is {budget} and chunked prefill is off")
 
-    def abort(self, request_id: str, reason: str = "aborted") -> None:
-        """Stop a request and free its blocks now (after any step in flight); its last output
-        (finish_reason "abort", stop_reason `reason`) comes from the next step()."""
+    def abort(self, request_id: str) -> None:
+        """Cancel a request and free its blocks now (after any step in flight); its last output
+        (finish_reason "abort") comes from the next step()."""
         with self._lock:
             for seq in self.requests.get(request_id, []):
                 if not seq.is_finished:
-                    self._aborted_outputs.append(self._abort(seq, reason))
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                    self._aborted_outputs.append(self._output(seq))
 
-    def _abort(self, seq: Sequence, reason: str) -> RequestOutput:
-        self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-        seq.stop_reason = reason
+    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+        """End a sequence that an error failed (finish_reason "error"; the error in its output)."""
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+        seq.error = error
         return self._output(seq)
 
     def has_unfinished(self) -> bool:
@@ -525,7 +531,7 @@ class Engine:
         sequence with no uncomputed token left, gather the log-probabilities asked for."""
         batch = self._prepare_inputs(num_scheduled_tokens)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata,
-                            self.k_cache, self.v_cache, self.attention)    # (N, C)
+                            self.k_caches, self.v_caches, self.attention)    # (N, C)
         logits = self.compute_logits(hidden[batch.sample_rows])            # (n, vocab) fp32
         output = ModelOutput(logits=logits)
         if not batch.sample_seqs and not batch.prompt_seqs:
@@ -550,7 +556,7 @@ class Engine:
                 alone = self.run_batch({seq: num_new})
             except Exception as e:  # noqa: BLE001
                 self._fail_fast_on_device_error(e)
-                merged.failed[seq] = f"error: {type(e).__name__}: {e}"
+                merged.failed[seq] = f"{type(e).__name__}: {e}"
                 continue
             merged.sampled_token_ids |= alone.sampled_token_ids
             merged.logprobs |= alone.logprobs
@@ -590,27 +596,33 @@ class Engine:
                 output.prompt_logprobs.setdefault(seq, []).append(entry)
 
     def _detokenize(self, seq: Sequence) -> RequestOutput:
-        """Add seq's new token to its text, finish it at a stop string, make its output; an
-        error here fails this request alone."""
+        """Add seq's new token to its text, finish it if check_stop says so, make its output;
+        an error here fails this request alone."""
         try:
             token = seq.token_ids[-1]
-            params = seq.params
-            ended_by_stop_token = seq.is_finished and seq.stop_reason == token
-            if ended_by_stop_token and not params.include_stop_str_in_output:
-                seq.detokenizer.flush()  # the stop token stays in token_ids, not in the text
+            stop_string = self._append_text(seq, token)
+            finish = check_stop(seq, token, stop_string, self.eos_token_ids)
+            if finish is None:
                 return self._output(seq)
-            # As vLLM: stop strings count only once the output is longer than min_tokens.
-            check_stop = seq.num_output_tokens > params.min_tokens
-            stop = seq.detokenizer.append(token, check_stop)
-            if stop is not None:
-                seq.stop_reason = stop
-                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
-            elif seq.is_finished:
+            status, seq.stop_reason = finish
+            self.scheduler.finish(seq, status)
+            if stop_string is None:  # a stop string cut the text; else it ends here, whole
                 seq.detokenizer.flush()
             return self._output(seq)
         except Exception as e:  # noqa: BLE001 (this request alone fails)
             seq.detokenizer = Detokenizer(self.tokenizer, [])  # not the one that failed
-            return self._abort(seq, f"error: {type(e).__name__}: {e}")
+            return self._fail(seq, f"{type(e).__name__}: {e}")
+
+    @staticmethod
+    def _append_text(seq: Sequence, token: int) -> str | None:
+        """Add the token's text to seq's, unless it is a stop token kept out of the text
+        (in token_ids only); the stop string the text now holds, if any."""
+        params = seq.params
+        if token in params.stop_token_ids and not params.include_stop_str_in_output:
+            return None
+        # As vLLM: stop strings count only once the output is longer than min_tokens.
+        look_for_stop_strings = seq.num_output_tokens > params.min_tokens
+        return seq.detokenizer.append(token, look_for_stop_strings)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         """The request's delta since its last output; a finished request leaves the engine."""
@@ -625,7 +637,7 @@ class Engine:
         completion = CompletionOutput(
             index=seq.index, text=seq.detokenizer.new_text(finished), token_ids=new_token_ids,
             finish_reason=seq.status.value if finished else None, stop_reason=seq.stop_reason,
-            logprobs=new_logprobs)
+            logprobs=new_logprobs, error=seq.error)
         prompt_logprobs = None
         if is_first_output and seq.prompt_logprobs:
             prompt_logprobs = list(seq.prompt_logprobs)
@@ -763,7 +775,7 @@ class LLM:
                 progress.draw()
         except BaseException:  # all or nothing: a failed or interrupted batch leaves nothing
             for request_id in ids:
-                self.engine.abort(request_id, "withdrawn: generate() did not finish")
+                self.engine.abort(request_id)
             if self.engine.dead is None:
                 self.engine.step()
             raise
@@ -794,6 +806,7 @@ def accumulate(whole: dict[str, RequestOutput], delta: RequestOutput) -> None:
             so_far.logprobs = so_far.logprobs + new.logprobs
         so_far.finish_reason = new.finish_reason
         so_far.stop_reason = new.stop_reason
+        so_far.error = new.error
     if delta.prompt_logprobs is not None:
         request.prompt_logprobs = delta.prompt_logprobs
     request.finished = delta.finished

@@ -70,7 +70,9 @@ class BlockPool:
 
     It owns `block_size` (tokens per block): every other user reads it from here. The free
     queue holds every block nobody owns, in the order they are handed out again: blocks
-    without a hash first, then cached blocks, least recently used first (the LRU list).
+    without a hash first, then cached blocks in the order they were freed, the earliest first.
+    (vLLM calls this order LRU: a block in use is never evicted, so of the free ones the one
+    freed first is the one least recently used.)
     With enable_caching False no block is ever cached or looked up."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
@@ -79,8 +81,9 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.ref_counts = [0] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.block_hashes: list[bytes | None] = [None] * num_blocks  # None: not cached
-        self.cached_blocks: dict[bytes, int] = {}
+        # the prefix cache, both ways: a cached block's hash, and the block of a hash
+        self.block_id_to_hash: list[bytes | None] = [None] * num_blocks  # None: not cached
+        self.hash_to_block_id: dict[bytes, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -96,9 +99,9 @@ class BlockPool:
             raise RuntimeError(f"asked for {n} KV blocks; {self.num_free_blocks} are free")
         block_ids = [self.free_queue.popitem(last=False)[0] for _ in range(n)]
         for b in block_ids:
-            if (block_hash := self.block_hashes[b]) is not None:
-                del self.cached_blocks[block_hash]
-                self.block_hashes[b] = None
+            if (block_hash := self.block_id_to_hash[b]) is not None:
+                del self.hash_to_block_id[block_hash]
+                self.block_id_to_hash[b] = None
             self.ref_counts[b] = 1
         return block_ids
 
@@ -118,7 +121,7 @@ class BlockPool:
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
                 self.free_queue[b] = None
-                if self.block_hashes[b] is None:
+                if self.block_id_to_hash[b] is None:
                     self.free_queue.move_to_end(b, last=False)
 
     def count_free(self, block_ids: list[int]) -> int:
@@ -143,7 +146,7 @@ class BlockPool:
         for i in range((len(token_ids) - 1) // self.block_size):
             block_tokens = token_ids[i * self.block_size:(i + 1) * self.block_size]
             block_hash = hash_block(parent_hash, block_tokens)
-            block_id = self.cached_blocks.get(block_hash)
+            block_id = self.hash_to_block_id.get(block_hash)
             if block_id is None:
                 break
             block_hashes.append(block_hash)
@@ -154,9 +157,9 @@ class BlockPool:
     def cache_block(self, block_id: int, block_hash: bytes) -> None:
         """Make a full, computed block findable by its hash, unless another block with the
         same prefix is cached already (two sequences computed it at once): that one stays."""
-        if block_hash not in self.cached_blocks:
-            self.cached_blocks[block_hash] = block_id
-            self.block_hashes[block_id] = block_hash
+        if block_hash not in self.hash_to_block_id:
+            self.hash_to_block_id[block_hash] = block_id
+            self.block_id_to_hash[block_id] = block_hash
 
 
 class BlockTable:

@@ -32,7 +32,8 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"
     FINISHED_STOPPED = "stop"       # end-of-text or a stop string
     FINISHED_LENGTH = "length"      # max_tokens reached
-    FINISHED_ABORTED = "abort"      # aborted by the caller, or failed
+    FINISHED_ABORTED = "abort"      # cancelled by the caller (a client gone, Ctrl-C, shutdown)
+    FINISHED_ERROR = "error"        # failed: an error while running it (Sequence.error says)
 
 
 @dataclass(eq=False)
@@ -49,8 +50,8 @@ class Sequence:
     num_computed_tokens: int = 0              # tokens whose K/V are in the cache
     status: SequenceStatus = SequenceStatus.WAITING
     arrival_step: int = 0
-    stop_reason: str | int | None = None      # the stop string or stop token id that ended it,
-                                              # or why it aborted
+    stop_reason: str | int | None = None      # the stop string or stop token id that ended it
+    error: str | None = None                  # why it failed (FINISHED_ERROR)
     num_sent_tokens: int = 0                  # output tokens already returned in outputs
     logprobs: list = field(default_factory=list)         # per output token: {token id: logprob}
     prompt_logprobs: list = field(default_factory=list)  # per prompt token, the first's None
@@ -156,7 +157,7 @@ class Scheduler:
 
     def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, policy: str = "fcfs",
-                 eos_token_ids: tuple = (), sjf_max_wait_steps: int = 256):
+                 sjf_max_wait_steps: int = 256):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {POLICIES}")
         self.block_pool = block_pool
@@ -164,7 +165,6 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
-        self.eos_token_ids = set(eos_token_ids)  # each ends a sequence unless ignore_eos
         self.waiting = WaitingQueue(policy, sjf_max_wait_steps)
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.num_steps = 0
@@ -319,20 +319,13 @@ class Scheduler:
     def update(self, num_scheduled_tokens: dict[Sequence, int],
                sampled: dict[Sequence, int]) -> None:
         """After the model ran: advance each scheduled sequence's num_computed_tokens and cache
-        the blocks it filled, append the sampled tokens, finish at end-of-text, a stop token or
-        max_tokens."""
+        the blocks it filled, append the sampled tokens. Whether a token ends its sequence is
+        check_stop's to say, once the engine has its text."""
         for seq, num_new in num_scheduled_tokens.items():
             seq.num_computed_tokens += num_new
             seq.block_table.cache_full_blocks(seq.token_ids, seq.num_computed_tokens)
         for seq, token in sampled.items():
             seq.token_ids.append(token)
-            if token in self.eos_token_ids and not seq.params.ignore_eos:
-                self.finish(seq, SequenceStatus.FINISHED_STOPPED)
-            elif token in seq.params.stop_token_ids:  # masked before min_tokens (the sampler)
-                seq.stop_reason = token
-                self.finish(seq, SequenceStatus.FINISHED_STOPPED)
-            elif seq.num_output_tokens == seq.params.max_tokens:
-                self.finish(seq, SequenceStatus.FINISHED_LENGTH)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """End a sequence (running or waiting) and free its blocks; an already finished one
@@ -343,3 +336,25 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.block_table.release()
         seq.status = status
+
+
+def check_stop(seq: Sequence, token: int, stop_string: str | None, eos_token_ids: list[int]
+               ) -> tuple[SequenceStatus, str | int | None] | None:
+    """Why seq finishes with its new token, as (status, stop_reason), or None if it goes on:
+    the one place that decides. In order: a stop string its text now holds (stop_string, which
+    the Detokenizer found), end-of-text (unless ignore_eos), one of its stop_token_ids, then
+    max_tokens. Before min_tokens nothing here can happen but max_tokens: the sampler bans
+    end-of-text and the stop ids, and the engine does not look for stop strings.
+
+    Example: max_tokens 3 and stop ["!"]; the third token is "!": a stop string ends it
+    (stop, "!"), not the length, as vLLM reports it."""
+    params = seq.params
+    if stop_string is not None:
+        return SequenceStatus.FINISHED_STOPPED, stop_string
+    if token in eos_token_ids and not params.ignore_eos:
+        return SequenceStatus.FINISHED_STOPPED, None
+    if token in params.stop_token_ids:
+        return SequenceStatus.FINISHED_STOPPED, token
+    if seq.num_output_tokens == params.max_tokens:
+        return SequenceStatus.FINISHED_LENGTH, None
+    return None

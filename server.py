@@ -213,8 +213,8 @@ class EngineThread(threading.Thread):
         self.loop.call_soon_threadsafe(settle, future, result, None)
 
     def add(self, requests: list, ids: list[str]) -> None:
-        """All of one HTTP request's sequences, or none of them: ValueError names what is wrong
-        (EngineDeadError: the engine is gone)."""
+        """All of one HTTP request's engine requests (one a prompt), or none of them:
+        ValueError names what is wrong (EngineDeadError: the engine is gone)."""
         if self.engine.dead is not None:
             raise EngineDeadError(self.engine.dead)
         added = []
@@ -222,13 +222,13 @@ class EngineThread(threading.Thread):
             for (prompt, params), request_id in zip(requests, ids):
                 self.engine.add_request(prompt, params, request_id)
                 added.append(request_id)
-        except ValueError:
-            self.abort(added, "another prompt of its request was refused")
+        except ValueError:  # another prompt of its HTTP request was refused
+            self.abort(added)
             raise
 
-    def abort(self, ids: list[str], reason: str) -> None:
+    def abort(self, ids: list[str]) -> None:
         for request_id in ids:
-            self.engine.abort(request_id, reason)
+            self.engine.abort(request_id)
 
     def gauges(self) -> list[str]:
         """The engine's gauges and counters in Prometheus' text format: vLLM's metric names,
@@ -565,12 +565,12 @@ class ClientProtocol(asyncio.StreamReaderProtocol):
 
 @dataclass(eq=False)  # compared and hashed by identity: the loop keeps a set of them
 class ServedRequest:
-    """One HTTP request's sequences as the loop sees them: the outputs the engine thread
-    delivered that are not yet written, and the event that wakes the coroutine answering."""
-    ids: list[str]
+    """One HTTP request as the loop sees it: its engine requests (one a prompt, each with its
+    n samples), the outputs the engine thread delivered that are not yet written, and the
+    event that wakes the coroutine answering."""
+    ids: list[str]                        # its engine requests' ids
     outputs: list[RequestOutput] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    ended_by_server: bool = False         # a shutdown aborted it: not a failure
     dead: EngineDeadError | None = None   # the engine died under it
 
 
@@ -705,9 +705,7 @@ class Server:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.idle.wait(), timeout)
         for served in self.in_flight:
-            served.ended_by_server = True
-            self.engine_thread.inbox.put(partial(self.engine_thread.abort, served.ids,
-                                                 "the server is shutting down"))
+            self.engine_thread.inbox.put(partial(self.engine_thread.abort, served.ids))
         with contextlib.suppress(asyncio.TimeoutError):  # the next step ends them all
             await asyncio.wait_for(self.idle.wait(), DRAIN_ANSWER_TIMEOUT)
         for writer in list(self.connections):
@@ -946,7 +944,7 @@ class Server:
             head |= dict(created=int(time.time()), model=self.model_name)
             await self.respond(exchange, served, head, options)
         except Exception:  # refused (nothing to abort), or a bug here: its blocks are freed
-            self.abort(served, "the server could not answer")
+            self.abort(served)
             raise
         finally:
             self.forget(served)
@@ -990,7 +988,7 @@ class Server:
             await served.wake.wait()
             served.wake.clear()
             if exchange.client.gone:
-                self.abort(served, "the client disconnected")
+                self.abort(served)
                 return
             if served.dead is not None:
                 self.fail(exchange, served, str(served.dead))
@@ -998,7 +996,7 @@ class Server:
             outputs = served.outputs
             served.outputs = []
             for out in outputs:
-                failure = self.failure(served, out)
+                failure = self.failure(out)
                 if failure is not None:
                     self.fail(exchange, served, failure)
                     return
@@ -1033,20 +1031,18 @@ class Server:
             exchange.event(head | dict(choices=[chunk]))
 
     @staticmethod
-    def failure(served: ServedRequest, out: RequestOutput) -> str | None:
-        """Why the engine failed this sequence (its error), or None: it did not, or was ended
-        by a shutdown (then its "abort" is an answer, not a failure)."""
-        if served.ended_by_server:
-            return None
+    def failure(out: RequestOutput) -> str | None:
+        """Why the engine failed one of this output's samples (its error), or None. A sample
+        that a shutdown aborted is an answer (finish_reason "abort"), not a failure."""
         for completion in out.outputs:
-            if completion.finish_reason == "abort":
-                return completion.stop_reason
+            if completion.finish_reason == "error":
+                return completion.error
         return None
 
     def fail(self, exchange: Exchange, served: ServedRequest, message: str) -> None:
         """The engine failed the request: a 500, or, once streaming, an error event then
-        [DONE] (as vLLM does); its other sequences are aborted."""
-        self.abort(served, "another sequence of its request failed")
+        [DONE] (as vLLM does); the rest of it is aborted."""
+        self.abort(served)
         error = HTTPError(500, message)
         if exchange.status is None:
             exchange.send_error(error)
@@ -1061,12 +1057,12 @@ class Server:
               f"past --max-write-buffer {self.config.max_write_buffer}); its request is "
               "aborted", file=sys.stderr)
         exchange.writer.transport.abort()
-        self.abort(served, "the client stopped reading")
+        self.abort(served)
 
-    def abort(self, served: ServedRequest, reason: str) -> None:
-        """Abort the request's sequences (their blocks are free after the next step) and let
-        go of it: nothing more is written."""
-        self.engine_thread.inbox.put(partial(self.engine_thread.abort, served.ids, reason))
+    def abort(self, served: ServedRequest) -> None:
+        """Abort the HTTP request's engine requests (their blocks are free after the next
+        step) and let go of it: nothing more is written."""
+        self.engine_thread.inbox.put(partial(self.engine_thread.abort, served.ids))
         self.forget(served)
 
     def observe(self, out: RequestOutput, now: float) -> None:
@@ -1082,7 +1078,7 @@ class Server:
         if not out.finished:
             return
         del self.times[out.request_id]
-        if any(completion.finish_reason == "abort" for completion in out.outputs):
+        if any(completion.finish_reason in ("abort", "error") for completion in out.outputs):
             return
         self.histograms["e2e_request_latency_seconds"].observe(now - times.arrival)
         if times.num_tokens > 1:

@@ -246,7 +246,7 @@ MAX_MODEL_LEN = 256  # the engine's block tables are cdiv(max_model_len, block_s
 # (context_len, q_len) per sequence; context_len counts this step's tokens, as in the engine.
 BATCHES = {
     # decodes (one at position 0) mixed with a whole prompt of 2 query tiles and a prefill chunk
-    # whose sequence already cached 70 tokens (2 key steps of BLOCK_N = 64)
+    # whose sequence already cached 70 tokens (2 key steps of TILE_KEYS = 64)
     "mixed": [(37, 1), (20, 20), (83, 13), (1, 1), (130, 1), (9, 9)],
     "decode_only": [(5, 1), (64, 1), (71, 1), (16, 1)],
 }
@@ -341,19 +341,19 @@ def test_reference_attention_query_head_h_reads_kv_head_h_floordiv_g():
         torch.testing.assert_close(out[:, head:head + 1], alone)
 
 
-# More decodes than a DECODE_GROUP, of contexts that differ and tie, beside prefill chunks.
+# More decodes than a DECODE_BATCH, of contexts that differ and tie, beside prefill chunks.
 MANY_DECODES = [(5 + 23 * i % 97, 1) for i in range(19)] + [(40, 40), (70, 9)]
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", [
     pytest.param(NUM_HEADS, NUM_HEADS, id="G1"), *GROUPED_HEADS])
-@pytest.mark.parametrize("decode_bytes, num_groups", [(8 << 20, 3), (1, 19)])
+@pytest.mark.parametrize("decode_bytes, num_batches", [(8 << 20, 3), (1, 19)])
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_cpu_attention_matches_reference_in_every_layer(block_size, decode_bytes, num_groups,
+def test_cpu_attention_matches_reference_in_every_layer(block_size, decode_bytes, num_batches,
                                                         num_heads, num_kv_heads, monkeypatch):
     """paged_attention_cpu plans a step's decodes in its first layer and reuses the plan (and
     its buffers) in the others: each layer, its own caches, must still get the reference,
-    whether the decodes go DECODE_GROUP together or one by one (K/V past DECODE_BYTES). With
+    whether the decodes go DECODE_BATCH together or one by one (K/V past DECODE_BYTES). With
     GQA the K/V it gathers are the cache's Hkv heads, never copied per query head."""
     monkeypatch.setattr("kernels.DECODE_BYTES", decode_bytes)
     q, k_cache, v_cache, meta = make_batch(MANY_DECODES, block_size, 32, device="cpu",
@@ -364,7 +364,7 @@ def test_cpu_attention_matches_reference_in_every_layer(block_size, decode_bytes
         # fp32; the order of the sums differs (G query rows a GEMM): up to 2e-6 seen
         torch.testing.assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, 0.2),
                                    atol=1e-5, rtol=1e-5)
-    assert len(meta.decode_plan.groups) == num_groups
+    assert len(meta.decode_plan.batches) == num_batches
     assert all(b.shape[1:] == k_cache.shape[1:] for b in meta.decode_plan.buffers)
 
 
@@ -411,7 +411,7 @@ def test_a_cuda_step_waits_for_the_device_only_to_read_its_results(monkeypatch):
     """Whole engine steps (a prompt chunk beside decodes; greedy, seeded and unseeded samples,
     top-k and top-p; log-probabilities) under set_sync_debug_mode("error"): any wait for the
     GPU raises, except in nanoserve.to_host, where the step reads its tokens on purpose. A
-    step that fails fails its requests (finish_reason "abort"), so none may."""
+    step that fails fails its requests (finish_reason "error"), so none may."""
     engine = Engine(EngineConfig(preset="tiny", device="cuda", dtype="bfloat16",
                                  max_num_batched_tokens=32))
     kinds = [SamplingParams(temperature=0), SamplingParams(seed=1, top_k=20, logprobs=2),
@@ -443,7 +443,7 @@ def test_a_cuda_step_waits_for_the_device_only_to_read_its_results(monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert reads  # the steps read their tokens
-    assert not [o for o in outputs if o.finished and o.outputs[0].finish_reason == "abort"]
+    assert not [o for o in outputs if o.finished and o.outputs[0].finish_reason == "error"]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
@@ -1153,7 +1153,7 @@ def test_abort_ends_every_sample_of_a_request():
     engine = tiny().engine
     request_id = engine.add_request("ab", SamplingParams(n=3, max_tokens=50, ignore_eos=True))
     engine.step()
-    engine.abort(request_id, "enough")
+    engine.abort(request_id)
     last = engine.step()
     assert sorted(c.index for d in last for c in d.outputs) == [0, 1, 2]
     assert all(c.finish_reason == "abort" for d in last for c in d.outputs)
@@ -1373,7 +1373,7 @@ def test_outputs_and_params_are_copies(alone):
 
 def test_a_failing_request_fails_alone(alone, monkeypatch):
     """The model raises whenever one request's token is in the batch: that request alone ends
-    with finish_reason "abort" and the error; the others' tokens do not change."""
+    with finish_reason "error" and the error; the others' tokens do not change."""
     llm = tiny(max_num_batched_tokens=64)
     real_forward = llm.engine.model.forward
 
@@ -1388,8 +1388,8 @@ def test_a_failing_request_fails_alone(alone, monkeypatch):
     engine.add_request("bad<|endoftext|>", GREEDY, "bad")
     deltas = run_to_end(engine)
     last = deltas["bad"][-1].outputs[0]
-    assert (last.finish_reason, last.stop_reason) == (
-        "abort", "error: RuntimeError: poisoned batch")
+    assert (last.finish_reason, last.error, last.stop_reason) == (
+        "error", "RuntimeError: poisoned batch", None)
     assert [whole_token_ids(deltas[str(i)])
             for i in range(len(PROMPTS))] == alone
     assert_no_leaks(engine)
@@ -1403,7 +1403,8 @@ def test_a_request_failing_in_update_fails_alone(alone, method):
     deltas = run_to_end(engine, steps=1)
     setattr(engine.seqs["1"].detokenizer, method, lambda *args: 1 / 0)
     run_to_end(engine, deltas)
-    assert deltas["1"][-1].outputs[0].stop_reason == "error: ZeroDivisionError: division by zero"
+    last = deltas["1"][-1].outputs[0]
+    assert (last.finish_reason, last.error) == ("error", "ZeroDivisionError: division by zero")
     assert [whole_token_ids(deltas[i]) for i in "02"] == \
         [alone[0], alone[2]]
     assert_no_leaks(engine)
@@ -1496,13 +1497,13 @@ def test_abort_frees_blocks_and_leaves_others_unchanged(alone, victim_state, blo
     assert engine.seqs[victim].status.value == victim_state
     free_before = engine.block_pool.num_free_blocks
     waiting_before = len(engine.scheduler.waiting)
-    engine.abort(victim, "client went away")
+    engine.abort(victim)
     assert engine.block_pool.num_free_blocks == free_before + blocks_freed
     assert len(engine.scheduler.waiting) == waiting_before - left_the_queue
     run_to_end(engine, deltas)
     last = deltas[victim][-1]
     assert last.finished and (last.outputs[0].finish_reason, last.outputs[0].stop_reason) == (
-        "abort", "client went away")
+        "abort", None)
     others = [i for i, request_id in enumerate(ids) if request_id != victim]
     assert [whole_token_ids(deltas[ids[i]]) for i in others] == \
         [alone[i] for i in others]
@@ -1705,7 +1706,7 @@ def test_failed_admission_leaves_the_lru_order_of_cached_blocks_unchanged():
                        BlockTable(block_pool))  # 21 tokens and 1 more: 6 blocks, 3 cached
     scheduler.add(waiting)
     assert scheduler.schedule().num_scheduled_tokens == {decode: 1}
-    assert list(block_pool.free_queue) == lru_order and len(block_pool.cached_blocks) == 4
+    assert list(block_pool.free_queue) == lru_order and len(block_pool.hash_to_block_id) == 4
     assert waiting.status == SequenceStatus.WAITING and waiting.block_table.block_ids == []
 
 
@@ -1755,13 +1756,13 @@ def check_books(engine: Engine) -> None:
     owners = Counter(b for seq in engine.seqs.values() for b in seq.block_table.block_ids)
     assert pool.ref_counts == [owners[b] for b in range(pool.num_blocks)]
     assert set(pool.free_queue) == {b for b in range(pool.num_blocks) if not owners[b]}
-    cached_in_order = [pool.block_hashes[b] is not None for b in pool.free_queue]
+    cached_in_order = [pool.block_id_to_hash[b] is not None for b in pool.free_queue]
     assert cached_in_order == sorted(cached_in_order)  # uncached blocks first, then cached
-    assert {pool.block_hashes[b] for b in pool.cached_blocks.values()} == set(pool.cached_blocks)
-    assert sum(h is not None for h in pool.block_hashes) == len(pool.cached_blocks)
+    assert {pool.block_id_to_hash[b] for b in pool.hash_to_block_id.values()} == set(pool.hash_to_block_id)
+    assert sum(h is not None for h in pool.block_id_to_hash) == len(pool.hash_to_block_id)
     for seq in engine.scheduler.running:  # the blocks its next tokens go to: its own, uncached
         for b in seq.block_table.block_ids[seq.num_computed_tokens // bs:]:
-            assert owners[b] == 1 and pool.block_hashes[b] is None, f"{seq.seq_id} writes {b}"
+            assert owners[b] == 1 and pool.block_id_to_hash[b] is None, f"{seq.seq_id} writes {b}"
 
 
 def serve_steps(engine: Engine, arrivals: dict[int, list], aborts: dict[int, list] | None = None,
@@ -1874,13 +1875,13 @@ def test_a_fully_cached_prompt_leaves_its_shared_blocks_untouched():
     serve_steps(engine, {0: [("a", prompt, CACHE_GREEDY)]})
     _, cached = engine.block_pool.find_cached_prefix(prompt + [0])
     assert len(cached) == 4  # the prompt's 4 blocks are cached
-    kv = engine.k_cache[:, cached].clone(), engine.v_cache[:, cached].clone()
+    kv = engine.k_caches[:, cached].clone(), engine.v_caches[:, cached].clone()
     on = serve_steps(engine, {0: [("b", prompt, CACHE_GREEDY), ("c", prompt, CACHE_GREEDY)]},
                      seqs=(seqs := {}))
     assert on["b"] == on["c"] == off["a"]
     assert seqs["b"].num_cached_tokens == seqs["c"].num_cached_tokens == 24
-    assert torch.equal(engine.k_cache[:, cached], kv[0])
-    assert torch.equal(engine.v_cache[:, cached], kv[1])
+    assert torch.equal(engine.k_caches[:, cached], kv[0])
+    assert torch.equal(engine.v_caches[:, cached], kv[1])
 
 
 def test_eviction_under_memory_pressure_keeps_outputs_right():
@@ -1895,8 +1896,8 @@ def test_eviction_under_memory_pressure_keeps_outputs_right():
         pool, allocate = engine.block_pool, engine.block_pool.allocate
 
         def counting(n):
-            cached, block_ids = len(pool.cached_blocks), allocate(n)
-            evictions.append(cached - len(pool.cached_blocks))
+            cached, block_ids = len(pool.hash_to_block_id), allocate(n)
+            evictions.append(cached - len(pool.hash_to_block_id))
             return block_ids
         pool.allocate = counting
     _, seqs = serve_both(arrivals, probe=count_evictions, kv_cache_tokens=192, max_num_seqs=3)
@@ -1944,8 +1945,8 @@ def test_free_queue_hands_out_uncached_blocks_first_then_least_recently_used():
     pool.touch([b])           # a hit takes b back out of the free queue
     assert pool.num_free_blocks == 3 and pool.ref_counts[b] == 1
     assert pool.allocate(2) == [d, a]
-    assert hash_block(b"", [1, 1]) not in pool.cached_blocks  # a was evicted
-    assert pool.cached_blocks == {hash_block(b"", [2, 2]): b, hash_block(b"", [3, 3]): c}
+    assert hash_block(b"", [1, 1]) not in pool.hash_to_block_id  # a was evicted
+    assert pool.hash_to_block_id == {hash_block(b"", [2, 2]): b, hash_block(b"", [3, 3]): c}
 
 
 def test_the_first_block_cached_for_a_prefix_stays_cached():
@@ -1955,7 +1956,7 @@ def test_the_first_block_cached_for_a_prefix_stays_cached():
     for table in (one, two):
         assert table.ensure(5)
         table.cache_full_blocks([1, 2, 3, 4, 5], 4)
-    assert list(pool.cached_blocks.values()) == one.block_ids[:2]
+    assert list(pool.hash_to_block_id.values()) == one.block_ids[:2]
     assert two.block_hashes == one.block_hashes  # the chain goes on from either
     first = one.block_ids[0]
     one.release()
@@ -2024,7 +2025,7 @@ def test_prefix_caching_off_caches_nothing():
                 5: [("3", PREFIX, CACHE_GREEDY)]}
     engine = caching_engine(False)
     serve_steps(engine, arrivals)
-    assert engine.stats.num_cached_tokens == 0 and not engine.block_pool.cached_blocks
+    assert engine.stats.num_cached_tokens == 0 and not engine.block_pool.hash_to_block_id
     assert engine.stats.num_prompt_tokens == 3 * 38 + 37
 
 
@@ -2678,7 +2679,7 @@ def test_grouped_query_kv_cache_holds_n_kv_head_heads():
     engine = tiny(preset="llama-tiny").engine
     c = engine.model.config
     assert (c.n_head, c.n_kv_head) == (8, 2)
-    assert engine.k_cache.shape[-2:] == (2, 32)
+    assert engine.k_caches.shape[-2:] == (2, 32)
     assert engine.kv_bytes_per_token == 2 * c.n_layer * 2 * 32 * 4
     full = dataclasses.replace(c, n_kv_head=c.n_head)
     assert M.GPT(full).config.n_kv_head == 8
@@ -4758,3 +4759,70 @@ def test_bench_url_needs_a_stream(stub):
     status, result, printed, err = run_bench(URL_TINY + ["--url", url])
     assert status == 2 and result is None and err.count("\n") == 1, err
     assert err == f"error: {url}/v1/completions streamed no choices\n"
+
+
+def test_presence_and_frequency_penalties_count_the_output_not_the_prompt():
+    """OpenAI's presence and frequency penalties lower the logits of the tokens generated so
+    far, never the prompt's: a prompt made of the very tokens greedy decoding picks next is
+    no penalty (the first token is the plain greedy one, though penalizing the prompt would
+    change it), and the rest equal the dense reference loop that counts only the output."""
+    llm = tiny()
+    plain = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    base = llm.engine.tokenizer.encode(PROMPTS[3])  # "x" * 37: the model loops on one token
+    prompt = base + llm.generate([base], plain)[0].outputs[0].token_ids[:8]
+    first = llm.generate([prompt], plain)[0].outputs[0].token_ids[0]
+    logits = llm.engine.model.forward_dense(torch.tensor([prompt]))[0, -1].detach().double()
+    runner_up = logits.topk(2).values[1].item()
+    compared = 0
+    for presence, frequency in ((1.0, 0.0), (0.0, 0.5)):
+        # counted in the prompt, `first` would lose to the runner-up
+        assert logits[first] - presence - frequency * prompt.count(first) < runner_up
+        params = dataclasses.replace(plain, presence_penalty=presence,
+                                     frequency_penalty=frequency)
+        got = llm.generate([prompt], params)[0].outputs[0].token_ids
+        assert got[0] == first, (presence, frequency)
+        want, num_decided = penalized_reference(llm.engine.model, prompt, 24, presence,
+                                                frequency, 1.0)
+        assert got[:num_decided] == want[:num_decided], (presence, frequency)
+        compared += num_decided
+    assert compared >= 24
+
+
+def test_each_rows_logit_bias_and_min_tokens_ban_apply_to_that_row_alone():
+    """Requests with different logit_bias and min_tokens in one batch each get their own
+    bias and their own end-of-text ban: every one's greedy tokens equal its tokens alone,
+    and every bias changes what plain greedy decoding would give."""
+    llm = tiny()
+    eot = llm.engine.tokenizer.token_id(EOT)
+    plain = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    greedy = token_ids(llm.generate(PROMPTS[:5], plain))
+    ends = dataclasses.replace(plain, ignore_eos=False, logit_bias={eot: 100})
+    params = [ends,                                                  # end-of-text at once
+              dataclasses.replace(plain, logit_bias={65: 100}),      # forces one token
+              dataclasses.replace(plain, logit_bias={200: 100}),     # forces another
+              dataclasses.replace(ends, min_tokens=4),               # end-of-text held back 4
+              dataclasses.replace(plain, logit_bias={greedy[4][0]: -100})]  # bans a token
+    alone = [token_ids(llm.generate([p], sp))[0] for p, sp in zip(PROMPTS, params)]
+    assert alone[:3] == [[eot], [65] * 10, [200] * 10]
+    assert alone[3][4:] == [eot] and eot not in alone[3][:4]
+    assert alone[4][0] != greedy[4][0]
+    assert all(a != g for a, g in zip(alone, greedy))
+    for order in (range(5), reversed(range(5))):
+        order = list(order)
+        together = token_ids(llm.generate([PROMPTS[i] for i in order],
+                                          [params[i] for i in order]))
+        assert together == [alone[i] for i in order], order
+
+
+def test_api_key_must_match_whole_not_as_a_prefix():
+    """Only "Authorization: Bearer KEY" exactly passes: a header that starts with the key
+    and goes on, repeats it, or holds only part of it gets a 401."""
+    proc, url = start_server("--api-key", "sk-test")
+    try:
+        for given in ("Bearer sk-test2", "Bearer sk-testsk-test", "Bearer sk-test junk",
+                      "Bearer sk-test Bearer sk-test", "Bearer sk-tes", "Bearer ", "sk-test"):
+            status, got = http(url, "/v1/models", headers={"Authorization": given})
+            assert status == 401 and "API key" in got["error"]["message"], given
+        assert http(url, "/v1/models", headers={"Authorization": "Bearer sk-test"})[0] == 200
+    finally:
+        stop(proc)
