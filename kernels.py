@@ -23,7 +23,7 @@ paged_attention_cpu (the CPU default) and the Triton kernel with its launcher pa
 function it is given; the engine (nanoserve.py) builds the metadata.
 
 Left out on purpose: sliding windows, ALiBi, fp8 caches, split-K decode. Checked on a CPU
-only (test_nanoserve.py): the kernel against the reference in Triton's interpreter (fp32,
+only (test_kernels.py): the kernel against the reference in Triton's interpreter (fp32,
 fp16, bf16; G = 1, 2, 3, 4, 7), and its sm_80/sm_90 build as launched (fp16/bf16, head dim
 64, G = 1, 4 and 7: <= 128 registers, no spills, < 64 KB of shared memory, K/V by pipelined
 cp.async). Not checked: speed, or results, on a GPU."""

@@ -12,7 +12,7 @@ gap is tiny two float32 implementations may pick either token, and the test stop
 Before writing, it checks that the cases tell the right penalty from wrong ones (none, over
 the output only, negative logits divided too), run through transformers the same way.
 
-Re-run from the repo root when the checkpoint helpers in test_nanoserve.py (SMALL,
+Re-run from the repo root when the checkpoint helpers in test_checkpoint.py (SMALL,
 straddling_gpt2_state, write_random_gpt2) or the cases below change:
 
     pip install transformers   # for this script only: not in requirements.txt or pyproject
@@ -31,10 +31,10 @@ from transformers import (GPT2LMHeadModel, LogitsProcessor, LogitsProcessorList,
                           RepetitionPenaltyLogitsProcessor)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # the flat modules and test_nanoserve live at the repo root
+sys.path.insert(0, ROOT)  # the flat modules and the tests live at the repo root
 
-from test_nanoserve import (REPETITION_PENALTY_FIXTURE, SMALL, hf_gpt2_logits,  # noqa: E402
-                            straddling_gpt2_state, tokens_before_near_tie, write_random_gpt2)
+from test_checkpoint import (REPETITION_PENALTY_FIXTURE, SMALL, hf_gpt2_logits,  # noqa: E402
+                             straddling_gpt2_state, tokens_before_near_tie, write_random_gpt2)
 
 PROMPTS = [
     [72, 101, 108, 108, 111],                              # "Hello": one repeated id
@@ -49,7 +49,7 @@ NEW_TOKENS = 24
 def load_reference(path: str) -> GPT2LMHeadModel:
     """transformers' GPT-2 from the checkpoint directory, float32, with no end-of-text token:
     it never stops early (nanoserve's ignore_eos=True). Its logits are checked against the
-    hand-written GPT-2 in test_nanoserve, so a weight it failed to load cannot go unnoticed."""
+    hand-written GPT-2 in test_checkpoint, so a weight it failed to load cannot go unnoticed."""
     model = GPT2LMHeadModel.from_pretrained(path, dtype=torch.float32,
                                             attn_implementation="eager")
     model.eval()

@@ -1,0 +1,434 @@
+"""bench.py's guarantees: its modes run, its figures agree, and --url measures a server.
+"""
+import contextlib
+import io
+import json
+import math
+import os
+import socket
+import subprocess
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+import torch
+
+import bench
+import model as M
+from nanoserve import LLM
+from conftest import CountSyncs, GREEDY, HERE, start_server, tiny
+
+
+# ----------------------------------------------------------------------------- bench.py
+
+TINY = ("--num-requests 8 --prompt-len 16 --limits 8 16 --online-requests 6 --online-limit 12 "
+        "--mean-output-len 6 --rates 40 inf --max-num-seqs 4 --max-num-batched-tokens 24 "
+        "--kv-cache-tokens 64 --host-output-lens 4 40 --kv-budget 80").split()
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory) -> tuple[dict, str]:
+    out, threads = tmp_path_factory.mktemp("bench") / "bench.json", torch.get_num_threads()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            bench.main(TINY + ["--hardware-preset", "tiny", "--out", str(out)])  # sets threads
+    finally:
+        torch.set_num_threads(threads)
+    return json.loads(out.read_text()), printed.getvalue()
+
+
+def check_recompute(computed: int, needed: int, preemptions: int, most_per_preemption: int):
+    """Tokens computed = tokens needed + what each preemption threw away: at least one token
+    (a running sequence has computed some) and at most the most a sequence can hold."""
+    assert needed + preemptions <= computed <= needed + preemptions * most_per_preemption
+    assert (preemptions == 0) == (computed == needed)
+
+
+def test_bench_offline_and_online_figures_agree(bench_run):
+    result, printed = bench_run
+    cfg = result["config"]
+    P = 16
+    assert cfg["max_num_batched_tokens"] == 24 and cfg["host_output_lens"] == [4, 40]
+    assert list(result["offline"]) == ["8", "16"] and cfg["modes"] == list(bench.MODES)[:-1]
+    for limit, runs in result["offline"].items():
+        lengths = runs["lengths"]
+        assert len(lengths) == 8 and all(1 <= n <= int(limit) for n in lengths)
+        assert list(runs["modes"]) == cfg["modes"]
+        needed = sum(P + n - 1 for n in lengths)  # each prompt, and each output fed back
+        for mode, r in runs["modes"].items():
+            assert r["output_tokens"] == sum(lengths), (limit, mode)
+            assert r["same_tokens"] == 1.0, (limit, mode)  # greedy: no mode changes a token
+            assert 0 < r["kv_real_share"] <= 1 and 0 < r["seqs_per_step"] <= 4
+            assert r["steps"] >= max(lengths)  # one token per request per step at most
+            if mode == "naive":  # its step log is its own arithmetic: nothing to check there
+                continue
+            assert r["kv_slots_peak"] <= 64  # the cache's size
+            check_recompute(r["tokens_computed"], needed, r["preemptions"], P + int(limit) - 2)
+            if mode != "no-chunk":
+                assert r["tokens_per_step"] <= 24
+    assert list(result["online"]) == ["40.0", "inf"]
+    for runs in result["online"].values():
+        assert list(runs) == [m for m in cfg["modes"] if m != "naive"]
+        for r in runs.values():
+            assert r["requests"] == 6 and r["output_tokens"] == sum(result["online_lengths"])
+            assert r["ttft"]["mean"] <= r["e2e"]["mean"]  # the first token, then the last
+    for title in ("Offline", "Online", "Decode step, tiny, 1 threads"):
+        assert title in printed
+
+
+def test_bench_grouped_query_runs_more_sequences_in_the_same_kv_memory(bench_run):
+    """llama-tiny's 2 K/V heads for 8 make a token's K/V a quarter of llama-tiny-mha's: in the
+    memory of 80 tokens of the latter, 320 of the former, and more sequences a step."""
+    result, printed = bench_run
+    assert list(result["grouped_query"]) == ["8", "16"]
+    for limit, runs in result["grouped_query"].items():
+        mha, gqa = runs["llama-tiny-mha"], runs["llama-tiny"]
+        assert (mha["kv_heads"], mha["kv_tokens"]) == (8, 80)
+        assert (gqa["kv_heads"], gqa["kv_tokens"]) == (2, 320)
+        assert gqa["output_tokens"] == mha["output_tokens"]  # the same requests, EOS ignored
+        assert mha["kv_slots_peak"] <= 80 and gqa["kv_slots_peak"] <= 320
+        assert gqa["seqs_peak"] > mha["seqs_peak"] and gqa["seqs_per_step"] > mha["seqs_per_step"]
+        assert gqa["vs_mha"] == gqa["tok_s"] / mha["tok_s"]
+    assert "Grouped-query attention at equal KV memory" in printed
+
+
+def test_bench_naive_dense_baseline_equals_the_engine_on_a_grouped_query_model():
+    """On llama-tiny the naive baseline (a dense cache, left-padded batches, RoPE from each
+    row's shifted positions, grouped heads through SDPA) gives the paged engine's tokens."""
+    status, result, _, _ = run_bench(TINY + ["--preset", "llama-tiny", "--modes", "naive", "fcfs",
+                                             "--no-grouped-query", "--rates", "inf"])
+    assert status == 0
+    for experiment in ("offline", "equal_memory"):
+        for runs in result[experiment].values():
+            assert runs["modes"]["fcfs"]["same_tokens"] == 1.0  # fcfs against naive, token by token
+
+
+def test_bench_equal_memory_holds_every_mode_to_the_kv_budget(bench_run):
+    """80 tokens of KV each: naive and static reserve prompt + limit a sequence (80 // 24 = 3 at
+    limit 8, 80 // 32 = 2 at 16); the paged modes hold what fits, preempting if they must."""
+    result, _ = bench_run
+    P = 16
+    budget = result["config"]["kv_budget"]
+    assert budget == 80 and list(result["equal_memory"]) == ["8", "16"]
+    for limit, runs in result["equal_memory"].items():
+        assert runs["lengths"] == result["offline"][limit]["lengths"]  # the same requests
+        contiguous = min(8, budget // (P + int(limit)))
+        for mode, r in runs["modes"].items():
+            assert r["kv_slots_peak"] <= budget, (limit, mode)
+            assert r["same_tokens"] == 1.0, (limit, mode)  # greedy: no mode changes a token
+            assert r["output_tokens"] == sum(runs["lengths"]), (limit, mode)
+            if mode in ("naive", "static"):
+                assert r["max_num_seqs"] == contiguous and r["seqs_peak"] <= contiguous
+            else:
+                assert r["max_num_seqs"] == 256
+        assert runs["modes"]["naive"]["seqs_peak"] == contiguous  # every row, every step
+    assert bench.parse_args(["--prompt-len", "100"]).kv_budget == 32 * (100 + 128)
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()) as err:
+        bench.parse_args(["--kv-budget", "600"])  # 128 + 512 tokens do not fit
+    assert "--kv-budget 600 holds no sequence" in err.getvalue()
+
+
+def test_bench_shared_prefix_compares_the_prefix_cache_on_and_off(tmp_path):
+    """Every prompt behind one 32-token prefix, two turns a conversation: the same tokens with
+    the cache on (fcfs) and off (no-cache); only fcfs finds the prefix, and so computes fewer
+    tokens for the same outputs."""
+    out, threads = tmp_path / "bench.json", torch.get_num_threads()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            bench.main(TINY + ["--shared-prefix-len", "32", "--modes", "fcfs", "no-cache",
+                               "--limits", "8", "--turns", "2", "--kv-cache-tokens", "256",
+                               "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(out.read_text())
+    fcfs, off = (result["offline"]["8"]["modes"][m] for m in ("fcfs", "no-cache"))
+    assert fcfs["same_tokens"] == off["same_tokens"] == 1.0
+    assert fcfs["output_tokens"] == 2 * sum(result["offline"]["8"]["lengths"])  # both turns
+    assert fcfs["prefix_hit_rate"] > 0
+    assert off["prefix_hit_rate"] == 0
+    assert fcfs["tokens_computed"] < off["tokens_computed"]  # the prefix's K/V, reused
+
+
+def test_bench_hardware_view_figures_agree(bench_run):
+    """Both views' decode rows: the forward (timed by hooks) and the host part inside the step,
+    the roofline from the rates the table quotes; the batches, lengths, bytes and FLOPs the
+    configuration implies; the host-cost rows at one context."""
+    result, _ = bench_run
+    hw = result["hardware"]
+    big = result["hardware_big"]
+    host = hw["host_cost"]
+    for view in (hw, big):
+        copy_rate = view["copy_gb_s"] * 1e9         # bytes/s
+        matmul_rate = view["matmul_gflops"] * 1e9   # FLOP/s
+        for d in view["decode"] + view["host_cost"]:
+            # timed in separate rounds (no wait for the device inside a timed step), so the
+            # split is a difference of medians: measured, not bounded here
+            assert all(math.isfinite(d[k]) for k in ("paged_step_ms", "forward_ms", "host_ms"))
+            roofline = max(d["weight_bytes"] / copy_rate, d["flops"] / matmul_rate) * 1e3
+            assert d["roofline_ms"] == pytest.approx(roofline)
+    assert [d["batch"] for d in hw["decode"]] == [1, 2, 4]  # the sequences the engine held
+    assert [d["batch"] for d in big["decode"]] == [1, 8, 32, 64] and big["preset"] == "tiny"
+    # 3 rounds of 2 x 16 steps (whole, then with the forward timed) from output 1
+    assert all(d["output_len"] == 1 + 95 / 2 for d in hw["decode"])
+    # FLOPs grow with the batch; the weights read do not (3.5M parameters less wpe, fp32)
+    config = M.GPTConfig()
+    params = sum(p.numel() for p in M.GPT(config).parameters())
+    weights = params - config.n_positions * config.n_embd
+    for d in hw["decode"] + big["decode"]:
+        assert d["weight_bytes"] == 4 * weights
+    one = big["decode"][0]
+    many = big["decode"][-1]
+    assert many["flops"] > 64 * 2 * weights > one["flops"]
+    # Host cost rows: batch 4, the same context (40 + 16) for output lengths 4 and 40: the
+    # engine stepped until every sequence had max(1, n - 20) output tokens, then 40 steps timed
+    assert [(d["batch"], d["prompt_len"], d["output_len"]) for d in host] == [
+        (4, 52, 1 + 39 / 2), (4, 16, 20 + 39 / 2)]
+    sampling = hw["sampling"]
+    assert set(sampling) == {"rows", "vocab", "tokens_per_row", "sample_ms",
+                             "sample_with_penalties_ms"}
+    assert (sampling["rows"], sampling["vocab"], sampling["tokens_per_row"]) == (64, 257, 16)
+
+
+def test_bench_naive_baseline_pads_and_matches_the_engine():
+    llm = LLM(preset="tiny", device="cpu", dtype="float32")
+    prompts = [[5, 6, 7], list(range(40, 60)), [9] * 11]  # left-padded to 20 in one batch
+    lengths = [7, 3, 12]
+    outputs = llm.generate(prompts, [bench.greedy(n) for n in lengths])
+    want = [o.outputs[0].token_ids for o in outputs]
+    log = []
+    assert bench.naive_batch(llm.engine.model, prompts, lengths, log) == want
+    assert len(log) == max(lengths)  # every row runs until the longest finishes
+
+
+def test_bench_refuses_a_limit_past_the_models_context(capsys):
+    """gpt2's context is 1024 tokens: a 512-token prompt with a limit of 1536 would read the
+    position table past its end (on CUDA, an assert that poisons the process), so bench.py
+    refuses it before running anything."""
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--preset", "gpt2", "--prompt-len", "512", "--limits", "32", "1536"])
+    assert "make 2048 tokens; the gpt2 preset's context is 1024" in capsys.readouterr().err
+    bench.parse_args(["--preset", "gpt2", "--prompt-len", "512", "--limits", "32", "512"])
+
+
+def test_bench_naive_baseline_reads_the_padding_once():
+    """Whether a batch is padded is read from the device once, not at every decode step (on a
+    GPU, a read is a wait)."""
+    model = tiny().engine.model
+    with CountSyncs() as counter:
+        bench.naive_batch(model, [[1, 2, 3], [4, 5]], [6, 6], [])
+    assert counter.syncs == ["is_nonzero"]  # bool(pads.any()), before the decode steps
+
+
+def test_bench_forward_timer_leaves_no_hook_behind():
+    """The forward is timed by hooks that wait for the device; a whole step is timed without
+    them, so none may be left on the model once the timer closes."""
+    engine = tiny().engine
+    engine.add_request("hi", GREEDY)
+    with bench.forward_timer(engine, "cpu") as spent:
+        engine.step()
+    assert len(spent) == 4  # the forward's and the logits' start and end
+    assert not engine.model._forward_hooks and not engine.model._forward_pre_hooks
+    assert not engine.model.lm_head._forward_hooks and not engine.model.lm_head._forward_pre_hooks
+
+
+def test_ci_gpu_dry_run_checks_its_bench_flags_and_runs_them_on_the_cpu():
+    """.ci/gpu runs where a failure is expensive (a lent GPU, for minutes): its bench flags
+    and sizes are checked here (gpt2's context included), and its bench command runs at a
+    tiny scale on the CPU, so a flag that does not exist fails here first."""
+    env = dict(os.environ, DRY_RUN="1")
+    result = subprocess.run(["bash", ".ci/gpu"], cwd=HERE, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open("/tmp/bench-gpu-dry-run.json") as f:  # TINY_ARGS' --out
+        ran = json.load(f)
+    assert list(ran["offline"]["16"]["modes"]) == ["naive", "static", "fcfs"]
+    assert ran["config"]["preset"] == "tiny" and ran["hardware"]["decode"]
+
+
+def test_bench_flags_come_from_its_config():
+    cfg = bench.parse_args(["--max-num-batched-tokens", "7", "--modes", "fcfs", "sjf",
+                            "--rates", "1", "inf"])
+    assert cfg.max_num_batched_tokens == 7
+    assert (cfg.modes, cfg.rates) == (("fcfs", "sjf"), (1.0, math.inf))
+    for bad in (["--token-budget", "7"], ["--modes", "fifo"], ["--preset", "huge"],
+                ["--max-num-seqs", "0"], ["--kv-budget", "-5"], ["--threads", "-1"],
+                ["--limits", "0"], ["--rates", "nan"], ["--mean-output-len", "inf"]):
+        with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+            bench.parse_args(bad)
+
+
+# ----------------------------------------------------------------------------- bench.py --url
+
+URL_TINY = ("--online-requests 8 --online-limit 9 --mean-output-len 5 --prompt-len 12 "
+            "--rates 25 inf --max-num-seqs 4").split()
+
+
+def run_bench(argv: list[str]) -> tuple[int, dict | None, str, str]:
+    """bench.main in this process: (exit status, its JSON, stdout, stderr); torch's threads put
+    back after (bench sets them)."""
+    threads, out, status = torch.get_num_threads(), io.StringIO(), 0
+    err, path = io.StringIO(), os.path.join(os.environ.get("TMPDIR", "/tmp"),
+                                            f"bench_url_{os.getpid()}_{time.monotonic_ns()}.json")
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            bench.main(argv + ["--out", path])
+    except SystemExit as e:
+        status = e.code
+    finally:
+        torch.set_num_threads(threads)
+    result = None
+    if os.path.exists(path):
+        with open(path) as f:
+            result = json.load(f)
+        os.remove(path)
+    return status, result, out.getvalue(), err.getvalue()
+
+
+class Stub(BaseHTTPRequestHandler):
+    """GET /v1/models; POST /v1/completions streamed two tokens a chunk, then usage, [DONE]."""
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def answer(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path != "/v1/models":
+            return self.answer(404, {"error": {"message": f"no {self.path}"}})
+        self.answer(200, {"object": "list", "data": [{"id": "stub-model", "object": "model"}]})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.requests.append((time.perf_counter(), body,
+                                     self.headers.get("Content-Type")))
+        if body.get("model") != "stub-model" or body["max_tokens"] > 100:
+            return self.answer(400, {"error": {"message": "no such model, or too many tokens",
+                                               "type": "invalid_request_error"}})
+        if self.server.plain:  # a server that does not stream: one JSON answer
+            return self.answer(200, {"object": "text_completion", "choices": [{"text": "ab"}]})
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+        def event(data: str) -> None:
+            raw = f"data: {data}\n\n".encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(raw), raw))
+            self.wfile.flush()
+        n = body["max_tokens"]
+        for i in range(0, n, 2):  # a chunk of two tokens (one at the end of an odd n)
+            time.sleep(0.002)
+            event(json.dumps({"object": "text_completion", "choices": [{
+                "index": 0, "text": "ab"[:min(2, n - i)],
+                "finish_reason": "length" if i + 2 >= n else None}]}))
+        event(json.dumps({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]),
+                                                   "completion_tokens": n}}))
+        event("[DONE]")
+        self.wfile.write(b"0\r\n\r\n")
+
+
+@pytest.fixture()
+def stub():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    server.daemon_threads, server.requests, server.plain = True, [], False
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def check_online(result: dict, modes: list[str]) -> None:
+    """Every request counted, every requested token counted, and the figures agree."""
+    lengths, cfg = result["online_lengths"], result["config"]
+    want = bench.make_workload(bench.parse_args(URL_TINY), 8, 9)[1]
+    assert lengths == want and len(lengths) == 8 and cfg["online_limit"] == 9
+    assert list(result["online"]) == ["25.0", "inf"] and not result["offline"]
+    assert "hardware" not in result
+    for rate, runs in result["online"].items():
+        assert list(runs) == modes
+        for mode, r in runs.items():
+            assert r["requests"] == 8 and r["output_tokens"] == sum(lengths), (rate, mode)
+            assert r["ttft"]["p50"] <= r["e2e"]["p50"] and r["ttft"]["mean"] <= r["e2e"]["mean"]
+            assert r["ttft"]["p99"] <= r["e2e"]["p99"] <= r["duration_s"]
+            assert r["tpot"]["mean"] is not None  # measured: requests of several tokens
+            assert r["output_throughput"] == pytest.approx(sum(lengths) / r["duration_s"])
+            assert r["request_throughput"] == pytest.approx(8 / r["duration_s"])
+    # Poisson arrivals on the wall clock: the last request is sent no earlier than its arrival
+    gaps = np.random.default_rng(cfg["seed"] + 1).exponential(1 / 25, 8)
+    assert result["online"]["25.0"]["http"]["duration_s"] >= gaps[:-1].sum()
+
+
+def test_bench_url_sends_the_workload_and_counts_usage_tokens(stub):
+    server, url = stub
+    status, result, printed, err = run_bench(URL_TINY + ["--url", url + "/"])
+    assert status == 0, err
+    check_online(result, ["http"])
+    assert "Online, limit 9" in printed and "Offline" not in printed and "Decode" not in printed
+    # 8 requests per rate, each exactly the workload's, as OpenAI's /v1/completions asks
+    prompts, lengths = bench.make_workload(bench.parse_args(URL_TINY), 8, 9)
+    bodies = [body for _, body, _ in server.requests]
+    assert len(bodies) == 16 and all(kind == "application/json" for *_, kind in server.requests)
+    want = [dict(model="stub-model", prompt=prompt, max_tokens=n, temperature=0, ignore_eos=True,
+                 stream=True, stream_options=dict(include_usage=True))
+            for prompt, n in zip(prompts * 2, lengths * 2)]
+    assert sorted(bodies, key=json.dumps) == sorted(want, key=json.dumps)  # in any order
+    # chunks hold two tokens: ITL is per chunk, TPOT per token, so TPOT < ITL at the median
+    r = result["online"]["inf"]["http"]
+    assert r["tpot"]["p50"] < r["itl"]["p50"]
+
+
+def test_bench_url_compares_with_the_engine_in_process():
+    proc, url = start_server("--max-num-seqs", "4")
+    try:
+        status, result, printed, err = run_bench(URL_TINY + ["--url", url, "--compare"])
+    finally:
+        proc.kill()
+        proc.wait()
+    assert status == 0, err
+    check_online(result, ["http", "fcfs"])  # the same tokens counted over HTTP and in process
+    assert "| 25.0 | http |" in printed and "| 25.0 | fcfs |" in printed
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("url, message", [
+    ("http://127.0.0.1:{port}", "error: cannot reach http://127.0.0.1:{port}: "),
+    ("127.0.0.1:{port}", "error: cannot reach 127.0.0.1:{port}: "),
+    ("http://127.0.0.1:{port}x", "error: cannot reach http://127.0.0.1:{port}x: ")])
+def test_bench_url_unreachable_is_one_line_and_exit_2(url, message):
+    port = free_port()
+    status, result, printed, err = run_bench(URL_TINY + ["--url", url.format(port=port)])
+    assert status == 2 and result is None and printed == ""
+    assert err.startswith(message.format(port=port)) and err.count("\n") == 1, err
+
+
+def test_bench_url_reports_the_servers_error(stub):
+    server, url = stub
+    status, result, printed, err = run_bench(URL_TINY + ["--url", url, "--online-limit", "200",
+                                                         "--mean-output-len", "500"])
+    assert status == 2 and result is None and err.count("\n") == 1, err
+    assert err.startswith(f"error: {url}/v1/completions answered 400: ")
+    assert "no such model, or too many tokens" in err
+    status, _, _, err = run_bench(URL_TINY + ["--url", url + "/nowhere"])
+    assert status == 2 and err.startswith(f"error: {url}/nowhere/v1/models answered 404: ")
+
+
+def test_bench_url_needs_a_stream(stub):
+    server, url = stub
+    server.plain = True
+    status, result, printed, err = run_bench(URL_TINY + ["--url", url])
+    assert status == 2 and result is None and err.count("\n") == 1, err
+    assert err == f"error: {url}/v1/completions streamed no choices\n"

@@ -1,0 +1,427 @@
+"""checkpoint.py's guarantees: config.json, safetensors, sharded and published checkpoints,
+the Hugging Face cache.
+"""
+import dataclasses
+import json
+import os
+import shutil
+import struct
+import threading
+
+import pytest
+import torch
+
+import checkpoint
+import model as M
+from nanoserve import LLM
+from sampling import SamplingParams
+from tokenizer import (EOT, Tokenizer, load_tokenizer)
+from conftest import (assert_no_leaks, checkpoint_llm, fixture_llm, HERE, http, MODEL_FIXTURES,
+                     NEAR_TIE, server_in_process, token_ids,
+                     write_byte_tokenizer)
+
+
+SHARED_GPT2 = os.path.join(HERE, "..", "shared", "data", "gpt2")
+
+
+needs_shared = pytest.mark.skipif(
+    not os.path.isdir(SHARED_GPT2), reason="../shared/data/gpt2 (GPT-2 tokenizer files) is absent")
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def hf_gpt2_state(config: M.GPTConfig) -> dict[str, torch.Tensor]:
+    """Random GPT-2 weights in Hugging Face's own layout: Conv1D (in, out) weights, mask buffers."""
+    g = torch.Generator().manual_seed(0)
+    C, V, T = config.n_embd, config.vocab_size, config.n_positions
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g) * 0.1
+    state = {"transformer.wte.weight": r(V, C), "transformer.wpe.weight": r(T, C),
+             "transformer.ln_f.weight": 1 + r(C), "transformer.ln_f.bias": r(C)}
+    for i in range(config.n_layer):
+        h = f"transformer.h.{i}."
+        state |= {h + "ln_1.weight": 1 + r(C), h + "ln_1.bias": r(C),
+                  h + "attn.c_attn.weight": r(C, 3 * C), h + "attn.c_attn.bias": r(3 * C),
+                  h + "attn.c_proj.weight": r(C, C), h + "attn.c_proj.bias": r(C),
+                  h + "attn.bias": torch.tril(torch.ones(1, 1, T, T)),
+                  h + "ln_2.weight": 1 + r(C), h + "ln_2.bias": r(C),
+                  h + "mlp.c_fc.weight": r(C, 4 * C), h + "mlp.c_fc.bias": r(4 * C),
+                  h + "mlp.c_proj.weight": r(4 * C, C), h + "mlp.c_proj.bias": r(C)}
+    return state | {"lm_head.weight": state["transformer.wte.weight"]}
+
+
+def hf_gpt2_logits(state: dict, config: M.GPTConfig, idx: torch.Tensor) -> torch.Tensor:
+    """GPT-2 written directly against the HF tensors (x @ W + b): independent of model.py."""
+    F, C, H = torch.nn.functional, config.n_embd, config.n_head
+
+    def w(name):
+        return state["transformer." + name]
+
+    def ln(x, name):
+        return F.layer_norm(x, (C,), w(name + ".weight"), w(name + ".bias"))
+    T = len(idx)
+    x = w("wte.weight")[idx] + w("wpe.weight")[:T]
+    for i in range(config.n_layer):
+        h = f"h.{i}."
+        qkv = ln(x, h + "ln_1") @ w(h + "attn.c_attn.weight") + w(h + "attn.c_attn.bias")
+        q, k, v = qkv.split(C, -1)
+        q, k, v = (t.view(T, H, C // H).transpose(0, 1) for t in (q, k, v))
+        att = (q @ k.transpose(-1, -2) / (C // H) ** 0.5).masked_fill(
+            torch.ones(T, T).triu(1).bool(), float("-inf")).softmax(-1)
+        y = (att @ v).transpose(0, 1).reshape(T, C)
+        x = x + y @ w(h + "attn.c_proj.weight") + w(h + "attn.c_proj.bias")
+        m = F.gelu(ln(x, h + "ln_2") @ w(h + "mlp.c_fc.weight") + w(h + "mlp.c_fc.bias"),
+                   approximate="tanh")
+        x = x + m @ w(h + "mlp.c_proj.weight") + w(h + "mlp.c_proj.bias")
+    return ln(x, "ln_f") @ w("wte.weight").T
+
+
+def write_hf_checkpoint(path, state: dict, config: M.GPTConfig, fmt: str) -> None:
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"model_type": "gpt2", "n_layer": config.n_layer, "n_head": config.n_head,
+                   "n_embd": config.n_embd, "n_positions": config.n_positions,
+                   "vocab_size": config.vocab_size, "layer_norm_epsilon": 1e-5}, f)
+    if fmt == "bin":
+        torch.save(state, os.path.join(path, "pytorch_model.bin"))
+        return
+    header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0  # safetensors, by hand
+    for name, t in state.items():
+        blob = t.contiguous().numpy().tobytes()
+        header[name] = {"dtype": "F32", "shape": list(t.shape),
+                        "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    head = json.dumps(header).encode()
+    with open(os.path.join(path, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+
+
+SMALL = M.GPTConfig(vocab_size=257, n_positions=64, n_embd=48, n_layer=2, n_head=3)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_hf_checkpoint_loads_with_identical_logits(tmp_path, fmt):
+    state = saved = hf_gpt2_state(SMALL)
+    if fmt == "safetensors":  # HF's safetensors files drop the tied head and the prefix
+        saved = {k.removeprefix("transformer."): v for k, v in state.items()
+                 if k != "lm_head.weight"}
+    write_hf_checkpoint(tmp_path, saved, SMALL, fmt)
+    loaded = checkpoint.load_checkpoint(str(tmp_path))
+    idx = torch.randint(0, 257, (20,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.forward_dense(idx[None])[0],
+                                   hf_gpt2_logits(state, SMALL, idx), rtol=1e-4, atol=1e-4)
+
+
+def test_gpt2_checkpoint_round_trips_through_our_llama_names(tmp_path):
+    """The shipped GPT-2 checkpoint, loaded (renamed to our Llama-style names, q, k, v split
+    out of c_attn, Conv1D weights transposed) and saved again, is the same file's tensors."""
+    shipped = os.path.join(HERE, "checkpoints", "shakespeare")
+    checkpoint.save_checkpoint(checkpoint.load_checkpoint(shipped), str(tmp_path))
+    before = checkpoint.read_safetensors(os.path.join(shipped, "model.safetensors"))
+    after = checkpoint.read_safetensors(str(tmp_path / "model.safetensors"))
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda s: s.pop("transformer.h.1.mlp.c_fc.bias"), "missing tensor h.1.mlp.c_fc.bias"),
+    (lambda s: s.update({"transformer.wpe.weight": torch.zeros(10, 48)}), "wpe.weight has shape"),
+], ids=["missing-tensor", "wrong-shape"])
+def test_bad_checkpoint_names_the_problem(tmp_path, damage, message):
+    state = hf_gpt2_state(SMALL)
+    damage(state)
+    write_hf_checkpoint(tmp_path, state, SMALL, "safetensors")
+    with pytest.raises(ValueError, match=message):
+        checkpoint.load_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("header", [b"\xff" * 4, struct.pack("<Q", 10**9) + b"{}",
+                                    struct.pack("<Q", 5) + b"nope!"],
+                         ids=["truncated", "length-past-end", "not-json"])
+def test_corrupt_safetensors_header_is_reported(tmp_path, header):
+    write_hf_checkpoint(tmp_path, hf_gpt2_state(SMALL), SMALL, "safetensors")
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write(header)
+    with pytest.raises(ValueError, match="corrupt safetensors header"):
+        checkpoint.load_checkpoint(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- checkpoints as published
+
+def test_sharded_checkpoint_loads_as_the_whole_one(tmp_path):
+    """model.safetensors.index.json: each tensor from the shard its weight_map names."""
+    source = os.path.join(MODEL_FIXTURES, "mistral")
+    tensors = checkpoint.read_safetensors(os.path.join(source, "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[:10],
+              "model-00002-of-00002.safetensors": names[10:]}
+    for shard, shard_names in shards.items():
+        checkpoint.write_safetensors({name: tensors[name] for name in shard_names}, str(tmp_path / shard))
+    weight_map = {name: shard for shard, shard_names in shards.items() for name in shard_names}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    shutil.copy(os.path.join(source, "config.json"), tmp_path)
+    whole = checkpoint.load_checkpoint(source).state_dict()
+    sharded = checkpoint.load_checkpoint(str(tmp_path)).state_dict()
+    assert all(torch.equal(whole[name], sharded[name]) for name in whole)
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ValueError, match="lists shard model-00002-of-00002.safetensors, which is "
+                                         "missing"):
+        checkpoint.load_checkpoint(str(tmp_path))
+
+
+def test_every_eos_id_of_the_checkpoint_ends_a_request(tmp_path):
+    """eos_token_id as an int or a list, in generation_config.json and config.json: each one
+    ends a request (the union, generation_config's first), and min_tokens bans them all."""
+    llm = fixture_llm("qwen3", tmp_path)
+    prompt = [5, 6, 7]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    first, second = llm.generate([prompt], greedy)[0].outputs[0].token_ids[:2]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [second, 256]}))
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"eos_token_id": [first]}))
+    llm = checkpoint_llm(tmp_path, kv_cache_tokens=1024)
+    assert llm.engine.eos_token_ids == [second, 256, first]
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0]
+    assert out.token_ids == [first] and out.finish_reason == "stop"
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, min_tokens=3))[0]
+    assert not {first, second} & set(out.outputs[0].token_ids[:3])
+
+
+def test_checkpoint_without_eos_ids_ends_at_the_tokenizers_end_of_text(tmp_path):
+    llm = fixture_llm("qwen3", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["eos_token_id"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    engine = checkpoint_llm(tmp_path, kv_cache_tokens=1024).engine
+    assert engine.eos_token_ids == [256] and llm.engine.eos_token_ids == [256]
+
+
+def test_embedding_rows_past_the_tokenizer_are_never_sampled(tmp_path):
+    """A model that embeds 300 ids served with a 257-id tokenizer (as Qwen pads its embedding
+    past its tokenizer): the extra rows' logits are the largest, yet never sampled, never
+    scored, and a request may not name them."""
+    config = dataclasses.replace(SMALL, vocab_size=300)
+    state = {k: v for k, v in hf_gpt2_state(config).items() if k != "lm_head.weight"}
+    state["transformer.wte.weight"][257:] = 0
+    write_hf_checkpoint(tmp_path, state, config, "safetensors")
+    with torch.no_grad():  # the padding rows made 10x the last hidden state: their logits win
+        hidden = checkpoint.load_checkpoint(str(tmp_path)).dense_hidden_states(torch.tensor([[1, 2, 3]]))
+    state["transformer.wte.weight"][257:] = 10 * hidden[0, -1]
+    write_hf_checkpoint(tmp_path, state, config, "safetensors")
+    write_byte_tokenizer(tmp_path)
+    llm = checkpoint_llm(tmp_path, kv_cache_tokens=1024)
+    assert llm.engine.vocab_size == 257
+    dense = llm.engine.model.forward_dense(torch.tensor([[1, 2, 3]]))[0, -1]
+    assert dense.argmax() >= 257  # the padding wins, where it is not cut off
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=20, temperature=1.5, seed=0,
+                                                   logprobs=5))[0].outputs[0]
+    first = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1, temperature=0))[0]
+    assert first.outputs[0].token_ids[0] < 257
+    assert max(out.token_ids) < 257
+    assert all(token_id < 257 for entry in out.logprobs for token_id in entry)
+    with pytest.raises(ValueError, match="token ids must be integers in"):
+        llm.generate([[1, 299]], SamplingParams(max_tokens=1))
+
+
+def test_a_model_name_is_found_in_the_hugging_face_cache(tmp_path, monkeypatch):
+    """--model Org/Name: the snapshot in $HF_HUB_CACHE that has a config.json; else the error
+    says where it looked and how to download it."""
+    snapshot = tmp_path / "models--Org--Tiny-Llama" / "snapshots" / "abc123"
+    fixture_llm("llama3-tied", snapshot)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    llm = LLM(model="Org/Tiny-Llama", kv_cache_tokens=1024, device="cpu")
+    assert llm.engine.checkpoint.path == str(snapshot)
+    with pytest.raises(ValueError, match=r"nor in the Hugging Face cache .*huggingface-cli "
+                                         r"download Org/Missing"):
+        LLM(model="Org/Missing", device="cpu")
+
+
+def test_dtype_auto_is_float32_on_a_cpu_and_the_checkpoints_on_cuda(tmp_path):
+    """The fixtures say torch_dtype bfloat16: auto on a CPU computes in float32 (exact), on
+    CUDA it would take bfloat16 from the checkpoint (Engine._dtype, called here directly)."""
+    engine = fixture_llm("qwen3", tmp_path, dtype="auto").engine
+    assert engine.checkpoint.dtype == torch.bfloat16
+    assert next(engine.model.parameters()).dtype == torch.float32
+    engine.config.dtype = "auto"  # as EngineConfig leaves it on CUDA
+    assert engine._dtype(engine.checkpoint.dtype) == torch.bfloat16
+    assert engine._dtype(None) == torch.bfloat16
+
+
+def write_published_qwen(path) -> Tokenizer:
+    """A tiny Qwen2 checkpoint laid out as Qwen2.5-Instruct is published: config.json (bf16,
+    a sliding_window that use_sliding_window turns off), two safetensors shards and their
+    index, the embedding padded past the tokenizer, a tokenizer.json (the Qwen2-style
+    fixture), a ChatML template in tokenizer_config.json, and generation_config.json with two
+    EOS ids and sampling defaults. Random weights in bf16. Returns its tokenizer."""
+    tokenizer_dir = os.path.join(HERE, ".ci", "fixtures", "tokenizers", "qwen2")
+    shutil.copy(os.path.join(tokenizer_dir, "tokenizer.json"), path)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    hf = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=64,
+              intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+              rope_theta=1e6, rope_scaling=None, hidden_act="silu", tie_word_embeddings=True,
+              vocab_size=tokenizer.n_vocab + 42, sliding_window=64, use_sliding_window=False,
+              max_window_layers=2, torch_dtype="bfloat16", eos_token_id=800)
+    (path / "config.json").write_text(json.dumps(hf))
+    torch.manual_seed(0)
+    model = M.GPT(checkpoint.config_from_hf(hf, str(path)))
+    state = {name: t.to(torch.bfloat16) for name, t in model.state_dict().items()
+             if name != "lm_head.weight"}  # tied: published without it
+    names = sorted(state)
+    weight_map = {}
+    for i, shard_names in enumerate((names[:9], names[9:])):
+        shard = f"model-0000{i + 1}-of-00002.safetensors"
+        checkpoint.write_safetensors({name: state[name] for name in shard_names}, str(path / shard))
+        weight_map |= dict.fromkeys(shard_names, shard)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}"
+                     "<|im_start|>assistant\n{% endif %}")
+    (path / "tokenizer_config.json").write_text(json.dumps(dict(
+        chat_template=chat_template, eos_token="<|im_end|>", bos_token=None)))
+    (path / "generation_config.json").write_text(json.dumps(dict(
+        eos_token_id=[802, 800], temperature=0.7, top_p=0.8, top_k=20, max_new_tokens=12)))
+    return tokenizer
+
+
+@torch.inference_mode()
+def test_a_checkpoint_as_published_serves_end_to_end(tmp_path):
+    """Everything a published checkpoint brings, at once: the greedy reply to a chat equals a
+    dense greedy loop over the model's own weights (bf16 on disk, fp32 here) on the prompt
+    the template renders, taking only the tokenizer's ids, ending at an EOS of
+    generation_config.json; an unset field takes the checkpoint's default."""
+    tokenizer = write_published_qwen(tmp_path)
+    llm = checkpoint_llm(tmp_path, kv_cache_tokens=2048)
+    engine = llm.engine
+    assert engine.eos_token_ids == [802, 800] and engine.vocab_size == tokenizer.n_vocab
+    assert engine.sampling_defaults == dict(temperature=0.7, top_p=0.8, top_k=20, max_tokens=12)
+    messages = [dict(role="user", content="Wherefore art thou?")]
+    prompt = engine.chat_template.render(messages, {})
+    assert prompt == "<|im_start|>user\nWherefore art thou?<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer.encode(prompt)
+    want = []
+    for _ in range(12):  # the dense greedy loop, over the tokenizer's ids only
+        logits = engine.model.forward_dense(torch.tensor([ids + want]))[0, -1, :tokenizer.n_vocab]
+        want.append(int(logits.argmax()))
+        if want[-1] in (802, 800):
+            break
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]
+    assert out.prompt_token_ids == ids and out.outputs[0].token_ids == want
+    default = llm.generate([prompt])[0].outputs[0]  # the checkpoint's defaults: at most 12
+    assert len(default.token_ids) <= 12 and max(default.token_ids) < tokenizer.n_vocab
+    with server_in_process(engine) as url:
+        status, reply = http(url, "/v1/chat/completions", dict(messages=messages, temperature=0,
+                                                              max_tokens=12))
+    assert status == 200 and reply["usage"]["prompt_tokens"] == len(ids)
+    assert reply["choices"][0]["message"]["content"] == out.outputs[0].text
+    assert_no_leaks(engine)
+
+
+REPETITION_PENALTY_FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".ci",
+                                          "fixtures", "repetition_penalty.json")
+
+
+def straddling_gpt2_state() -> dict[str, torch.Tensor]:
+    """hf_gpt2_state(SMALL) with the most likely tokens' logits straddling 0, so that both of
+    the repetition penalty's rules (divide a positive logit, multiply a negative one) pick
+    tokens: every token's embedding is -1 in channel 0 (the position embeddings' +1 there
+    cancels it in the input), so the tied head adds the same -h[0] to every logit, and ln_f's
+    bias in channel 0 is raised by 1.5 to make that about -1.5: it moves all logits alike, so
+    their ranking is what it would be without it."""
+    state = hf_gpt2_state(SMALL)
+    state["transformer.wte.weight"][:, 0] = -1.0  # lm_head.weight is the same tensor
+    state["transformer.wpe.weight"][:, 0] += 1.0
+    state["transformer.ln_f.bias"][0] += 1.5
+    return state
+
+
+def write_random_gpt2(path) -> None:
+    """straddling_gpt2_state() as a Hugging Face GPT-2 directory that LLM(model=path) loads:
+    the weights plus byte-level tokenizer files (ids 0-255 the bytes, 256 <|endoftext|>).
+    .ci/make_repetition_penalty_fixture.py loads the same directory."""
+    write_hf_checkpoint(path, straddling_gpt2_state(), SMALL, "safetensors")
+    write_byte_tokenizer(path)
+
+
+def tokens_before_near_tie(gaps: list[float]) -> int:
+    """How many leading tokens of a greedy reference any correct implementation must match:
+    those before the first whose top-two logits were within NEAR_TIE (there either token is
+    right, and after it the two continue from different texts)."""
+    return next((i for i, gap in enumerate(gaps) if gap < NEAR_TIE), len(gaps))
+
+
+def test_greedy_repetition_penalty_equals_transformers(tmp_path):
+    """Greedy decoding with repetition_penalty picks the tokens that Hugging Face transformers'
+    generate(do_sample=False, repetition_penalty=p) picks on the same random GPT-2, several
+    penalties (above and below 1) batched together. The reference is a fixture that
+    .ci/make_repetition_penalty_fixture.py recorded, so the tests do not need transformers."""
+    if not os.path.exists(REPETITION_PENALTY_FIXTURE):
+        pytest.skip(f"{REPETITION_PENALTY_FIXTURE} is missing; make it with "
+                    "python .ci/make_repetition_penalty_fixture.py (needs transformers)")
+    with open(REPETITION_PENALTY_FIXTURE) as f:
+        cases = json.load(f)["cases"]
+    write_random_gpt2(tmp_path)
+    llm = checkpoint_llm(tmp_path)
+    params = [SamplingParams(max_tokens=len(case["token_ids"]), temperature=0, ignore_eos=True,
+                             repetition_penalty=case["repetition_penalty"]) for case in cases]
+    outputs = token_ids(llm.generate([case["prompt_token_ids"] for case in cases], params))
+    compared = 0
+    for case, got in zip(cases, outputs):
+        n = tokens_before_near_tie(case["top_two_gaps"])
+        assert got[:n] == case["token_ids"][:n], case
+        compared += n
+    total = sum(len(case["token_ids"]) for case in cases)
+    assert compared >= total // 2, f"near-ties left only {compared} of {total} tokens to compare"
+
+
+@needs_shared
+def test_gpt2_tokenizer_from_shared_files_gives_gpt2_ids_and_round_trips_text():
+    enc = load_tokenizer(SHARED_GPT2)
+    assert enc.encode("Hello world") == [15496, 995]
+    text = "héllo wörld, 你好, привет, 👋🏽 \u200b\ufeff\t\n"
+    assert enc.decode(enc.encode(text)) == text
+    assert enc.encode("<|endoftext|>") == [50256] == [enc.token_id(EOT)]
+    assert enc.encoding.encode_ordinary("<|endoftext|>") == [27, 91, 437, 1659, 5239, 91, 29]
+
+
+def test_gpt2_name_is_found_in_the_hugging_face_cache(tmp_path, monkeypatch):
+    snapshot = tmp_path / "hub" / "models--openai-community--gpt2" / "snapshots" / "abc123"
+    checkpoint.save_checkpoint(M.GPT(SMALL), str(snapshot))
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    assert checkpoint.hub_checkpoint("gpt2") == str(snapshot)
+    assert LLM(model="gpt2").engine.model.config == SMALL
+
+
+def test_download_writes_the_file_with_a_progress_line(tmp_path, capsys):
+    import functools
+    import http.server
+    (tmp_path / "model.safetensors").write_bytes(b"w" * 2_500_000)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)  # loopback only
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        target = tmp_path / "hub" / "snapshot" / "model.safetensors"
+        checkpoint._download(f"http://127.0.0.1:{server.server_address[1]}/model.safetensors", str(target))
+    finally:
+        server.shutdown()
+    assert target.read_bytes() == b"w" * 2_500_000 and not os.path.exists(f"{target}.part")
+    assert "downloading model.safetensors: 2/2 MB" in capsys.readouterr().err
+
+
+def test_gpt2_name_offline_without_cache_fails_at_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    with pytest.raises(ValueError, match="not in the Hugging Face cache.*pass --model DIR"):
+        LLM(model="gpt2")
+
+
+def test_shipped_model_loads_and_seeded_sample_is_reproducible():
+    params = SamplingParams(max_tokens=60, temperature=0.8, seed=1)
+    first = LLM(device="cpu").generate(["ROMEO:"], params)[0].outputs[0]
+    assert LLM(device="cpu").generate(["ROMEO:"], params)[0].outputs[0] == first
+    assert len(first.text) > 20

@@ -1,0 +1,183 @@
+"""model.py's guarantees: each served architecture (GPT-2, Llama, Qwen2, Qwen3, Mistral) gives
+transformers' logits.
+"""
+import dataclasses
+import json
+import os
+import re
+
+import pytest
+import torch
+
+import checkpoint
+import cli
+import model as M
+from nanoserve import LLM
+from sampling import SamplingParams
+from conftest import (assert_no_leaks, assert_paged_equals_dense_at_every_position, DEVICE,
+                     fixture_llm, GREEDY, MODEL_FIXTURES, PROMPTS, tiny, token_ids)
+
+
+# ----------------------------------------------------------------------------- architectures
+
+ARCHITECTURES = ["llama3-tied", "llama-untied", "qwen2", "qwen3", "mistral"]
+
+
+PARITY_TOL = 1e-4  # max |logit - transformers' logit|, our fp32 against its fp64 (measured: 1.7e-5)
+
+
+def reference_logits(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixture's input ids (2, 40) and transformers' logits for them (2, 40, vocab)."""
+    tensors = checkpoint.read_safetensors(os.path.join(MODEL_FIXTURES, name, "reference.safetensors"))
+    return tensors["input_ids"], tensors["logits"]
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+@torch.inference_mode()
+def test_architecture_logits_equal_transformers(name):
+    model = checkpoint.load_checkpoint(os.path.join(MODEL_FIXTURES, name))
+    input_ids, want = reference_logits(name)
+    assert (model.forward_dense(input_ids) - want).abs().max() < PARITY_TOL
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+@torch.inference_mode()
+def test_architecture_greedy_tokens_equal_transformers_where_decided(name):
+    """Wherever transformers' top two logits are further apart than twice the tolerance (tiny
+    random weights give near-ties elsewhere), the greedy token is its token."""
+    model = checkpoint.load_checkpoint(os.path.join(MODEL_FIXTURES, name))
+    input_ids, want = reference_logits(name)
+    top_two = want.topk(2, dim=-1).values
+    decided = top_two[..., 0] - top_two[..., 1] > 2 * PARITY_TOL
+    assert decided.sum() >= 75  # of 80 positions: the comparison says something
+    got = model.forward_dense(input_ids).argmax(-1)
+    assert torch.equal(got[decided], want.argmax(-1)[decided])
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+@torch.inference_mode()
+def test_architecture_paged_logits_equal_dense_at_every_position(name, tmp_path):
+    """The engine's paged forward (rotations from the flat batch's positions, K/V of grouped
+    heads through the cache) gives the dense forward's logits at every position."""
+    engine = fixture_llm(name, tmp_path, block_size=8).engine
+    tokens = reference_logits(name)[0][0, :30]
+    assert_paged_equals_dense_at_every_position(engine, tokens)
+
+
+def test_grouped_query_kv_cache_holds_n_kv_head_heads():
+    """llama-tiny: 8 query heads share 2 K/V heads, so a token's K/V take a quarter of what
+    they would with a K/V head per query head, and 1 GiB holds 4 times the tokens."""
+    engine = tiny(preset="llama-tiny").engine
+    c = engine.model.config
+    assert (c.n_head, c.n_kv_head) == (8, 2)
+    assert engine.k_caches.shape[-2:] == (2, 32)
+    assert engine.kv_bytes_per_token == 2 * c.n_layer * 2 * 32 * 4
+    full = dataclasses.replace(c, n_kv_head=c.n_head)
+    assert M.GPT(full).config.n_kv_head == 8
+    assert cli.kv_cache_description(engine) == "524288 a GiB (2 K/V heads for 8)"
+
+
+def llama_tiny(**kwargs) -> LLM:
+    return tiny(preset="llama-tiny", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def llama_alone() -> list[list[int]]:
+    """llama-tiny's greedy outputs of each prompt on its own."""
+    return [token_ids(llama_tiny().generate([p], GREEDY))[0] for p in PROMPTS]
+
+
+GQA_SERVING = {  # engine settings, each exercising one way a step's batch can differ
+    "batching": dict(max_num_seqs=4, enable_chunked_prefill=False, max_num_batched_tokens=256),
+    "chunked-prefill": dict(max_num_batched_tokens=16),
+    "preemption": dict(kv_cache_tokens=192, max_num_batched_tokens=64)}
+
+
+@pytest.mark.parametrize("how", list(GQA_SERVING))
+def test_grouped_query_greedy_output_is_unchanged_by(llama_alone, how):
+    llm = llama_tiny(**GQA_SERVING[how])
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == llama_alone
+    if how == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert_no_leaks(llm.engine)
+
+
+def test_grouped_query_greedy_output_is_unchanged_by_prefix_caching(llama_alone):
+    llm = llama_tiny()
+    llm.generate(PROMPTS, GREEDY)
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == llama_alone
+    assert llm.engine.stats.num_cached_tokens > 100
+    assert_no_leaks(llm.engine)
+
+
+def test_grouped_query_greedy_output_is_the_same_with_triton_attention(llama_alone):
+    llm = llama_tiny(attention="triton", max_num_batched_tokens=24, block_size=8, device=DEVICE)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert token_ids(llm.generate(PROMPTS[:3], params)) == [a[:8] for a in llama_alone[:3]]
+    assert_no_leaks(llm.engine)
+
+
+def write_fixture_config(path, name: str, **changes) -> None:
+    """A fixture model's config.json, with `changes` (None: the key removed), at path."""
+    with open(os.path.join(MODEL_FIXTURES, name, "config.json")) as f:
+        hf = json.load(f)
+    for key, value in changes.items():
+        hf.pop(key, None)
+        if value is not None:
+            hf[key] = value
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f)
+
+
+@pytest.mark.parametrize("name, changes, message", [
+    ("mistral", dict(num_local_experts=8), "key 'num_local_experts' is not served"),
+    ("llama3-tied", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+     "rope_scaling type 'yarn' is not served"),
+    ("llama3-tied", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+     "lacks 'high_freq_factor'"),
+    ("mistral", dict(sliding_window=64), "sliding_window 64 is shorter than the context 256"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=64), "sliding_window 64"),
+    ("qwen3", dict(layer_types=["full_attention", "sliding_attention"]), "sliding_attention"),
+    ("llama-untied", dict(hidden_act="gelu"), "hidden_act 'gelu' is not served"),
+    ("qwen2", dict(architectures=["Qwen2ForSequenceClassification"]), "architectures"),
+    ("qwen2", dict(model_type="gemma"), "model_type 'gemma' is not served"),
+], ids=["moe", "yarn", "llama3-incomplete", "mistral-window", "qwen-window", "layer-types",
+        "activation", "head", "model-type"])
+def test_config_that_changes_the_computation_is_refused_by_name(tmp_path, name, changes, message):
+    write_fixture_config(tmp_path, name, **changes)
+    with pytest.raises(ValueError, match=message):
+        checkpoint.load_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(hidden_size="64"), "n_embd must be a positive integer, got '64'"),
+    (dict(num_hidden_layers=True), "n_layer must be a positive integer, got True"),
+    (dict(num_key_value_heads=3), "n_head 4 is not a multiple of n_kv_head 3"),
+    (dict(head_dim=33), "head_dim 33 is odd"),
+    (dict(hidden_size=None), "config.json lacks 'hidden_size'"),
+], ids=["string-size", "bool-size", "heads-not-grouped", "odd-head-dim", "missing-size"])
+def test_malformed_config_is_a_clear_error(tmp_path, changes, message):
+    write_fixture_config(tmp_path, "qwen3", **changes)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        checkpoint.load_checkpoint(str(tmp_path))
+
+
+def test_sliding_window_that_does_not_apply_is_accepted(tmp_path):
+    """Qwen's published configs set a sliding_window with use_sliding_window false: full
+    attention, served; Mistral's window as long as the context is full attention too."""
+    for name, changes in (("qwen2", dict(sliding_window=64)), ("mistral", dict(sliding_window=256))):
+        write_fixture_config(tmp_path, name, **changes)
+        with open(tmp_path / "config.json") as f:
+            checkpoint.config_from_hf(json.load(f), str(tmp_path))
+
+
+def test_transformers5_config_form_gives_the_same_config():
+    """transformers 5 writes rope_parameters (rope_theta inside it) where published configs
+    write rope_theta and rope_scaling: both read the same."""
+    with open(os.path.join(MODEL_FIXTURES, "llama3-tied", "config.json")) as f:
+        published = json.load(f)
+    newer = dict(published, rope_parameters=dict(published["rope_scaling"],
+                                                 rope_theta=published["rope_theta"]))
+    del newer["rope_scaling"], newer["rope_theta"]
+    assert checkpoint.config_from_hf(newer, "x") == checkpoint.config_from_hf(published, "x")
+    assert checkpoint.config_from_hf(published, "x").rope_scaling["factor"] == 8.0

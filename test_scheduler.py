@@ -1,0 +1,169 @@
+"""scheduler.py's guarantees: the token budget, admission, preemption and policies.
+"""
+
+import pytest
+
+from paged_cache import BlockPool, BlockTable
+from sampling import SamplingParams
+from scheduler import Scheduler, Sequence, SequenceStatus
+from conftest import assert_no_leaks, GREEDY, PROMPTS, tiny
+
+
+# ----------------------------------------------------------------------------- scheduler rules
+
+def make_scheduler(num_blocks=64, budget=512, max_num_seqs=8, policy="fcfs", **kwargs):
+    block_pool = BlockPool(num_blocks, block_size=4)
+    return Scheduler(block_pool, max_num_seqs, budget, True, policy, **kwargs), block_pool
+
+
+def running_seq(scheduler, block_pool, seq_id, prompt_len, computed, max_tokens=10) -> Sequence:
+    """A running sequence with `computed` of its prompt's tokens already cached."""
+    seq = Sequence(seq_id, "", list(range(prompt_len)), SamplingParams(max_tokens=max_tokens),
+                   BlockTable(block_pool))
+    assert seq.block_table.ensure(computed)
+    seq.num_computed_tokens, seq.status = computed, SequenceStatus.RUNNING
+    scheduler.running.append(seq)
+    return seq
+
+
+def test_decodes_are_scheduled_before_prefills():
+    scheduler, block_pool = make_scheduler(budget=8)
+    prefill = running_seq(scheduler, block_pool, "p", 30, 8)  # admitted first
+    decode = running_seq(scheduler, block_pool, "d", 5, 4)     # one uncomputed token
+    assert list(scheduler.schedule().num_scheduled_tokens.items()) == [(decode, 1), (prefill, 7)]
+
+
+def test_newest_running_sequence_is_preempted_first():
+    scheduler, block_pool = make_scheduler(num_blocks=4)
+    old, mid, new = (running_seq(scheduler, block_pool, s, 5, 4) for s in "omn")  # 1 block each
+    output = scheduler.schedule()  # each needs a 2nd block for token 5; none is free
+    assert new.status == SequenceStatus.WAITING and new.block_table.block_ids == []
+    assert output.num_scheduled_tokens == {old: 1, mid: 1} and output.preempted == [new]
+    assert scheduler.num_preemptions == 1
+
+
+def test_chunks_never_exceed_the_token_budget():
+    llm = tiny(max_num_batched_tokens=24)
+    sizes = []
+    real_schedule = llm.engine.scheduler.schedule
+
+    def schedule():
+        output = real_schedule()
+        sizes.append(sum(output.num_scheduled_tokens.values()))
+        return output
+    llm.engine.scheduler.schedule = schedule
+    llm.generate(PROMPTS, GREEDY)
+    assert max(sizes) == 24 and len(sizes) > 40
+
+
+def test_sjf_runs_the_shortest_job_first_and_bounds_starvation():
+    scheduler, _ = make_scheduler(max_num_seqs=1, policy="sjf", sjf_max_wait_steps=2)
+    jobs = {name: Sequence(name, "", [1, 2], SamplingParams(max_tokens=n), BlockTable(_))
+            for name, n in [("long", 50), ("short", 5), ("medium", 10)]}
+    for seq in jobs.values():
+        scheduler.add(seq)
+    order = []
+    for _ in range(3):
+        order += [seq.seq_id for seq in scheduler.schedule().num_scheduled_tokens]
+        scheduler.finish(scheduler.running[0], SequenceStatus.FINISHED_LENGTH)
+    assert order == ["short", "long", "medium"]  # at step 2 "long" has waited 2 steps
+
+
+def test_static_admits_only_when_nothing_runs():
+    scheduler, block_pool = make_scheduler(policy="static", max_num_seqs=2)
+    seqs = [Sequence(str(i), "", [1, 2, 3], SamplingParams(), BlockTable(block_pool))
+            for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    assert list(scheduler.schedule().num_scheduled_tokens) == seqs[:2]
+    scheduler.finish(seqs[0], SequenceStatus.FINISHED_LENGTH)
+    assert list(scheduler.schedule().num_scheduled_tokens) == [seqs[1]]  # seqs[2] waits
+    scheduler.finish(seqs[1], SequenceStatus.FINISHED_LENGTH)
+    assert list(scheduler.schedule().num_scheduled_tokens) == [seqs[2]]
+
+
+def test_tight_kv_cache_never_preempts_and_computes_each_token_once():
+    """16 requests of 8 blocks each (64 + 64 tokens, blocks of 16) on a cache of 9, 16
+    tokens a step. The first's prefill spends the budget; once it decodes it holds 5 blocks,
+    and the second would need 5 for its prompt and one more token: 5 > 4 free. So each is
+    admitted only when the one before has finished, nothing is preempted, and every token is
+    computed exactly once. Admitting on a chunk's worth of blocks, or counting the prompt
+    without its one more token (4 <= 4), lets the second in, and the two preempt each
+    other."""
+    prompts = [[i + 1] * 64 for i in range(16)]
+    llm = tiny(kv_cache_tokens=144, block_size=16, max_num_batched_tokens=16)
+    llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+    assert llm.engine.scheduler.num_preemptions == 0
+    # every token but the last sampled one is computed, once
+    assert llm.engine.stats.num_batched_tokens == 16 * (64 + 64 - 1)
+    assert_no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("num_blocks, admitted", [(7, True), (6, False)])
+def test_admission_needs_blocks_for_its_prompt_and_the_running_ones_next_token(
+        num_blocks, admitted):
+    """A waiting sequence is admitted only if the free blocks cover its prompt and one more
+    token, and every running sequence's tokens and one more: exactly enough admits, one block
+    fewer does not. Blocks of 4: the running prefill (12 tokens) takes its 3rd block this step
+    and will need a 4th for token 13; the waiting 8-token prompt needs 3 for 9 tokens: 4 free
+    blocks are needed, and 7 - 3 = 4 are free. (Both lengths are whole blocks, so that the
+    one more token is what takes another block.)"""
+    scheduler, block_pool = make_scheduler(num_blocks=num_blocks)
+    prefill = running_seq(scheduler, block_pool, "p", 12, 8)
+    waiting = Sequence("w", "", [100 + i for i in range(8)], SamplingParams(max_tokens=10),
+                       BlockTable(block_pool))
+    scheduler.add(waiting)
+    output = scheduler.schedule()
+    assert output.num_scheduled_tokens[prefill] == 4 and len(prefill.block_table.block_ids) == 3
+    assert (waiting in output.num_scheduled_tokens) == admitted
+
+
+def test_worked_example_of_preemption_runs_the_oldest_and_requeues_the_others_in_order():
+    """Scheduler._schedule_running's docstring: four blocks of 4, all held; A (8 computed),
+    B (4) and C (3) each decode. C is preempted for A's 3rd block, then B preempts itself for
+    its 2nd: A runs alone, and B, then C, are next at the front of the queue."""
+    scheduler, block_pool = make_scheduler(num_blocks=4)
+    a = running_seq(scheduler, block_pool, "A", 9, 8)
+    b = running_seq(scheduler, block_pool, "B", 5, 4)
+    c = running_seq(scheduler, block_pool, "C", 4, 3)
+    output = scheduler.schedule()
+    assert output.num_scheduled_tokens == {a: 1} and output.preempted == [c, b]
+    assert scheduler.running == [a] and block_pool.num_free_blocks == 1
+    scheduler.finish(a, SequenceStatus.FINISHED_LENGTH)
+    assert list(scheduler.schedule().num_scheduled_tokens) == [b, c]
+
+
+def test_sjf_puts_a_preempted_sequence_before_shorter_jobs():
+    """Under sjf too, a preempted sequence goes back to the front of the waiting queue: it
+    was admitted before any job waiting now, even a shorter one."""
+    scheduler, block_pool = make_scheduler(num_blocks=4, policy="sjf")
+    old, mid, new = (running_seq(scheduler, block_pool, s, 5, 4) for s in "omn")  # 1 block each
+    short = Sequence("s", "", [100, 101], SamplingParams(max_tokens=1), BlockTable(block_pool))
+    scheduler.add(short)
+    assert scheduler.schedule().preempted == [new]
+    assert new.estimated_remaining() > short.estimated_remaining()
+    scheduler.finish(old, SequenceStatus.FINISHED_LENGTH)
+    scheduler.finish(mid, SequenceStatus.FINISHED_LENGTH)
+    assert list(scheduler.schedule().num_scheduled_tokens) == [new, short]
+
+
+def test_failed_admission_leaves_the_lru_order_of_cached_blocks_unchanged():
+    """The head of the queue has 3 cached blocks but too few free blocks for the rest: it
+    looks up its prefix without taking it, so the free queue (the eviction order) is the
+    same after the step. Taking the prefix and giving it back would have moved its blocks
+    behind the more recently used one."""
+    scheduler, block_pool = make_scheduler(num_blocks=8)
+    decode = running_seq(scheduler, block_pool, "d", 14, 13)  # 4 blocks, none needed soon
+    prefix = [100 + i for i in range(12)]
+    for tokens in (prefix, [200, 201, 202, 203]):  # cache 3 blocks, then 1 used after them
+        table = BlockTable(block_pool)
+        assert table.ensure(len(tokens))
+        table.cache_full_blocks(tokens, len(tokens))
+        table.release()
+    lru_order = list(block_pool.free_queue)
+    waiting = Sequence("w", "", prefix + [7] * 9, SamplingParams(max_tokens=10),
+                       BlockTable(block_pool))  # 21 tokens and 1 more: 6 blocks, 3 cached
+    scheduler.add(waiting)
+    assert scheduler.schedule().num_scheduled_tokens == {decode: 1}
+    assert list(block_pool.free_queue) == lru_order and len(block_pool.hash_to_block_id) == 4
+    assert waiting.status == SequenceStatus.WAITING and waiting.block_table.block_ids == []
