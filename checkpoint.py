@@ -26,7 +26,6 @@ from tokenizer import (EOT, ChatTemplate, Tokenizer, byte_tokenizer, gpt2_byte_c
 SERVED_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
                         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                         "mistral": "MistralForCausalLM"}
-
 # config.json keys that change nothing a forward pass computes: metadata, training settings
 # (dropout, init), generation defaults. max_window_layers counts sliding-window layers, and
 # those are refused; pretraining_tp only split the matmuls while training.
@@ -37,18 +36,15 @@ NEUTRAL_KEYS = {"architectures", "model_type", "torch_dtype", "dtype", "transfor
                 "summary_proj_to_labels", "summary_type", "summary_use_proj",
                 "task_specific_params", "reorder_and_upcast_attn", "max_window_layers",
                 "pretraining_tp", "is_llama_config", "rope_interleaved", "transformers.js_config"}
-
 # The keys config_from_hf reads, each into a GPTConfig field or a check.
 GPT2_KEYS = {"vocab_size", "n_positions", "n_ctx", "n_embd", "n_layer", "n_head", "n_inner",
              "layer_norm_epsilon", "activation_function", "scale_attn_weights",
              "scale_attn_by_inverse_layer_idx", "tie_word_embeddings"}
-
 LLAMA_KEYS = {"vocab_size", "max_position_embeddings", "hidden_size", "num_hidden_layers",
               "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
               "rms_norm_eps", "hidden_act", "attention_bias", "mlp_bias", "tie_word_embeddings",
               "rope_theta", "rope_scaling", "rope_parameters", "sliding_window",
               "use_sliding_window", "layer_types", "use_mrope"}
-
 LLAMA3_SCALING_KEYS = {"factor", "low_freq_factor", "high_freq_factor",
                        "original_max_position_embeddings"}
 
@@ -162,11 +158,9 @@ def rope_settings(hf: dict, path: str) -> tuple[float, dict | None]:
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "F64": torch.float64, "I64": torch.int64, "U8": torch.uint8}
-
 HUB_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints",
-                             "shakespeare")  # trained by train() below, shipped with the repo
+                             "shakespeare")  # trained by train.py, shipped with the repo
 
 
 def read_safetensors(path: str) -> dict[str, torch.Tensor]:
@@ -292,11 +286,9 @@ def checked_llama_state(tensors: dict, model: GPT, path: str) -> dict:
 # GPT-2's names for our parameters (ours are Llama's): top level, then within layer i ("h.i.").
 # q, k and v are one fused c_attn in GPT-2; its Conv1D weights are stored (in, out).
 GPT2_NAMES = {"model.embed_tokens": "wte", "model.embed_positions": "wpe", "model.norm": "ln_f"}
-
 GPT2_LAYER_NAMES = {"input_layernorm": "ln_1", "self_attn.o_proj": "attn.c_proj",
                     "post_attention_layernorm": "ln_2", "mlp.up_proj": "mlp.c_fc",
                     "mlp.down_proj": "mlp.c_proj"}
-
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
                   "mlp.c_proj.weight")  # HF's Conv1D stores (in, out); nn.Linear wants (out, in)
 

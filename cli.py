@@ -102,7 +102,6 @@ def argparse_error(parser: argparse.ArgumentParser, message: str) -> None:
 
 # Control characters (random weights emit any byte) print as visible escapes, not raw.
 VISIBLE = {c: f"\\x{c:02x}" for c in [*range(32), *range(127, 160)] if c not in (9, 10)}
-
 CLI_MAX_TOKENS = 200  # the command line's max_tokens, unless a flag, the checkpoint or the
                       # context says otherwise
                       # context says otherwise
@@ -113,9 +112,10 @@ CLI_SAMPLING = ("n", "temperature", "top_k", "top_p", "stop", "ignore_eos", "pre
 
 def cli_params(engine: Engine, args: argparse.Namespace, prompt, **fields) -> SamplingParams:
     """The command line's sampling for a prompt: each field from `fields` (a --jsonl line's,
-    the REPL's /set), else the flag if given, else the checkpoint's default (default_sampling),
-    else the command line's own (the flags' defaults; max_tokens 200). A default max_tokens is
-    at most what the context leaves (at least 1: a prompt too long then says why)."""
+    the REPL's /set), else the flag if given, else the checkpoint's default
+    (generation_config_defaults), else the command line's own (the flags' defaults; max_tokens
+    200). A default max_tokens is at most what the context leaves (at least 1: a prompt too
+    long then says why)."""
     _, token_ids = engine.parse_prompt(prompt)
     defaults = {name: getattr(args, name) for name in CLI_SAMPLING}
     defaults |= dict(max_tokens=CLI_MAX_TOKENS) | engine.sampling_defaults
@@ -338,7 +338,6 @@ REPL_HELP = ("/set NAME VALUE sets a sampling field (max_tokens, temperature, to
              "repetition_penalty, min_tokens, stop_token_ids, logit_bias, ...; /set NAME alone "
              "resets it), /help, /quit.\nCtrl-C stops a completion; at the prompt, Ctrl-C or "
              "Ctrl-D ends.")
-
 REPL_CHAT_HELP = ("A chat, through the checkpoint's chat template: each line is your turn in "
                   "one conversation; /clear starts a new one.")
 

@@ -21,8 +21,7 @@ from paged_cache import BlockTable
 from sampling import SamplingParams
 from scheduler import Sequence
 from server import Server, ServerConfig
-from tokenizer import (EOT, gpt2_byte_chars)
-
+from tokenizer import EOT, gpt2_byte_chars
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

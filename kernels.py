@@ -13,9 +13,9 @@ cache, BS block size (tokens per block), MB max blocks a sequence.
 Grouped-query attention (GQA: Llama 3, Qwen) keeps Hkv < H heads of K/V, a G = H // Hkv times
 smaller cache; query head h reads KV head h // G, so each KV head serves a contiguous group
 of G query heads (Hugging Face's repeat_kv): G is the group size (group_size in code,
-vLLM's num_queries_per_kv), and "group" means those G heads and nothing else here. Hkv == H (G = 1) is plain multi-head attention
-(GPT-2). The fast paths read each K/V once per KV head for its whole group, never copying it
-per query head.
+vLLM's num_queries_per_kv), and "group" means those G heads and nothing else here. Hkv == H
+(G = 1) is plain multi-head attention (GPT-2). The fast paths read each K/V once per KV head
+for its whole group, never copying it per query head.
 
 In this file, in order: AttentionMetadata and store_kv; paged_attention_ref (the spec), then
 paged_attention_cpu (the CPU default) and the Triton kernel with its launcher paged_attention

@@ -86,7 +86,6 @@ class GPTConfig:
 # The fields of the presets in Llama's layout (no biases anywhere, as Llama 3)
 LLAMA_LAYOUT = dict(norm="rmsnorm", position_encoding="rope", mlp="swiglu", qkv_bias=False,
                     o_bias=False, mlp_bias=False, norm_eps=1e-6)
-
 PRESETS = {"tiny": GPTConfig(),  # 3.5M parameters: tests, benchmarks, quick runs
            "gpt2": GPTConfig(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12),
            # Llama's layout at tiny's size (3.4M parameters), 8 query heads sharing 2 K/V heads:
@@ -206,8 +205,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Attention(nn.Module):
     """Causal self-attention with n_head query heads and n_kv_head K/V heads: query head h reads
-    K/V head h // G (G = n_head // n_kv_head, the group size), so the cache holds n_kv_head heads a token (GPT-2:
-    as many as the queries; Llama-3.2-1B: 8 for 32)."""
+    K/V head h // G (G = n_head // n_kv_head, the group size), so the cache holds n_kv_head
+    heads a token (GPT-2: as many as the queries; Llama-3.2-1B: 8 for 32)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()

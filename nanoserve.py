@@ -40,9 +40,7 @@ from scheduler import POLICIES, Scheduler, SchedulerOutput, Sequence, SequenceSt
 from tokenizer import Detokenizer
 
 __version__ = "0.1.0"     # pyproject.toml reads it from here
-
 KV_CACHE_BYTES = 1 << 30  # the default KV cache's memory budget: 1 GiB
-
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 

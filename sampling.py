@@ -24,7 +24,6 @@ from options import check_fields, check_float, check_int, option
 from scheduler import Sequence
 
 GREEDY_BELOW = 1e-5       # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
-
 MAX_LOGPROBS = 20         # top log-probabilities per token at most (vLLM's max_logprobs)
 
 

@@ -4,14 +4,17 @@ There is no separate prefill phase and decode phase. Every sequence has token_id
 plus generated) and num_computed_tokens (how many of them have their K/V in the cache); a
 step gives each scheduled sequence some of its uncomputed tokens. A decode is a sequence with
 one uncomputed token (the one it just sampled); a prefill has many, and may be given them in
-chunks over several steps. A preempted sequence lost its K/V, so its next prefill recomputes
-its prompt and the tokens it had generated. This is vLLM v1's rule, after Orca and Sarathi.
+chunks over several steps. A preempted sequence gave its blocks back, so its next prefill
+computes its prompt and the tokens it had generated again, less what the prefix cache still
+holds: its full blocks were registered there, so unless evicted meanwhile it takes them back
+on readmission and resumes from them. This is vLLM v1's rule, after Orca and Sarathi.
 
-In this file, in order: Sequence (one request's state), SchedulerOutput (what a step runs and
-what scheduling it changed), WaitingQueue (admission order: fcfs, sjf), and Scheduler, whose
-schedule() is the policy and whose update() applies a step's results. The engine
-(nanoserve.py) calls schedule(), runs the model on its output, then calls update(). Blocks
-come from paged_cache.py.
+In this file, in order: Sequence (one sample of a request), SchedulerOutput (what a step runs
+and what scheduling it changed), WaitingQueue (admission order: fcfs, sjf), Scheduler, whose
+schedule() is the policy and whose update() applies a step's results, and check_stop, the one
+place that says why a sequence finishes. The engine (nanoserve.py) calls schedule(), runs the
+model on its output, calls update(), then check_stop() on each new token. Blocks come from
+paged_cache.py.
 
 Left out: swapping to CPU, priorities set by the client, lookahead slots.
 """
@@ -38,14 +41,15 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """One request as the engine sees it: its tokens, its progress and its cache blocks."""
+    """One sample of a request as the engine sees it: its tokens, its progress and its cache
+    blocks (a request of n samples is n sequences)."""
     seq_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    params: "SamplingParams"  # noqa: F821 (nanoserve.SamplingParams)
+    params: "SamplingParams"  # noqa: F821 (sampling.SamplingParams)
     block_table: BlockTable
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
-    detokenizer: "Detokenizer" = None         # noqa: F821 (model.Detokenizer)
+    detokenizer: "Detokenizer" = None         # noqa: F821 (tokenizer.Detokenizer)
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0              # tokens whose K/V are in the cache
     status: SequenceStatus = SequenceStatus.WAITING

@@ -7,6 +7,8 @@ every connection (HTTP/1.1 keep-alive, written here on the standard library); th
 on its own thread (EngineThread), which takes requests and aborts between steps and hands each
 step's outputs to the loop in one call. ServerConfig holds the flags that say where and for
 whom it serves and the limits that keep a slow or silent client from holding anything.
+openai_protocol.py turns a request's JSON into the engine's requests and its outputs back
+into OpenAI's JSON; this file is the wire and the concurrency around it.
 
 Three kinds of request meet here, each with its own id: an HTTP request (ServedRequest) may
 carry several prompts; each prompt is one engine request (a request id); each request fans
@@ -14,7 +16,6 @@ out into its n samples, the engine's sequences. The server sees requests only.
 """
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import itertools
 import json
@@ -28,11 +29,11 @@ from dataclasses import dataclass, field
 from functools import partial
 from http import HTTPStatus
 
-from nanoserve import (CompletionOutput, Engine, EngineDeadError, RequestOutput, __version__,
-                       accumulate, as_prompt_list)
-from options import check_fields, check_int, option
-from sampling import MAX_LOGPROBS, SamplingParams, print_sampling_defaults
-from tokenizer import ChatTemplate
+from nanoserve import Engine, EngineDeadError, RequestOutput, __version__, accumulate
+from openai_protocol import (HTTPError, chat_prompt, check_model, choice, error_body,
+                             parse_request, typed, usage_of)
+from options import check_fields, option
+from sampling import print_sampling_defaults
 
 
 @dataclass
@@ -66,48 +67,13 @@ class ServerConfig:
 
 
 MAX_BODY_BYTES = 1 << 20  # a larger request body is refused (413)
-
 MAX_HEADER_BYTES = 64 << 10  # a larger header block is refused (431)
-
 DRAIN_ANSWER_TIMEOUT = 10.0  # seconds a shutdown waits for aborted requests' answers (a step)
-
 CORS_PREFLIGHT = {"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
                   "Access-Control-Allow-Headers": "Authorization, Content-Type",
                   "Access-Control-Max-Age": "600"}
 
-MAX_N = 64                # samples of one prompt in one request at most
-
-CHAT_TURN_END = "\n\n"    # the chat template ends every turn with a blank line
-
-TRANSCRIPT_ROLES = ("system", "user", "assistant")  # the roles of render_chat's transcript
-
-TEMPLATE_ROLES = (*TRANSCRIPT_ROLES, "tool")        # a checkpoint's template may take tool results
-
-
-# SamplingParams' fields a request may set, OpenAI's and vLLM's extra ones (top_k, min_p, ...)
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
-                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                   "stop_token_ids", "include_stop_str_in_output", "logit_bias")
-
-FIELDS = {"model", "n", "stream", "stream_options", "user", "stop", "logprobs",
-          *SAMPLING_FIELDS}  # both endpoints serve these
-
-CHAT_FIELDS = {"messages", "top_logprobs", "max_completion_tokens", "chat_template_kwargs"}
-
-COMPLETION_FIELDS = {"prompt", "echo"}
-
-NEUTRAL = dict(best_of=1, suffix="")  # accepted at these values only
-
 BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
-
-
-class HTTPError(Exception):
-    """Answered as OpenAI does: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.param = param
 
 
 def zero_bucket_counts() -> list[int]:
@@ -266,241 +232,6 @@ def settle(future: asyncio.Future, result, error: Exception | None) -> None:
     future.set_result(result)
 
 
-def typed(body: dict, name: str, default, *kinds):
-    """body[name] (absent or null: default); HTTPError 400 unless of one of the JSON kinds."""
-    if (value := body.get(name)) is None:
-        return default
-    if type(value) not in kinds:
-        raise HTTPError(400, f"{name} must be of type {' or '.join(k.__name__ for k in kinds)}, "
-                        f"got {value!r}", name)
-    return value
-
-
-def check_messages(messages, roles: tuple[str, ...]) -> None:
-    """HTTPError 400 unless messages is a non-empty list of {"role": one of roles, "content":
-    a string} (other keys are the template's to read)."""
-    if isinstance(messages, list) and messages and all(
-            isinstance(m, dict) and m.get("role") in roles and isinstance(m.get("content"), str)
-            for m in messages):
-        return
-    names = ", ".join(f'"{role}"' for role in roles[:-1]) + f' or "{roles[-1]}"'
-    raise HTTPError(400, f'messages must be a non-empty list of {{"role": {names}, "content": '
-                    'a string}', "messages")
-
-
-def render_chat(messages) -> str:
-    """The chat template for a base model: every turn is "ROLE:\\n" + content + a blank line,
-    then "ASSISTANT:\\n" for the model to go on; its reply ends at its own blank line."""
-    check_messages(messages, TRANSCRIPT_ROLES)
-    return "".join(f"{m['role'].upper()}:\n{m['content']}{CHAT_TURN_END}" for m in messages) \
-        + "ASSISTANT:\n"
-
-
-def chat_prompt(body: dict, template: ChatTemplate | None) -> str:
-    """A chat request's prompt text: its messages through the checkpoint's template with its
-    chat_template_kwargs, else render_chat's transcript (which takes no kwargs); HTTPError
-    400 naming the field at fault."""
-    kwargs = typed(body, "chat_template_kwargs", {}, dict)
-    messages = body.get("messages")
-    if template is None:
-        return render_chat(messages)
-    check_messages(messages, TEMPLATE_ROLES)
-    try:
-        return template.render(messages, kwargs)
-    except ValueError as e:
-        raise HTTPError(400, str(e), "messages") from None
-
-
-def parse_request(body: dict, engine: Engine, model_name: str, chat: bool,
-                  template: ChatTemplate | None, defaults: dict) -> tuple[list, dict]:
-    """An OpenAI request -> its sequences [(prompt, SamplingParams)], n for each prompt, and
-    how to answer (stream, include_usage, echo, logprobs k); HTTPError 400 if anything is off.
-    A chat's prompt is the checkpoint's template, if any (template); a sampling field absent
-    or null is the checkpoint's default, if any (defaults: default_sampling's)."""
-    check_known_fields(body, chat)
-    check_model(body, model_name)
-    fields = defaults | {name: body[name] for name in SAMPLING_FIELDS
-                         if body.get(name) is not None}
-    fields["stop"] = typed(body, "stop", [], str, list)
-    n = typed(body, "n", 1, int)
-    echo = typed(body, "echo", False, bool)
-    if chat:  # as token ids, encoded once and as the engine encodes text (special tokens too)
-        prompts = [engine.tokenizer.encode(chat_prompt(body, template))]
-        default_max_tokens = engine.max_tokens_within_context(defaults.get("max_tokens"),
-                                                              len(prompts[0]))
-        fields["max_tokens"] = chat_max_tokens(body, default_max_tokens)
-        fields["logprobs"] = None
-        if typed(body, "logprobs", False, bool):
-            fields["logprobs"] = typed(body, "top_logprobs", 0, int)
-    else:
-        prompts = completion_prompts(body)
-        fields["logprobs"] = typed(body, "logprobs", None, int)
-        if (fields["logprobs"] or 0) > 5:  # OpenAI's limit for completions
-            raise HTTPError(400, f"logprobs must be at most 5, got {fields['logprobs']}",
-                            "logprobs")
-        fields["prompt_logprobs"] = fields["logprobs"] if echo else None
-    stream_options = typed(body, "stream_options", {}, dict)
-    options = dict(stream=typed(body, "stream", False, bool), chat=chat, n=n,
-                   k=fields["logprobs"] or 0, echo=echo,
-                   include_usage=typed(stream_options, "include_usage", False, bool))
-    transcript = chat and template is None  # a reply there ends at its turn's blank line
-    params = sample_params(fields, n, transcript, typed(body, "top_logprobs", 0, int))
-    if chat or body.get("max_tokens") is not None or "max_tokens" not in defaults:
-        return [(prompt, params) for prompt in prompts], options
-    return [(prompt, within_context(engine, prompt, params)) for prompt in prompts], options
-
-
-def within_context(engine: Engine, prompt, params: SamplingParams) -> SamplingParams:
-    """params with the checkpoint's default max_tokens (the request gave none) cut to what
-    the prompt's context leaves (Engine.max_tokens_within_context)."""
-    try:
-        _, token_ids = engine.parse_prompt(prompt)
-    except ValueError as e:
-        raise HTTPError(400, str(e), "prompt") from None
-    max_tokens = engine.max_tokens_within_context(params.max_tokens, len(token_ids))
-    return dataclasses.replace(params, max_tokens=max_tokens)
-
-
-def check_known_fields(body: dict, chat: bool) -> None:
-    """HTTPError 400 naming the first field this endpoint does not serve (a NEUTRAL one is
-    accepted at its neutral value)."""
-    known = FIELDS | (CHAT_FIELDS if chat else COMPLETION_FIELDS)
-    for name, value in body.items():
-        if name in known:
-            continue
-        if name not in NEUTRAL:
-            raise HTTPError(400, f"{name} is not supported", name)
-        if value not in (None, NEUTRAL[name]):
-            raise HTTPError(400, f"{name} is not supported (only {NEUTRAL[name]!r})", name)
-
-
-def chat_max_tokens(body: dict, default: int) -> int:
-    """max_completion_tokens, else max_tokens, else `default` (the checkpoint's, or what the
-    context has left, whichever is less: Engine.max_tokens_within_context)."""
-    for name in ("max_completion_tokens", "max_tokens"):
-        if body.get(name) is not None:
-            return body[name]
-    return default
-
-
-def completion_prompts(body: dict) -> list:
-    """The completions endpoint's prompt field as a non-empty list of prompts."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, (str, list)):
-        prompts = as_prompt_list(prompt)
-        if prompts:
-            return prompts
-    raise HTTPError(400, "prompt must be a string, a list of token ids, or a non-empty list of "
-                    "those", "prompt")
-
-
-def sample_params(fields: dict, n: int, transcript: bool, top_logprobs: int) -> SamplingParams:
-    """The request's SamplingParams (its n samples are the engine's fan-out: sample i of a
-    seeded request uses seed + i); a reply in render_chat's transcript also stops at the end
-    of its turn. HTTPError 400 naming a bad field."""
-    try:
-        check_int("n", n, 1, MAX_N)
-        check_int("top_logprobs", top_logprobs, 0, MAX_LOGPROBS)
-        params = SamplingParams(n=n, **fields)
-    except ValueError as e:
-        bad_field = next((f for f in [*fields, "n", "top_logprobs"] if str(e).startswith(f)), None)
-        raise HTTPError(400, str(e), bad_field) from None
-    if transcript:
-        params = dataclasses.replace(params, stop=params.stop + [CHAT_TURN_END])
-    return params
-
-
-def token_text(tokenizer, token_id: int) -> str:
-    """A token as text (a special token's too, as vLLM's logprobs write <|endoftext|>); as
-    OpenAI writes it, "bytes:\\xe2\\x80" if it is not UTF-8 alone."""
-    data = tokenizer.token_bytes(token_id, skip_special_tokens=False)
-    try:
-        return data.decode()
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
-
-
-def logprob_value(item: tuple[int, float]) -> float:
-    return item[1]
-
-
-def logprobs_json(tokenizer, token_ids: list[int], entries: list, k: int, chat: bool,
-                  offset: int = 0) -> dict:
-    """Each token's log-probability and the top k, in OpenAI's completions or chat shape (text
-    offsets start at `offset`: the characters that earlier chunks of the choice held). An
-    entry is {token id: log-probability}; the first prompt token's is None."""
-    tops = []
-    for entry in entries:
-        if entry is None:
-            tops.append(None)
-        else:
-            tops.append(sorted(entry.items(), key=logprob_value, reverse=True)[:k])
-    if chat:
-        content = []
-        for token_id, entry, top in zip(token_ids, entries, tops):
-            item = chat_logprob_item(tokenizer, token_id, entry[token_id])
-            item["top_logprobs"] = [chat_logprob_item(tokenizer, t, lp) for t, lp in top]
-            content.append(item)
-        return dict(content=content)
-    token_logprobs = []
-    top_logprobs = []
-    for token_id, entry, top in zip(token_ids, entries, tops):
-        if entry is None:
-            token_logprobs.append(None)
-            top_logprobs.append(None)
-        else:
-            token_logprobs.append(entry[token_id])
-            top_logprobs.append({token_text(tokenizer, t): lp for t, lp in top})
-    text_offset = [offset + len(tokenizer.decode(token_ids[:i], skip_special_tokens=False))
-                   for i in range(len(entries))]  # as vLLM's: the lengths of the tokens' texts
-    return dict(tokens=[token_text(tokenizer, t) for t in token_ids],
-                token_logprobs=token_logprobs, top_logprobs=top_logprobs,
-                text_offset=text_offset)
-
-
-def chat_logprob_item(tokenizer, token_id: int, logprob: float) -> dict:
-    return dict(token=token_text(tokenizer, token_id), logprob=logprob,
-                bytes=list(tokenizer.token_bytes(token_id, skip_special_tokens=False)))
-
-
-def choice(tokenizer, index: int, out: RequestOutput, completion: CompletionOutput,
-           options: dict, first: bool, offset=0) -> dict:
-    """One choice (`completion`, one of out's samples) of a response, or of a stream's chunk
-    (then from a delta, `offset` characters into the choice's text)."""
-    token_ids = completion.token_ids
-    entries = completion.logprobs
-    text = completion.text
-    if first and options["echo"]:  # the prompt (and its log-probabilities) first
-        token_ids = out.prompt_token_ids + token_ids
-        # the prompt as written, or its ids' text with the special tokens (as /detokenize's)
-        prompt = out.prompt or tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
-        text = prompt + text
-        if entries is not None:
-            entries = out.prompt_logprobs + entries
-    logprobs = None
-    if entries is not None:
-        logprobs = logprobs_json(tokenizer, token_ids, entries, options["k"],
-                                 options["chat"], offset)
-    if not options["chat"]:
-        return dict(index=index, text=text, logprobs=logprobs,
-                    finish_reason=completion.finish_reason,
-                    stop_reason=completion.stop_reason)
-    message = dict(content=text)
-    if first:
-        message = dict(role="assistant", content=text)
-    message_key = "delta" if options["stream"] else "message"
-    return {"index": index, message_key: message, "logprobs": logprobs,
-            "finish_reason": completion.finish_reason}
-
-
-def usage_of(ids: list[str], whole: dict[str, RequestOutput]) -> dict:
-    """OpenAI's usage of one HTTP request: each prompt once, every sample's tokens."""
-    prompt_tokens = sum(len(whole[i].prompt_token_ids) for i in ids)
-    completion_tokens = sum(len(c.token_ids) for i in ids for c in whole[i].outputs)
-    return dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                total_tokens=prompt_tokens + completion_tokens)
-
-
 @dataclass
 class HTTPRequest:
     """One request as read off its connection; header names in lower case."""
@@ -618,12 +349,6 @@ class Exchange:
         if not self.request.keep_alive:
             lines.append("Connection: close")
         self.writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-
-
-def error_body(error: "HTTPError") -> dict:
-    """OpenAI's error body."""
-    kind = "invalid_request_error" if error.status < 500 else "server_error"
-    return {"error": dict(message=str(error), type=kind, param=error.param, code=error.status)}
 
 
 class Server:
@@ -1106,13 +831,6 @@ def json_body(request: HTTPRequest) -> dict:
     if not isinstance(body, dict):
         raise HTTPError(400, "the body must be a JSON object")
     return body
-
-
-def check_model(body: dict, model_name: str) -> None:
-    """vLLM's 404 for a request naming a model this server does not serve."""
-    name = typed(body, "model", model_name, str)
-    if name != model_name:
-        raise HTTPError(404, f"The model `{name}` does not exist.", "model")
 
 
 def serve(engine: Engine, config: ServerConfig) -> None:

@@ -17,8 +17,8 @@ import torch
 
 import bench
 import model as M
+from conftest import GREEDY, HERE, CountSyncs, start_server, tiny
 from nanoserve import LLM
-from conftest import CountSyncs, GREEDY, HERE, start_server, tiny
 
 
 # ----------------------------------------------------------------------------- bench.py

@@ -13,13 +13,11 @@ import torch
 
 import checkpoint
 import model as M
+from conftest import (HERE, MODEL_FIXTURES, NEAR_TIE, assert_no_leaks, checkpoint_llm,
+                      fixture_llm, http, server_in_process, token_ids, write_byte_tokenizer)
 from nanoserve import LLM
 from sampling import SamplingParams
-from tokenizer import (EOT, Tokenizer, load_tokenizer)
-from conftest import (assert_no_leaks, checkpoint_llm, fixture_llm, HERE, http, MODEL_FIXTURES,
-                     NEAR_TIE, server_in_process, token_ids,
-                     write_byte_tokenizer)
-
+from tokenizer import EOT, Tokenizer, load_tokenizer
 
 SHARED_GPT2 = os.path.join(HERE, "..", "shared", "data", "gpt2")
 
@@ -159,7 +157,8 @@ def test_sharded_checkpoint_loads_as_the_whole_one(tmp_path):
     shards = {"model-00001-of-00002.safetensors": names[:10],
               "model-00002-of-00002.safetensors": names[10:]}
     for shard, shard_names in shards.items():
-        checkpoint.write_safetensors({name: tensors[name] for name in shard_names}, str(tmp_path / shard))
+        shard_tensors = {name: tensors[name] for name in shard_names}
+        checkpoint.write_safetensors(shard_tensors, str(tmp_path / shard))
     weight_map = {name: shard for shard, shard_names in shards.items() for name in shard_names}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     shutil.copy(os.path.join(source, "config.json"), tmp_path)
@@ -208,7 +207,8 @@ def test_embedding_rows_past_the_tokenizer_are_never_sampled(tmp_path):
     state["transformer.wte.weight"][257:] = 0
     write_hf_checkpoint(tmp_path, state, config, "safetensors")
     with torch.no_grad():  # the padding rows made 10x the last hidden state: their logits win
-        hidden = checkpoint.load_checkpoint(str(tmp_path)).dense_hidden_states(torch.tensor([[1, 2, 3]]))
+        model = checkpoint.load_checkpoint(str(tmp_path))
+        hidden = model.dense_hidden_states(torch.tensor([[1, 2, 3]]))
     state["transformer.wte.weight"][257:] = 10 * hidden[0, -1]
     write_hf_checkpoint(tmp_path, state, config, "safetensors")
     write_byte_tokenizer(tmp_path)
@@ -274,7 +274,8 @@ def write_published_qwen(path) -> Tokenizer:
     weight_map = {}
     for i, shard_names in enumerate((names[:9], names[9:])):
         shard = f"model-0000{i + 1}-of-00002.safetensors"
-        checkpoint.write_safetensors({name: state[name] for name in shard_names}, str(path / shard))
+        shard_tensors = {name: state[name] for name in shard_names}
+        checkpoint.write_safetensors(shard_tensors, str(path / shard))
         weight_map |= dict.fromkeys(shard_names, shard)
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
@@ -405,7 +406,8 @@ def test_download_writes_the_file_with_a_progress_line(tmp_path, capsys):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         target = tmp_path / "hub" / "snapshot" / "model.safetensors"
-        checkpoint._download(f"http://127.0.0.1:{server.server_address[1]}/model.safetensors", str(target))
+        url = f"http://127.0.0.1:{server.server_address[1]}/model.safetensors"
+        checkpoint._download(url, str(target))
     finally:
         server.shutdown()
     assert target.read_bytes() == b"w" * 2_500_000 and not os.path.exists(f"{target}.part")

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import display
+from conftest import HERE, nanoserve_main, progress_frames, run_to_end, tiny
 from nanoserve import LLM
 from sampling import SamplingParams
-from conftest import (HERE, nanoserve_main, progress_frames, run_to_end, tiny)
 
 
 # ----------------------------------------------------------------------------- command line

@@ -14,12 +14,12 @@ import torch
 
 import kernels
 import nanoserve
+from conftest import DEVICE, HERE, CountSyncs
 from kernels import (AttentionMetadata, paged_attention, paged_attention_cpu, paged_attention_ref,
                      store_kv)
 from nanoserve import Engine, EngineConfig
 from paged_cache import cdiv
 from sampling import SamplingParams
-from conftest import CountSyncs, DEVICE, HERE
 
 
 # ----------------------------------------------------------------------------- Triton kernel

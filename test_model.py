@@ -12,10 +12,10 @@ import torch
 import checkpoint
 import cli
 import model as M
+from conftest import (DEVICE, GREEDY, MODEL_FIXTURES, PROMPTS, assert_no_leaks,
+                      assert_paged_equals_dense_at_every_position, fixture_llm, tiny, token_ids)
 from nanoserve import LLM
 from sampling import SamplingParams
-from conftest import (assert_no_leaks, assert_paged_equals_dense_at_every_position, DEVICE,
-                     fixture_llm, GREEDY, MODEL_FIXTURES, PROMPTS, tiny, token_ids)
 
 
 # ----------------------------------------------------------------------------- architectures
@@ -28,7 +28,8 @@ PARITY_TOL = 1e-4  # max |logit - transformers' logit|, our fp32 against its fp6
 
 def reference_logits(name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The fixture's input ids (2, 40) and transformers' logits for them (2, 40, vocab)."""
-    tensors = checkpoint.read_safetensors(os.path.join(MODEL_FIXTURES, name, "reference.safetensors"))
+    reference = os.path.join(MODEL_FIXTURES, name, "reference.safetensors")
+    tensors = checkpoint.read_safetensors(reference)
     return tensors["input_ids"], tensors["logits"]
 
 

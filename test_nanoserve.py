@@ -14,13 +14,13 @@ import pytest
 import torch
 
 import nanoserve
+from conftest import (DEVICE, GREEDY, PROMPTS, CountSyncs, assert_no_leaks,
+                      assert_paged_equals_dense_at_every_position, http, nanoserve_main, new_seq,
+                      parse_events, progress_frames, run_to_end, tiny, token_ids)
 from nanoserve import LLM, Engine, EngineConfig, accumulate
 from sampling import SamplingParams
 from server import Server, ServerConfig
-from tokenizer import (EOT, Detokenizer, byte_tokenizer)
-from conftest import (assert_no_leaks, assert_paged_equals_dense_at_every_position, CountSyncs,
-                     DEVICE, GREEDY, http, nanoserve_main, new_seq, parse_events, progress_frames,
-                     PROMPTS, run_to_end, tiny, token_ids)
+from tokenizer import EOT, Detokenizer, byte_tokenizer
 
 
 def whole_token_ids(deltas: list) -> list[int]:

@@ -5,11 +5,11 @@ from collections import Counter
 import pytest
 import torch
 
+from conftest import assert_no_leaks, shared
 from nanoserve import LLM, Engine, accumulate
 from paged_cache import BlockPool, BlockTable, hash_block
 from sampling import SamplingParams
 from scheduler import SequenceStatus
-from conftest import assert_no_leaks, shared
 
 
 # ----------------------------------------------------------------------------- paged cache
@@ -57,7 +57,8 @@ def check_books(engine: Engine) -> None:
     assert set(pool.free_queue) == {b for b in range(pool.num_blocks) if not owners[b]}
     cached_in_order = [pool.block_id_to_hash[b] is not None for b in pool.free_queue]
     assert cached_in_order == sorted(cached_in_order)  # uncached blocks first, then cached
-    assert {pool.block_id_to_hash[b] for b in pool.hash_to_block_id.values()} == set(pool.hash_to_block_id)
+    cached_hashes = {pool.block_id_to_hash[b] for b in pool.hash_to_block_id.values()}
+    assert cached_hashes == set(pool.hash_to_block_id)
     assert sum(h is not None for h in pool.block_id_to_hash) == len(pool.hash_to_block_id)
     for seq in engine.scheduler.running:  # the blocks its next tokens go to: its own, uncached
         for b in seq.block_table.block_ids[seq.num_computed_tokens // bs:]:

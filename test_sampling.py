@@ -10,11 +10,11 @@ import torch
 import cli
 import model as M
 import sampling
+from conftest import (NEAR_TIE, PROMPTS, assert_no_leaks, chat_checkpoint, checkpoint_llm, http,
+                      nanoserve_main, server_in_process, tiny, token_ids)
 from nanoserve import Engine
 from sampling import SamplingParams, SamplingTensors, apply_top_k_top_p, sample
-from tokenizer import (EOT)
-from conftest import (assert_no_leaks, chat_checkpoint, checkpoint_llm, http, nanoserve_main,
-                     NEAR_TIE, PROMPTS, server_in_process, tiny, token_ids)
+from tokenizer import EOT
 
 
 # ----------------------------------------------------------------------------- sampling

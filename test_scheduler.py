@@ -3,10 +3,10 @@
 
 import pytest
 
+from conftest import GREEDY, PROMPTS, assert_no_leaks, tiny
 from paged_cache import BlockPool, BlockTable
 from sampling import SamplingParams
 from scheduler import Scheduler, Sequence, SequenceStatus
-from conftest import assert_no_leaks, GREEDY, PROMPTS, tiny
 
 
 # ----------------------------------------------------------------------------- scheduler rules

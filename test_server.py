@@ -17,11 +17,12 @@ import pytest
 import torch
 
 import nanoserve
+from conftest import (HERE, address, assert_no_leaks, connection, http, json_or_text,
+                      parse_events, request, server_in_process, start_server, stop, tiny)
 from nanoserve import LLM
+from openai_protocol import SAMPLING_FIELDS, render_chat, token_text
 from sampling import SamplingParams
-from server import MAX_BODY_BYTES, SAMPLING_FIELDS, render_chat, token_text
-from conftest import (address, assert_no_leaks, connection, HERE, http, json_or_text,
-                     parse_events, request, server_in_process, start_server, stop, tiny)
+from server import MAX_BODY_BYTES
 
 
 # ----------------------------------------------------------------------------- HTTP server

@@ -10,12 +10,12 @@ import time
 import pytest
 
 import cli
+from conftest import (HERE, MODEL_FIXTURES, chat_checkpoint, checkpoint_llm, http, nanoserve_main,
+                      server_in_process, write_byte_tokenizer)
+from openai_protocol import render_chat
 from sampling import SamplingParams
-from server import render_chat
-from tokenizer import (ChatTemplate, Detokenizer, Tokenizer, chat_template_environment, gpt2_byte_chars, load_chat_template,
-                       load_tokenizer)
-from conftest import (chat_checkpoint, checkpoint_llm, HERE, http, MODEL_FIXTURES,
-                     nanoserve_main, server_in_process, write_byte_tokenizer)
+from tokenizer import (ChatTemplate, Detokenizer, Tokenizer, chat_template_environment,
+                       gpt2_byte_chars, load_chat_template, load_tokenizer)
 
 
 # ----------------------------------------------------------------------------- chat, defaults

@@ -24,15 +24,12 @@ import jinja2.sandbox
 import tiktoken
 
 EOT = "<|endoftext|>"
-
 GPT2_PATTERN = r"'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"
-
 # SmolLM2's pre-tokenizer as one regex: Digits(individual_digits) makes each digit a piece and
 # ByteLevel splits the text between digits with GPT2_PATTERN, where spaces before a digit end
 # that text, so they stay one piece: GPT-2's (?!\S) becomes "not before a non-digit non-space".
 DIGITS_GPT2_PATTERN = (r"'(?:[sdmt]|ll|ve|re)| ?\p{L}++|\p{N}| ?[^\s\p{L}\p{N}]++"
                        r"|\s+(?![^\s\p{N}])|\s")
-
 SENTENCEPIECE_REFUSAL = ("is not served: Llama 2, TinyLlama and Mistral 7B use it; nanoserve "
                          "serves byte-level BPE (GPT-2, Llama 3, Qwen2/2.5/3, SmolLM2)")
 
