@@ -35,12 +35,15 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass, replace
+from functools import partial
+from unittest import mock
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from cli import add_config_args
-from model import PRESETS, DenseKVCache
+from model import PRESETS, DenseKVCache, LMHead
 from nanoserve import Engine, EngineConfig, accumulate
 from options import check_fields, option
 from paged_cache import kv_bytes_per_token
@@ -88,6 +91,9 @@ class BenchConfig:
     out: str = option("bench.json", "where to write every figure as JSON")
     url: str = option("", "an OpenAI-compatible server (http://host:port): the online sweep on it")
     compare: bool = option(False, "with --url: the online sweep in process too (fcfs)")
+    lm_head: bool = option(False, "only the LM head's cost in bf16 on the CPU, its weight "
+                           "converted each step (as before) against once (now): gpt2's decode "
+                           "step, and the head alone at a 152k vocabulary")
 
 
 def parse_args(argv=None) -> BenchConfig:
@@ -931,6 +937,43 @@ def online(cfg: BenchConfig, workload: tuple[list, list[int]], progress) -> dict
     return found
 
 
+def lm_head_cost(cfg: BenchConfig, reps: int = 20, rounds: int = 5) -> dict:
+    """The LM head in bf16 on the CPU, as it was (the weight converted to fp32 every step) and
+    as it is (converted once: LMHead.fp32_copy), in one run, alternating: ms per decode step of
+    the gpt2 preset at batch 8 (the head is one part of it), and ms per head call alone at
+    Qwen2.5-0.5B's head shape (151,936 x 896) for 1, 8 and 32 rows. Medians of `rounds`."""
+    def before(self, hidden):  # the old LMHead.forward
+        return F.linear(hidden.float(), self.weight.float())
+
+    def timed(fn) -> tuple[float, float]:  # (before, now) ms per call, alternating rounds
+        old, new = [], []
+        for _ in range(rounds):
+            with mock.patch.object(LMHead, "forward", before):
+                old.append(1e3 * per_call(fn, reps, "cpu"))
+            new.append(1e3 * per_call(fn, reps, "cpu"))
+        return float(np.median(old)), float(np.median(new))
+
+    gpt2 = replace(cfg, preset="gpt2", device="cpu")
+    engine = engine_in_decode(gpt2, 8, 16, 1, rounds * reps * 2 + 2)
+    engine.model.to(torch.bfloat16)
+    engine.k_caches, engine.v_caches = (c.to(torch.bfloat16) for c in (engine.k_caches,
+                                                                         engine.v_caches))
+    result = {"gpt2 decode step, batch 8": timed(engine.step)}
+    head = LMHead(896, 151936, bias=False).to(torch.bfloat16)
+    for rows in (1, 8, 32):
+        hidden = torch.randn(rows, 896).to(torch.bfloat16)
+        result[f"head 151936 x 896, {rows} rows"] = timed(partial(head, hidden))
+    return result
+
+
+def lm_head_table(result: dict) -> str:
+    rows = ["| what (bf16, CPU) | weight converted each step | converted once | ratio |",
+            "| --- | ---: | ---: | ---: |"]
+    for what, (old, new) in result.items():
+        rows.append(f"| {what} | {old:.2f} ms | {new:.2f} ms | {old / new:.1f}x |")
+    return "\n".join(rows)
+
+
 def hardware_big(cfg: BenchConfig) -> dict:
     """The hardware view of --hardware-preset's shape, on all of torch's threads."""
     big = replace(cfg, preset=cfg.hardware_preset, threads=0)
@@ -950,6 +993,12 @@ def main(argv=None) -> None:
     cfg = parse_args(argv)
     default_threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads or default_threads)
+    if cfg.lm_head:
+        result = dict(lm_head=lm_head_cost(cfg), versions=versions(cfg))
+        print(lm_head_table(result["lm_head"]))
+        with open(cfg.out, "w") as f:
+            json.dump(result, f, indent=1)
+        return
     workload = make_workload(cfg, cfg.online_requests, cfg.online_limit, shared=True)
     result = dict(config=asdict(cfg), offline={}, online={}, online_lengths=workload[1],
                   versions=versions(cfg))

@@ -12,6 +12,7 @@ The engine (nanoserve.py) calls load_model once, as it starts.
 """
 import json
 import math
+import mmap
 import os
 import sys
 import urllib.request
@@ -26,25 +27,60 @@ from tokenizer import (EOT, ChatTemplate, Tokenizer, byte_tokenizer, gpt2_byte_c
 SERVED_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
                         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                         "mistral": "MistralForCausalLM"}
-# config.json keys that change nothing a forward pass computes: metadata, training settings
-# (dropout, init), generation defaults. max_window_layers counts sliding-window layers, and
-# those are refused; pretraining_tp only split the matmuls while training.
-NEUTRAL_KEYS = {"architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
-                "_name_or_path", "bos_token_id", "eos_token_id", "pad_token_id", "use_cache",
+# Generation defaults that transformers 4 wrote into config.json: nanoserve reads them from
+# generation_config.json, and transformers 5 drops them from config.json as well.
+GENERATION_KEYS = {"max_length", "min_length", "do_sample", "early_stopping", "num_beams",
+                   "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p",
+                   "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+                   "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences",
+                   "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+                   "forced_eos_token_id", "remove_invalid_values",
+                   "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens"}
+# config.json keys that change nothing a forward pass computes, whatever their value: metadata
+# (architectures is checked against the model_type), token ids, what a forward pass returns,
+# classification metadata, training-only settings, generation defaults, and what only other
+# heads, frameworks or layouts read. A key that starts with "_" is metadata too
+# (_name_or_path, which transformers writes into a converted checkpoint; _commit_hash).
+# torchscript only clones the tied head; chunk_size_feed_forward splits the MLP over positions,
+# which is exact, and these families never do; every served family decodes, is_decoder or not;
+# max_window_layers counts sliding-window layers, which are refused; pretraining_tp split the
+# matmuls while training; rope_interleaved is nanotron's layout, which transformers ignores.
+NEUTRAL_KEYS = {"architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
+                "name_or_path", "attn_implementation", "tokenizer_class", "prefix",
+                "finetuning_task", "task_specific_params", "transformers.js_config",
+                "is_llama_config",
+                "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "unk_token_id",
+                "decoder_start_token_id",
+                "use_cache", "output_past", "output_attentions", "output_hidden_states",
+                "return_dict", "torchscript", "is_decoder", "chunk_size_feed_forward",
+                "id2label", "label2id", "num_labels", "problem_type",
                 "initializer_range", "attention_dropout", "attn_pdrop", "embd_pdrop",
-                "resid_pdrop", "summary_activation", "summary_first_dropout",
-                "summary_proj_to_labels", "summary_type", "summary_use_proj",
-                "task_specific_params", "reorder_and_upcast_attn", "max_window_layers",
-                "pretraining_tp", "is_llama_config", "rope_interleaved", "transformers.js_config"}
+                "resid_pdrop", "gradient_checkpointing", "use_bfloat16", "tf_legacy_loss",
+                "pretraining_tp", "max_window_layers", "rope_interleaved",
+                "summary_activation", "summary_first_dropout", "summary_proj_to_labels",
+                "summary_type", "summary_use_proj", "reorder_and_upcast_attn"} | GENERATION_KEYS
+# Keys served at their neutral value only (transformers' default, which transformers 5 writes
+# into every config it saves): key -> (the values served, what another value would bring).
+# Another value is refused by name.
+NEUTRAL_VALUES = {"add_cross_attention": ((False,), "cross-attention"),
+                  "cross_attention_hidden_size": ((None,), "cross-attention"),
+                  "is_encoder_decoder": ((False,), "an encoder-decoder model"),
+                  "tie_encoder_decoder": ((False,), "an encoder-decoder model"),
+                  "pruned_heads": (({},), "attention heads pruned away")}
+GPT2_VALUES = {"activation_function": (("gelu_new", "gelu_pytorch_tanh"), "another activation"),
+               "scale_attn_weights": ((True,), "unscaled attention scores"),
+               "scale_attn_by_inverse_layer_idx": ((False,), "scores scaled by layer"),
+               "tie_word_embeddings": ((True,), "an LM head of its own")}
+LLAMA_VALUES = {"hidden_act": (("silu",), "another activation"),
+                "use_mrope": ((False,), "Qwen2-VL's multimodal RoPE")}
 # The keys config_from_hf reads, each into a GPTConfig field or a check.
 GPT2_KEYS = {"vocab_size", "n_positions", "n_ctx", "n_embd", "n_layer", "n_head", "n_inner",
-             "layer_norm_epsilon", "activation_function", "scale_attn_weights",
-             "scale_attn_by_inverse_layer_idx", "tie_word_embeddings"}
+             "layer_norm_epsilon"} | set(GPT2_VALUES)
 LLAMA_KEYS = {"vocab_size", "max_position_embeddings", "hidden_size", "num_hidden_layers",
               "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-              "rms_norm_eps", "hidden_act", "attention_bias", "mlp_bias", "tie_word_embeddings",
+              "rms_norm_eps", "attention_bias", "mlp_bias", "tie_word_embeddings",
               "rope_theta", "rope_scaling", "rope_parameters", "sliding_window",
-              "use_sliding_window", "layer_types", "use_mrope"}
+              "use_sliding_window", "layer_types"} | set(LLAMA_VALUES)
 LLAMA3_SCALING_KEYS = {"factor", "low_freq_factor", "high_freq_factor",
                        "original_max_position_embeddings"}
 
@@ -58,13 +94,16 @@ def config_from_hf(hf: dict, path: str) -> GPTConfig:
         raise ValueError(f"{path}: model_type {model_type!r} is not served; nanoserve serves "
                          f"{', '.join(SERVED_ARCHITECTURES)}")
     architecture = SERVED_ARCHITECTURES[model_type]
-    if hf.get("architectures", [architecture]) != [architecture]:
-        raise ValueError(f"{path}: architectures {hf['architectures']} is not served; a "
+    architectures = hf.get("architectures") or [architecture]  # null where no model saved it
+    if architectures != [architecture]:
+        raise ValueError(f"{path}: architectures {architectures} is not served; a "
                          f"{model_type} checkpoint is served as {architecture}")
-    known = GPT2_KEYS if model_type == "gpt2" else LLAMA_KEYS
-    if unknown := sorted(set(hf) - known - NEUTRAL_KEYS):
+    family = GPT2_KEYS if model_type == "gpt2" else LLAMA_KEYS
+    known = family | NEUTRAL_KEYS | set(NEUTRAL_VALUES)
+    if unknown := sorted(key for key in set(hf) - known if not key.startswith("_")):
         raise ValueError(f"{path}: config.json key {unknown[0]!r} is not served: it may change "
                          "what the model computes, and nanoserve would ignore it")
+    require(hf, NEUTRAL_VALUES, path)
     try:
         if model_type == "gpt2":
             return gpt2_config(hf, path)
@@ -73,18 +112,18 @@ def config_from_hf(hf: dict, path: str) -> GPTConfig:
         raise ValueError(f"{path}: config.json lacks {e.args[0]!r}") from None
 
 
-def require(hf: dict, key: str, allowed: tuple, path: str) -> None:
-    """Refuse a config whose `key` is present with a value not in `allowed`."""
-    if key in hf and hf[key] not in allowed:
-        raise ValueError(f"{path}: {key} {hf[key]!r} is not served (only {allowed})")
+def require(hf: dict, values: dict, path: str) -> None:
+    """Refuse, by name, a key of `values` present in the config with a value it does not
+    serve: values maps a key to (the values served, what another value would bring)."""
+    for key, (served, what) in values.items():
+        if key in hf and hf[key] not in served:
+            raise ValueError(f"{path}: config.json {key} {hf[key]!r} is not served ({what}; "
+                             f"only {' or '.join(map(repr, served))})")
 
 
 def gpt2_config(hf: dict, path: str) -> GPTConfig:
-    require(hf, "activation_function", ("gelu_new", "gelu_pytorch_tanh"), path)
-    require(hf, "scale_attn_weights", (True,), path)
-    require(hf, "scale_attn_by_inverse_layer_idx", (False,), path)
-    require(hf, "tie_word_embeddings", (True,), path)
-    require(hf, "n_ctx", (hf["n_positions"],), path)
+    require(hf, GPT2_VALUES | {"n_ctx": ((hf["n_positions"],), "a context unlike n_positions")},
+            path)
     return GPTConfig(vocab_size=hf["vocab_size"], n_positions=hf["n_positions"],
                      n_embd=hf["n_embd"], n_layer=hf["n_layer"], n_head=hf["n_head"],
                      intermediate_size=hf.get("n_inner"),
@@ -94,8 +133,7 @@ def gpt2_config(hf: dict, path: str) -> GPTConfig:
 def llama_config(hf: dict, path: str) -> GPTConfig:
     """Llama, Qwen2, Qwen3 and Mistral: one layout; they differ in biases, q/k norm and RoPE."""
     model_type = hf["model_type"]
-    require(hf, "hidden_act", ("silu",), path)
-    require(hf, "use_mrope", (False,), path)  # Qwen2-VL's multimodal RoPE
+    require(hf, LLAMA_VALUES, path)
     check_full_attention(hf, path)
     rope_theta, rope_scaling = rope_settings(hf, path)
     attention_bias = hf.get("attention_bias", False)
@@ -164,11 +202,17 @@ DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkp
 
 
 def read_safetensors(path: str) -> dict[str, torch.Tensor]:
-    """A .safetensors file: 8-byte little-endian header length, a JSON header, raw tensors."""
+    """A .safetensors file (8-byte little-endian header length, a JSON header, raw tensors),
+    memory-mapped: each tensor is a view of the file's pages, read from disk when first used
+    and never copied here. The mapping is private (copy-on-write), so nothing written to a
+    tensor reaches the file; the file must not be rewritten while a tensor of it is in use."""
     with open(path, "rb") as f:
-        data = bytearray(f.read())
-    n = int.from_bytes(data[:8], "little") if len(data) >= 8 else len(data)
-    if len(data) < 8 or 8 + n > len(data):
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise ValueError(f"{path}: corrupt safetensors header (file {size} bytes)")
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    n = int.from_bytes(data[:8], "little")
+    if 8 + n > len(data):
         raise ValueError(f"{path}: corrupt safetensors header (length {n}, file {len(data)} bytes)")
     try:
         header = json.loads(data[8:8 + n])
@@ -203,24 +247,36 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str) -> None:
             f.write(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
 
 
-def load_checkpoint(path: str) -> GPT:
+def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> GPT:
     """A Hugging Face checkpoint directory of a served architecture (config_from_hf):
-    config.json + model.safetensors or pytorch_model.bin."""
+    config.json + model.safetensors (or its shards, or pytorch_model.bin), loaded as the best
+    loaders load one. The model is built on the meta device (no memory, no random weights to
+    overwrite); each tensor, a view of its memory-mapped file, goes to `device` in `dtype` in
+    one copy (none on a CPU in the file's own dtype: the model then reads the mapped pages),
+    and the model takes those tensors as its parameters. Host memory: the file's pages, where
+    building, initialising and converting a whole model first took four times the file."""
     config_file = os.path.join(path, "config.json")
     if not os.path.exists(config_file):
         raise ValueError(f"{path} is not a checkpoint directory: no config.json")
     hf = read_json(config_file)
-    model = GPT(config_from_hf(hf, path))
+    with torch.device("meta"):
+        model = GPT(config_from_hf(hf, path))
     tensors = read_weights(path)
     if hf["model_type"] == "gpt2":
         tensors = from_gpt2_state(checked_state(gpt2_tensors(tensors),
                                                 to_gpt2_state(model.state_dict()), path))
     else:
         tensors = checked_llama_state(tensors, model, path)
+    placed = {}
+    for name in list(tensors):  # one at a time: each view is let go once placed
+        # contiguous: GPT-2's Conv1D weights arrive transposed, as views
+        placed[name] = tensors.pop(name).to(device, dtype).contiguous()
     if model.config.tie_word_embeddings:  # one tensor under two names
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    model.load_state_dict(tensors)
-    return model
+        placed["lm_head.weight"] = placed["model.embed_tokens.weight"]
+    model.load_state_dict(placed, assign=True)
+    if model.config.tie_word_embeddings:  # one parameter, as GPT() ties them
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.to(device)  # the buffers: RoPE's frequencies, on the CPU until now
 
 
 def read_weights(path: str) -> dict[str, torch.Tensor]:
@@ -234,7 +290,7 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
     if os.path.exists(index_file):
         return read_shards(index_file)
     if os.path.exists(pickle_file):
-        return torch.load(pickle_file, map_location="cpu", weights_only=True)
+        return torch.load(pickle_file, map_location="cpu", weights_only=True, mmap=True)
     raise ValueError(f"{path} has no model.safetensors, model.safetensors.index.json or "
                      "pytorch_model.bin")
 
@@ -365,29 +421,39 @@ class Checkpoint:
     model: GPT
     tokenizer: Tokenizer
     eos_token_ids: list[int]          # every id that ends a request (unless it ignores EOS)
-    dtype: torch.dtype | None = None  # config.json's torch_dtype: --dtype auto's on CUDA
+    dtype: torch.dtype                # what the model runs in (run_dtype)
     generation_config: dict = field(default_factory=dict)  # generation_config.json, or {}
     path: str | None = None           # the checkpoint's directory; None for a preset
     chat_template: ChatTemplate | None = None  # None: a preset, or a checkpoint without one
 
 
-def load_model(model: str | None = None, preset: str | None = None, seed: int = 0
-               ) -> Checkpoint:
+def load_model(model: str | None = None, preset: str | None = None, seed: int = 0,
+               device: str = "cpu", dtype: torch.dtype | None = None) -> Checkpoint:
     """A preset (seeded random weights), a checkpoint directory, a name in the local Hugging
-    Face cache (Qwen/Qwen3-0.6B; GPT-2's are downloaded there if missing) or the shipped model."""
+    Face cache (Qwen/Qwen3-0.6B; GPT-2's are downloaded there if missing) or the shipped model,
+    on `device` in `dtype` (None: run_dtype's choice)."""
     if preset is not None:
-        torch.manual_seed(seed)
+        dtype = run_dtype(dtype, None)
+        torch.manual_seed(seed)  # the weights are drawn on the CPU: the same on any device
+        gpt = GPT(PRESETS[preset]).to(device, dtype)
         tokenizer = byte_tokenizer()
-        return Checkpoint(GPT(PRESETS[preset]), tokenizer, eos_token_ids(tokenizer, {}, {}))
+        return Checkpoint(gpt, tokenizer, eos_token_ids(tokenizer, {}, {}), dtype)
     path = checkpoint_path(model or DEFAULT_MODEL)
-    gpt = load_checkpoint(path)  # first: a directory that is no checkpoint says so
     hf = read_json(os.path.join(path, "config.json"))
+    dtype = run_dtype(dtype, CONFIG_DTYPES.get(hf.get("torch_dtype", hf.get("dtype"))))
+    gpt = load_checkpoint(path, dtype, device)  # first: a directory that is no checkpoint says so
     generation_config = read_json(os.path.join(path, "generation_config.json"))
     tokenizer = load_tokenizer(path)
-    return Checkpoint(gpt, tokenizer, eos_token_ids(tokenizer, hf, generation_config),
-                      dtype=CONFIG_DTYPES.get(hf.get("torch_dtype", hf.get("dtype"))),
+    return Checkpoint(gpt, tokenizer, eos_token_ids(tokenizer, hf, generation_config), dtype,
                       generation_config=generation_config, path=path,
                       chat_template=load_chat_template(path))
+
+
+def run_dtype(asked: torch.dtype | None, stored: torch.dtype | None) -> torch.dtype:
+    """The dtype a model runs in: the one asked for (--dtype), else the checkpoint's
+    torch_dtype, else bfloat16. (--dtype auto asks for none on CUDA; EngineConfig makes it
+    float32 on a CPU, where fp32 is exact and as fast.)"""
+    return asked or stored or torch.bfloat16
 
 
 CONFIG_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -334,3 +334,20 @@ def server_in_process(engine: Engine):
         server.shutdown(timeout=0)
         thread.join(30)
     assert not thread.is_alive()
+
+
+class OpLog(TorchDispatchMode):
+    """Every op torch runs while it is on, as (name, device of its first tensor argument,
+    that tensor's number of elements, its dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        device = tensors[0].device.type if tensors else None
+        numel = tensors[0].numel() if tensors else 0
+        dtype = tensors[0].dtype if tensors else None
+        self.ops.append((func.__name__, device, numel, dtype))
+        return func(*args, **(kwargs or {}))

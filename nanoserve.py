@@ -237,12 +237,14 @@ class Engine:
         self.config = config = config or EngineConfig()
         if config.device.startswith("cpu"):
             keep_freed_memory()
-        checkpoint = load_model(config.model, config.preset, config.seed)
+        # built on its device in its dtype (auto on CUDA: the checkpoint's, run_dtype)
+        checkpoint = load_model(config.model, config.preset, config.seed, config.device,
+                                DTYPES.get(config.dtype))
         self.checkpoint = checkpoint
         self.tokenizer = checkpoint.tokenizer
         self.eos_token_ids = checkpoint.eos_token_ids  # each ends a request unless ignore_eos
-        dtype = self._dtype(checkpoint.dtype)
-        self.model = checkpoint.model.to(config.device, dtype).eval()
+        dtype = checkpoint.dtype
+        self.model = checkpoint.model.eval()
         c = self.model.config
         self.vocab_size = self._vocab_size(c.vocab_size)
         # what the checkpoint says of requests: read here, so a bad one stops the engine's start
@@ -282,13 +284,6 @@ class Engine:
         if config.max_model_len is not None:
             context = config.max_model_len
         return min(config.max_num_seqs * context, KV_CACHE_BYTES // self.kv_bytes_per_token)
-
-    def _dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
-        """--dtype, or for auto on CUDA the checkpoint's torch_dtype (bfloat16 if it gives
-        none; EngineConfig made auto float32 on a CPU)."""
-        if self.config.dtype != "auto":
-            return DTYPES[self.config.dtype]
-        return checkpoint_dtype or torch.bfloat16
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states (n, C) -> fp32 logits (n, vocab_size): the tokenizer's ids only, so

@@ -13,7 +13,7 @@ import torch
 
 import checkpoint
 import model as M
-from conftest import (HERE, MODEL_FIXTURES, NEAR_TIE, assert_no_leaks, checkpoint_llm,
+from conftest import (HERE, MODEL_FIXTURES, NEAR_TIE, OpLog, assert_no_leaks, checkpoint_llm,
                       fixture_llm, http, server_in_process, token_ids, write_byte_tokenizer)
 from nanoserve import LLM
 from sampling import SamplingParams
@@ -241,13 +241,66 @@ def test_a_model_name_is_found_in_the_hugging_face_cache(tmp_path, monkeypatch):
 
 def test_dtype_auto_is_float32_on_a_cpu_and_the_checkpoints_on_cuda(tmp_path):
     """The fixtures say torch_dtype bfloat16: auto on a CPU computes in float32 (exact), on
-    CUDA it would take bfloat16 from the checkpoint (Engine._dtype, called here directly)."""
+    CUDA (which asks for no dtype) it takes bfloat16 from the checkpoint (run_dtype, called
+    here directly), and bfloat16 for a checkpoint that says nothing."""
     engine = fixture_llm("qwen3", tmp_path, dtype="auto").engine
-    assert engine.checkpoint.dtype == torch.bfloat16
-    assert next(engine.model.parameters()).dtype == torch.float32
-    engine.config.dtype = "auto"  # as EngineConfig leaves it on CUDA
-    assert engine._dtype(engine.checkpoint.dtype) == torch.bfloat16
-    assert engine._dtype(None) == torch.bfloat16
+    assert engine.checkpoint.dtype == torch.float32
+    assert {p.dtype for p in engine.model.parameters()} == {torch.float32}
+    assert checkpoint.run_dtype(None, torch.bfloat16) == torch.bfloat16
+    assert checkpoint.run_dtype(None, None) == torch.bfloat16
+    assert checkpoint.run_dtype(torch.float16, torch.bfloat16) == torch.float16
+
+
+def test_a_checkpoint_loads_without_random_weights_and_in_its_own_dtype_without_a_copy():
+    """The model is built on the meta device (its random init touches no memory) and takes
+    the file's tensors as its parameters: in the file's dtype on a CPU not one byte is
+    copied (the parameters are views of the memory-mapped file), equal to the file's bits."""
+    path = os.path.join(MODEL_FIXTURES, "qwen3")  # bf16 weights
+    with OpLog() as log:
+        model = checkpoint.load_checkpoint(path, torch.bfloat16, "cpu")
+    # what writes real memory: RoPE's frequencies alone (head_dim / 2 values, computed)
+    writes = ("normal_", "uniform_", "zero_", "fill_", "copy_", "_to_copy", "clone", "cat")
+    written = [(name, numel) for name, device, numel, _ in log.ops
+               if device == "cpu" and name.startswith(writes) and numel > model.config.head_dim]
+    assert written == []
+    stored = checkpoint.read_safetensors(os.path.join(path, "model.safetensors"))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    assert all(torch.equal(params[name], t) and params[name].dtype == torch.bfloat16
+               for name, t in stored.items())
+    assert model.rotary.inv_freq.dtype == torch.float32  # RoPE's frequencies stay exact
+
+
+def test_a_checkpoint_converts_each_tensor_once_to_the_dtype_it_runs_in():
+    """Loaded in fp32 from bf16, each stored tensor is converted exactly once, straight into
+    the parameter the model keeps, and the model computes as before the change of loader."""
+    path = os.path.join(MODEL_FIXTURES, "qwen3")
+    with OpLog() as log:
+        model = checkpoint.load_checkpoint(path)
+    stored = checkpoint.read_safetensors(os.path.join(path, "model.safetensors"))
+    conversions = [name for name, device, numel, dtype in log.ops
+                   if name.startswith("_to_copy") and dtype == torch.bfloat16]
+    assert len(conversions) == len(stored)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    assert all(torch.equal(params[name], t.float()) for name, t in stored.items())
+
+
+def test_an_engine_in_bfloat16_runs_the_checkpoint_in_bfloat16(tmp_path):
+    """--dtype bfloat16 on a CPU: weights and KV cache in bf16, RoPE's frequencies in fp32,
+    and the greedy tokens those of the same model loaded in fp32 then cast to bf16."""
+    llm = fixture_llm("qwen3", tmp_path, dtype="bfloat16")
+    engine = llm.engine
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    assert engine.k_caches.dtype == torch.bfloat16
+    assert engine.model.rotary.inv_freq.dtype == torch.float32
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    got = llm.generate([[1, 2, 3, 4, 5]], params)[0].outputs[0].token_ids
+    cast = fixture_llm("qwen3", tmp_path / "cast", dtype="float32")
+    cast.engine.model.to(torch.bfloat16)
+    cast.engine.k_caches, cast.engine.v_caches = (c.to(torch.bfloat16) for c in (
+        cast.engine.k_caches, cast.engine.v_caches))
+    want = cast.generate([[1, 2, 3, 4, 5]], params)[0].outputs[0].token_ids
+    assert got == want
 
 
 def write_published_qwen(path) -> Tokenizer:
@@ -427,3 +480,287 @@ def test_shipped_model_loads_and_seeded_sample_is_reproducible():
     first = LLM(device="cpu").generate(["ROMEO:"], params)[0].outputs[0]
     assert LLM(device="cpu").generate(["ROMEO:"], params)[0].outputs[0] == first
     assert len(first.text) > 20
+
+
+# ----------------------------------------------------------------------------- config.json as published
+
+CONFIGS = os.path.join(HERE, ".ci", "fixtures", "configs")  # README.md there: where each is from
+LLAMA32_SCALING = dict(factor=32.0, high_freq_factor=4.0, low_freq_factor=1.0,
+                       original_max_position_embeddings=8192)
+# Each config -> GPTConfig fields it must give. published/: the Hub's files; resaved/: public
+# copies re-saved by transformers (_name_or_path, another torch_dtype, add_cross_attention).
+PUBLISHED = {
+    "published/openai-community--gpt2": dict(
+        n_layer=12, n_head=12, n_kv_head=12, head_dim=64, n_embd=768, vocab_size=50257,
+        n_positions=1024, norm="layernorm", position_encoding="learned",
+        tie_word_embeddings=True),
+    "published/Qwen--Qwen2.5-0.5B-Instruct": dict(
+        n_layer=24, n_head=14, n_kv_head=2, head_dim=64, vocab_size=151936, n_positions=32768,
+        tie_word_embeddings=True, qkv_bias=True, o_bias=False, rope_theta=1e6,
+        rope_scaling=None),
+    "published/meta-llama--Llama-3.2-1B-Instruct": dict(
+        n_layer=16, n_head=32, n_kv_head=8, head_dim=64, vocab_size=128256,
+        intermediate_size=8192, tie_word_embeddings=True, qkv_bias=False, rope_theta=5e5,
+        rope_scaling=LLAMA32_SCALING),
+    "published/Qwen--Qwen3-0.6B": dict(
+        n_layer=28, n_head=16, n_kv_head=8, head_dim=128, n_embd=1024, vocab_size=151936,
+        tie_word_embeddings=True, qk_norm=True, qkv_bias=False, rope_theta=1e6,
+        rope_scaling=None),
+    "published/HuggingFaceTB--SmolLM2-135M-Instruct": dict(
+        n_layer=30, n_head=9, n_kv_head=3, head_dim=64, n_embd=576, vocab_size=49152,
+        tie_word_embeddings=True, rope_theta=1e5, rope_scaling=None, norm_eps=1e-5),
+    "resaved/DannyMeb--iShrink-LLM-Compression-Framework--Llama-3.2-1B-Instruct": dict(
+        n_layer=16, n_head=32, n_kv_head=8, head_dim=64, rope_scaling=LLAMA32_SCALING),
+    "resaved/infinityarpan--qwen-25-api--Qwen2.5-0.5B-Instruct": dict(
+        n_layer=24, n_head=14, n_kv_head=2, head_dim=64, qkv_bias=True, rope_scaling=None),
+    "resaved/jackyluo-learning--forcing-audit-artifact--gpt2": dict(
+        n_layer=12, n_head=12, head_dim=64, vocab_size=50257, tie_word_embeddings=True),
+}
+SMALL_LLAMA = dict(n_layer=2, n_head=4, n_kv_head=2, head_dim=16, n_embd=64, vocab_size=257,
+                   n_positions=256, intermediate_size=128, norm="rmsnorm", mlp="swiglu")
+# Each family as transformers 5 saves it (transformers5/, make_saved_configs.py).
+SAVED = {
+    "gpt2": dict(n_layer=2, n_head=4, n_kv_head=4, head_dim=16, n_embd=64, vocab_size=257,
+                 n_positions=256, norm="layernorm", tie_word_embeddings=True),
+    "llama": SMALL_LLAMA | dict(tie_word_embeddings=False, qkv_bias=False, rope_theta=1e4,
+                                rope_scaling=None),
+    "llama3": SMALL_LLAMA | dict(tie_word_embeddings=True, rope_theta=5e5, rope_scaling=dict(
+        factor=8.0, high_freq_factor=4.0, low_freq_factor=1.0,
+        original_max_position_embeddings=64)),
+    "qwen2": SMALL_LLAMA | dict(tie_word_embeddings=True, qkv_bias=True, o_bias=False),
+    "qwen3": SMALL_LLAMA | dict(head_dim=32, tie_word_embeddings=True, qk_norm=True,
+                                qkv_bias=False),
+    "mistral": SMALL_LLAMA | dict(tie_word_embeddings=False, qkv_bias=False, rope_scaling=None),
+}
+# Every PretrainedConfig attribute transformers 4 writes when it writes them all (to_dict(),
+# "Model config ..." in its logs, to_json_file(use_diff=False)), each at its default.
+TRANSFORMERS4_DEFAULTS = dict(
+    return_dict=True, output_hidden_states=False, output_attentions=False, torchscript=False,
+    use_bfloat16=False, tf_legacy_loss=False, pruned_heads={}, chunk_size_feed_forward=0,
+    is_encoder_decoder=False, is_decoder=False, cross_attention_hidden_size=None,
+    add_cross_attention=False, tie_encoder_decoder=False, max_length=20, min_length=0,
+    do_sample=False, early_stopping=False, num_beams=1, num_beam_groups=1,
+    diversity_penalty=0.0, temperature=1.0, top_k=50, top_p=1.0, typical_p=1.0,
+    repetition_penalty=1.0, length_penalty=1.0, no_repeat_ngram_size=0,
+    encoder_no_repeat_ngram_size=0, bad_words_ids=None, num_return_sequences=1,
+    output_scores=False, return_dict_in_generate=False, forced_bos_token_id=None,
+    forced_eos_token_id=None, remove_invalid_values=False, exponential_decay_length_penalty=None,
+    suppress_tokens=None, begin_suppress_tokens=None, finetuning_task=None,
+    id2label={"0": "LABEL_0", "1": "LABEL_1"}, label2id={"LABEL_0": 0, "LABEL_1": 1},
+    tokenizer_class=None, prefix=None, sep_token_id=None, decoder_start_token_id=None,
+    task_specific_params=None, problem_type=None, _name_or_path="meta-llama/Llama-3.2-1B",
+    _commit_hash="4e20de362430cd3b72f300e6b0f18e50e7166e08",
+    _attn_implementation_autoset=True)
+
+
+def read_config(name: str) -> dict:
+    with open(os.path.join(CONFIGS, name + ".json")) as f:
+        return json.load(f)
+
+
+def fields(config: M.GPTConfig, want: dict) -> dict:
+    return {name: getattr(config, name) for name in want}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_config_gives_the_models_shape(name):
+    """config.json of gpt2, Qwen2.5-0.5B-Instruct, Llama-3.2-1B-Instruct, Qwen3-0.6B and
+    SmolLM2-135M-Instruct as the Hub has them, and re-saved copies of them (_name_or_path,
+    GPT-2 saved by transformers 5 with add_cross_attention false): each is served, with its
+    sizes, biases, tying and RoPE."""
+    want = PUBLISHED[name]
+    assert fields(checkpoint.config_from_hf(read_config(name), name), want) == want
+
+
+@pytest.mark.parametrize("form", ["", "-full"], ids=["save_pretrained", "full"])
+@pytest.mark.parametrize("family", sorted(SAVED))
+def test_transformers5_saved_config_gives_the_models_shape(family, form):
+    """Each family's config.json as transformers 5 writes it: by save_pretrained (architectures,
+    dtype, GPT-2's add_cross_attention false, pad_token_id null, rope_parameters, layer_types)
+    and in full (_name_or_path, id2label, return_dict, is_encoder_decoder false, ...)."""
+    want = SAVED[family]
+    config = checkpoint.config_from_hf(read_config(f"transformers5/{family}{form}"), family)
+    assert fields(config, want) == want
+
+
+def test_transformers4_full_config_is_served():
+    """A config with every PretrainedConfig attribute transformers 4 writes in full, each at its
+    default (generation defaults, pruned_heads {}, torchscript false, ...), gives the config
+    of the keys that matter alone."""
+    published = read_config("published/meta-llama--Llama-3.2-1B-Instruct")
+    full = published | TRANSFORMERS4_DEFAULTS
+    assert checkpoint.config_from_hf(full, "x") == checkpoint.config_from_hf(published, "x")
+
+
+def test_metadata_at_any_value_changes_nothing():
+    """Metadata (any key starting with "_" among it), training-only settings and generation
+    defaults are served whatever their value: the GPTConfig is the same."""
+    saved = read_config("transformers5/qwen3")
+    metadata = dict(_name_or_path="/data/run-7/checkpoint-500", _commit_hash="abc",
+                    _model_name_or_path="Qwen/Qwen3-0.6B", _attn_implementation_autoset=True,
+                    architectures=None, dtype="float16", transformers_version="4.30.0",
+                    id2label={"0": "a", "1": "b", "2": "c"}, num_labels=3,
+                    problem_type="regression", temperature=0.7, top_p=0.8, max_length=4096,
+                    use_cache=False, output_hidden_states=True, torchscript=True,
+                    is_decoder=True, chunk_size_feed_forward=4, attention_dropout=0.1,
+                    initializer_range=0.5, gradient_checkpointing=True, pad_token_id=7)
+    served = checkpoint.config_from_hf(saved, "x")
+    assert checkpoint.config_from_hf(saved | metadata, "x") == served
+
+
+NOT_NEUTRAL = [
+    ("gpt2", "add_cross_attention", True,
+     "config.json add_cross_attention True is not served (cross-attention; only False)"),
+    ("qwen3", "cross_attention_hidden_size", 64, "cross_attention_hidden_size 64 is not served"),
+    ("llama", "is_encoder_decoder", True,
+     "is_encoder_decoder True is not served (an encoder-decoder model; only False)"),
+    ("qwen2", "tie_encoder_decoder", True, "tie_encoder_decoder True is not served"),
+    ("gpt2", "pruned_heads", {"0": [1, 2]},
+     "pruned_heads {'0': [1, 2]} is not served (attention heads pruned away; only {})"),
+    ("gpt2", "scale_attn_by_inverse_layer_idx", True,
+     "scale_attn_by_inverse_layer_idx True is not served"),
+    ("gpt2", "tie_word_embeddings", False,
+     "tie_word_embeddings False is not served (an LM head of its own; only True)"),
+    ("gpt2", "activation_function", "relu",
+     "activation_function 'relu' is not served (another activation; only 'gelu_new' or "
+     "'gelu_pytorch_tanh')"),
+    ("gpt2", "n_ctx", 512, "n_ctx 512 is not served"),
+    ("mistral", "hidden_act", "gelu", "hidden_act 'gelu' is not served"),
+    ("qwen2", "use_mrope", True, "use_mrope True is not served (Qwen2-VL's multimodal RoPE"),
+]
+
+
+@pytest.mark.parametrize("family, key, value, message", NOT_NEUTRAL,
+                         ids=[key for _, key, _, _ in NOT_NEUTRAL])
+def test_a_flag_away_from_its_neutral_value_is_refused_by_name(family, key, value, message):
+    """A flag transformers writes at its neutral value, set to another (cross-attention, an
+    encoder-decoder, pruned heads, GPT-2's own flags): refused by name, with what it would
+    bring and the value served."""
+    hf = read_config(f"transformers5/{family}-full") | {key: value}
+    with pytest.raises(ValueError) as error:
+        checkpoint.config_from_hf(hf, "x")
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("family, key, value", [
+    ("gpt2", "quantization_config", {"quant_method": "gptq", "bits": 4, "group_size": 128}),
+    ("llama", "auto_map", {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}),
+    ("qwen3", "partial_rotary_factor", 0.5),
+    ("mistral", "num_experts_per_tok", 2),
+    ("llama3", "attn_logit_softcapping", 50.0),
+], ids=["quantized", "remote-code", "partial-rope", "experts", "softcapping"])
+def test_an_unknown_key_is_still_refused_by_name(family, key, value):
+    """A key config_from_hf does not know may change the computation: refused by name."""
+    hf = read_config(f"transformers5/{family}") | {key: value}
+    with pytest.raises(ValueError, match=f"config.json key '{key}' is not served"):
+        checkpoint.config_from_hf(hf, "x")
+
+
+# ----------------------------------------------------------------------------- SmolLM2 as published
+
+# HuggingFaceTB/SmolLM2-135M-Instruct's files besides the weights (README.md there: where from);
+# .ci/fixtures/smollm2/check_smollm2.py runs the real model against transformers
+SMOLLM2 = os.path.join(HERE, ".ci", "fixtures", "smollm2")
+SMOLLM2_FILES = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json",
+                 "generation_config.json"]
+# config.json's sizes cut, the layout kept: grouped heads 9:3 (3 query heads a K/V head),
+# head_dim apart from hidden_size / heads, its vocabulary, tied head, RoPE and RMSNorm
+SMALL_SMOLLM2 = dict(num_hidden_layers=2, hidden_size=72, num_attention_heads=9,
+                     num_key_value_heads=3, head_dim=16, intermediate_size=128)
+# What the real tokenizer gives, recorded with tokenizers 0.23.3 and transformers 5.24.0 from
+# the fixture's tokenizer.json (Tokenizer.from_file(...).encode(text).ids) and its chat
+# template (AutoTokenizer.apply_chat_template(messages, add_generation_prompt=True,
+# tokenize=False), then encode(..., add_special_tokens=False)).
+SMOLLM2_TEXT = ("Hello, world! It's 2024: naïve café costs 3.50 €.\n"
+                "\tdef f(x):  return x**2  # 你好 👋")
+SMOLLM2_TEXT_IDS = [19556, 28, 905, 17, 657, 506, 216, 34, 32, 34, 36, 42, 15486, 46494, 37366,
+                    3499, 216, 35, 30, 37, 32, 24927, 30, 198, 197, 1604, 275, 24, 104, 727, 216,
+                    1003, 1792, 828, 34, 216, 907, 216, 18645, 250, 48392, 138, 15107, 235, 229]
+SMOLLM2_MESSAGES = [dict(role="user", content="What is 2+2?")]
+SMOLLM2_CHAT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+                "Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+                "<|im_start|>assistant\n")
+SMOLLM2_CHAT_IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28,
+                    7018, 411, 407, 19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 216, 34, 27,
+                    34, 47, 2, 198, 1, 520, 9531, 198]
+IM_END = 2  # <|im_end|>: generation_config.json's eos_token_id, the end of a turn
+
+
+def write_small_smollm2(path) -> dict:
+    """SmolLM2-135M-Instruct's checkpoint directory as published (the committed files), but
+    small: config.json's sizes SMALL_SMOLLM2, and random fp32 weights under Hugging Face's
+    Llama names (tied: no lm_head.weight), written here by name, not from model.py. Returns
+    the config.json written."""
+    for name in SMOLLM2_FILES:
+        shutil.copy(os.path.join(SMOLLM2, name), path)
+    with open(os.path.join(SMOLLM2, "config.json")) as f:
+        hf = json.load(f) | SMALL_SMOLLM2
+    (path / "config.json").write_text(json.dumps(hf))
+    g = torch.Generator().manual_seed(0)
+    C, V, inner = hf["hidden_size"], hf["vocab_size"], hf["intermediate_size"]
+    q, kv = (hf["head_dim"] * hf[key] for key in ("num_attention_heads", "num_key_value_heads"))
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g) * 0.1
+    state = {"model.embed_tokens.weight": r(V, C), "model.norm.weight": 1 + r(C)}
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        state |= {p + "input_layernorm.weight": 1 + r(C),
+                  p + "self_attn.q_proj.weight": r(q, C), p + "self_attn.k_proj.weight": r(kv, C),
+                  p + "self_attn.v_proj.weight": r(kv, C), p + "self_attn.o_proj.weight": r(C, q),
+                  p + "post_attention_layernorm.weight": 1 + r(C),
+                  p + "mlp.gate_proj.weight": r(inner, C), p + "mlp.up_proj.weight": r(inner, C),
+                  p + "mlp.down_proj.weight": r(C, inner)}
+    checkpoint.write_safetensors(state, str(path / "model.safetensors"))
+    return hf
+
+
+def test_smollm2_tokenizer_gives_the_published_ids():
+    """SmolLM2's own tokenizer.json (digits one by one, special tokens) and chat template give
+    the ids Hugging Face's tokenizers and transformers give, and decode back to the text (the
+    bytes its vocabulary lacks: test_tokenizer.py's missing_bytes fixture)."""
+    tokenizer = load_tokenizer(SMOLLM2)
+    assert tokenizer.encode(SMOLLM2_TEXT) == SMOLLM2_TEXT_IDS
+    assert tokenizer.decode(SMOLLM2_TEXT_IDS) == SMOLLM2_TEXT
+    assert tokenizer.encode(SMOLLM2_CHAT) == SMOLLM2_CHAT_IDS
+    assert tokenizer.token_id("<|im_end|>") == IM_END
+
+
+@torch.inference_mode()
+def test_smollm2_as_published_serves_a_chat_end_to_end(tmp_path):
+    """SmolLM2-135M-Instruct's own files with small random weights of its layout: it loads
+    (grouped heads, tied head, its RoPE), its template renders the chat as transformers does,
+    greedy decoding equals a dense greedy loop over the model's weights, and over HTTP the
+    chat answers 200 with that text; <|im_end|> (generation_config.json's EOS) ends the turn
+    and is not in the reply."""
+    hf = write_small_smollm2(tmp_path)
+    llm = checkpoint_llm(tmp_path, kv_cache_tokens=1024)
+    engine = llm.engine
+    config = engine.model.config
+    assert (config.n_layer, config.n_head, config.n_kv_head, config.head_dim, config.n_embd) == (
+        2, 9, 3, 16, 72)
+    assert config.tie_word_embeddings and config.rope_theta == 1e5 and config.norm == "rmsnorm"
+    assert engine.eos_token_ids == [IM_END] and engine.vocab_size == hf["vocab_size"]
+    prompt = engine.chat_template.render(SMOLLM2_MESSAGES, {})
+    assert prompt == SMOLLM2_CHAT
+    want = []
+    for _ in range(8):  # the dense greedy loop
+        logits = engine.model.forward_dense(torch.tensor([SMOLLM2_CHAT_IDS + want]))[0, -1]
+        want.append(int(logits.argmax()))
+        if want[-1] == IM_END:
+            break
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0]
+    assert out.prompt_token_ids == SMOLLM2_CHAT_IDS and out.outputs[0].token_ids == want
+    with server_in_process(engine) as url:
+        status, reply = http(url, "/v1/chat/completions", dict(
+            messages=SMOLLM2_MESSAGES, temperature=0, max_tokens=8))
+        assert status == 200 and reply["usage"]["prompt_tokens"] == len(SMOLLM2_CHAT_IDS)
+        assert reply["choices"][0]["message"]["content"] == out.outputs[0].text
+        assert reply["choices"][0]["finish_reason"] == ("stop" if IM_END in want else "length")
+        # <|im_end|> made the likeliest token: the turn ends there, with no text
+        status, reply = http(url, "/v1/chat/completions", dict(
+            messages=SMOLLM2_MESSAGES, temperature=0, max_tokens=8, logit_bias={IM_END: 100}))
+    assert status == 200 and reply["choices"][0]["message"]["content"] == ""
+    assert reply["choices"][0]["finish_reason"] == "stop"
+    assert reply["usage"]["completion_tokens"] == 1
+    assert_no_leaks(engine)

@@ -12,7 +12,7 @@ import torch
 import checkpoint
 import cli
 import model as M
-from conftest import (DEVICE, GREEDY, MODEL_FIXTURES, PROMPTS, assert_no_leaks,
+from conftest import (DEVICE, GREEDY, MODEL_FIXTURES, PROMPTS, OpLog, assert_no_leaks,
                       assert_paged_equals_dense_at_every_position, fixture_llm, tiny, token_ids)
 from nanoserve import LLM
 from sampling import SamplingParams
@@ -63,6 +63,21 @@ def test_architecture_paged_logits_equal_dense_at_every_position(name, tmp_path)
     engine = fixture_llm(name, tmp_path, block_size=8).engine
     tokens = reference_logits(name)[0][0, :30]
     assert_paged_equals_dense_at_every_position(engine, tokens)
+
+
+def test_the_lm_head_gives_fp32_logits_without_converting_its_weight_each_step():
+    """In bf16 the logits are still fp32, bit for bit those of the weight and hidden states
+    upcast; after the first step no step converts the weight (the CPU keeps one fp32 copy;
+    CUDA multiplies bf16 into fp32)."""
+    model = M.GPT(M.PRESETS["llama-tiny"]).to(torch.bfloat16)
+    hidden = torch.randn(4, model.config.n_embd).to(torch.bfloat16)
+    weight = model.lm_head.weight
+    want = torch.nn.functional.linear(hidden.float(), weight.float())
+    assert torch.equal(model.compute_logits(hidden), want)
+    with OpLog() as log:
+        again = model.compute_logits(hidden)
+    assert torch.equal(again, want)
+    assert not [op for op in log.ops if op[0].startswith("_to_copy") and op[2] == weight.numel()]
 
 
 def test_grouped_query_kv_cache_holds_n_kv_head_heads():
@@ -182,3 +197,64 @@ def test_transformers5_config_form_gives_the_same_config():
     del newer["rope_scaling"], newer["rope_theta"]
     assert checkpoint.config_from_hf(newer, "x") == checkpoint.config_from_hf(published, "x")
     assert checkpoint.config_from_hf(published, "x").rope_scaling["factor"] == 8.0
+
+
+# ----------------------------------------------------------------------------- bf16
+
+# llama31-bf16: Llama 3.1's RoPE (theta 5e5, llama3 scaling by 8 over an original 2,048
+# positions) and transformers' logits in bf16 at every 64th position of one 2,048-token prompt
+# and at its last. Max |logit change| there: bf16's op order alone moves a logit by up to 0.23
+# (transformers' eager attention against its sdpa, the reference), nanoserve's differs from the
+# reference by 0.016 (the reference's own rounding to bf16); RoPE's inv_freq rounded to bf16
+# (the bug this guards against) moves one by 4.1, and by over 0.5 at every position from 320 on.
+BF16_FIXTURE = os.path.join(MODEL_FIXTURES, "llama31-bf16")
+BF16_TOL = 0.5  # max |logit or log-probability - transformers' in bf16|
+
+
+def bf16_reference() -> dict[str, torch.Tensor]:
+    """input_ids (1, 2048); positions (33,); transformers' bf16 logits there (33, vocab), as
+    fp32; top1 (33,), their argmax."""
+    return checkpoint.read_safetensors(os.path.join(BF16_FIXTURE, "reference.safetensors"))
+
+
+def over_tolerance(positions: torch.Tensor, errors) -> dict[int, float]:
+    """The positions whose error (a tensor or list, one per position) is BF16_TOL or more."""
+    return {p: round(float(e), 3) for p, e in zip(positions.tolist(), errors) if e >= BF16_TOL}
+
+
+@torch.inference_mode()
+def test_bf16_logits_equal_transformers_bf16_at_positions_up_to_2047():
+    """A model cast to bf16 keeps RoPE's frequencies and angles in fp32, as transformers does,
+    so its logits are transformers' bf16 logits at every recorded position up to 2,047 (with
+    inv_freq rounded to bf16, an angle is radians off by position 1,000), and its greedy token
+    is transformers' wherever that one's top two logits are more than 2 * BF16_TOL apart."""
+    ref = bf16_reference()
+    model = checkpoint.load_checkpoint(BF16_FIXTURE).to(torch.bfloat16)
+    hidden = model.dense_hidden_states(ref["input_ids"])[0, ref["positions"]]  # (33, C) bf16
+    got = model.compute_logits(hidden)                                         # (33, vocab) fp32
+    errors = (got - ref["logits"]).abs().amax(-1)
+    over = over_tolerance(ref["positions"], errors)
+    assert not over, f"max |logit error| >= {BF16_TOL} at positions {over}"
+    top_two = ref["logits"].topk(2, dim=-1).values
+    decided = top_two[:, 0] - top_two[:, 1] > 2 * BF16_TOL
+    assert decided.sum() >= 8  # of 33 positions: the comparison says something
+    assert torch.equal(got.argmax(-1)[decided], ref["top1"][decided])
+
+
+def test_bf16_engine_log_probabilities_equal_transformers_bf16_at_positions_up_to_2047(tmp_path):
+    """The engine serving in bf16 (dtype="bfloat16": the engine casts the model), the prompt
+    prefilled in chunks of 512 through the paged cache: at every recorded position, the top 20
+    log-probabilities it returns (prompt_logprobs; logprobs for the last position) are
+    transformers' bf16 ones."""
+    ref = bf16_reference()
+    llm = fixture_llm("llama31-bf16", tmp_path, dtype="bfloat16", kv_cache_tokens=2304,
+                      max_num_batched_tokens=512)
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=20, prompt_logprobs=20)
+    out = llm.generate([ref["input_ids"][0].tolist()], params)[0]
+    by_position = out.prompt_logprobs[1:] + out.outputs[0].logprobs  # position p's next token
+    want = ref["logits"].log_softmax(dim=-1)
+    errors = [max(abs(logprob - want[i, token].item()) for token, logprob in top.items())
+              for i, top in enumerate(by_position[p] for p in ref["positions"].tolist())]
+    over = over_tolerance(ref["positions"], errors)
+    assert not over, f"max |log-probability error| >= {BF16_TOL} at positions {over}"
+    assert_no_leaks(llm.engine)

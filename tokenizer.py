@@ -21,6 +21,7 @@ from datetime import datetime
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
+import regex
 import tiktoken
 
 EOT = "<|endoftext|>"
@@ -72,6 +73,9 @@ class Tokenizer:
         self.bos_token_id = None if bos_token is None else added_tokens[bos_token]
         self.nfc = nfc
         self.n_vocab = self.encoding.n_vocab  # ids 0..n_vocab-1; an embedding may have more rows
+        self.pat_str = pat_str
+        # bytes that are no token, dropped from a text as Hugging Face's tokenizers drops them
+        self.missing_bytes = frozenset(b for b in range(256) if bytes([b]) not in mergeable_ranks)
         self.added_pattern = None  # added tokens, longest first: of two at one place, the longer
         if added_tokens:
             longest_first = sorted(added_tokens, key=len, reverse=True)
@@ -90,9 +94,25 @@ class Tokenizer:
             elif piece:
                 if self.nfc:
                     piece = unicodedata.normalize("NFC", piece)
-                ids += self.encoding.encode_ordinary(piece)
+                ids += self.encode_ordinary(piece)
         if self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
+        return ids
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Text without added tokens -> ids: tiktoken splits it by the regex and merges each
+        piece. A byte the vocabulary has no token for (SmolLM2 lacks 21, control characters
+        and bytes no UTF-8 text holds) is dropped as Hugging Face's tokenizers drops it: from
+        its piece, after the split, the rest of the piece merged as if it had not been there.
+        tiktoken would fail on such a byte, so a text with one is split here, with the regex
+        module that tiktoken itself splits with in Python (its own dependency, not ours)."""
+        if not self.missing_bytes.intersection(text.encode()):
+            return self.encoding.encode_ordinary(text)
+        ids = []
+        for piece in regex.findall(self.pat_str, text):
+            kept = bytes(b for b in piece.encode() if b not in self.missing_bytes)
+            if kept:
+                ids += self.encoding._encode_single_piece(kept)  # a piece: no regex split
         return ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -297,7 +317,8 @@ def declares_nfc(normalizer: dict | None, file: str) -> bool:
 def bpe_ranks(bpe: dict, added_ids: set[int], file: str) -> dict[bytes, int]:
     """tiktoken's mergeable ranks: each vocabulary token's bytes (ByteLevel writes a byte as one
     of GPT-2's 256 characters) -> its id, less the added tokens (GPT-2 and SmolLM2 list theirs
-    in the vocabulary too). Every byte must be a token; the merges must be in id order."""
+    in the vocabulary too). A byte may lack a token (SmolLM2's vocabulary has none for 21 of
+    them: Tokenizer drops those from a text); the merges must be in id order."""
     vocab = bpe.get("vocab") or {}
     ranks = {}
     for token, token_id in vocab.items():
@@ -307,10 +328,8 @@ def bpe_ranks(bpe: dict, added_ids: set[int], file: str) -> dict[bytes, int]:
             raise ValueError(f"{file}: vocabulary token {token!r} is not byte-level: byte-level "
                              "BPE only")
         ranks[byte_level_bytes(token)] = token_id
-    missing = [b for b in range(256) if bytes([b]) not in ranks]
-    if missing:
-        raise ValueError(f"{file}: {len(missing)} of the 256 bytes are no token (byte "
-                         f"{missing[0]:#04x} first); byte-level BPE needs them all")
+    if not ranks:
+        raise ValueError(f"{file}: the vocabulary has no token")
     check_merge_order(bpe.get("merges") or [], vocab, file)
     return ranks
 
