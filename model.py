@@ -337,6 +337,17 @@ class LMHead(nn.Linear):
         return self.weight_fp32[1]
 
 
+def embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
+    """nn.Embedding, but on the meta device (a checkpoint's model, its weights to come from the
+    file) one that draws no weights: nn.Embedding's normal_ costs 2 s there the first time, as
+    torch imports its compiler for it. Elsewhere its draw stays, so a preset's seeded weights
+    are the same as ever."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding.from_pretrained(torch.empty(num_embeddings, embedding_dim),
+                                            freeze=False)
+    return nn.Embedding(num_embeddings, embedding_dim)
+
+
 class GPT(nn.Module):
     """The decoder, its parameters named as in Hugging Face's Llama (model.layers.0.self_attn.
     q_proj.weight, ...), so a Llama-family checkpoint loads by name; a GPT-2 checkpoint is
@@ -346,17 +357,19 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.model = nn.ModuleDict(dict(
-            embed_tokens=nn.Embedding(config.vocab_size, config.n_embd),
+            embed_tokens=embedding(config.vocab_size, config.n_embd),
             layers=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
             norm=make_norm(config, config.n_embd)))
         self.rotary = None
         if config.position_encoding == "learned":
-            self.model["embed_positions"] = nn.Embedding(config.n_positions, config.n_embd)
+            self.model["embed_positions"] = embedding(config.n_positions, config.n_embd)
         else:
             self.rotary = RotaryEmbedding(config)
         self.lm_head = LMHead(config.n_embd, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if self.lm_head.weight.is_meta:  # a checkpoint's weights come next: nothing to draw
+            return
         for module in self.modules():  # GPT-2's init (norms keep their ones and zeros)
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
