@@ -290,7 +290,7 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
     if os.path.exists(index_file):
         return read_shards(index_file)
     if os.path.exists(pickle_file):
-        return torch.load(pickle_file, map_location="cpu", weights_only=True, mmap=True)
+        return torch.load(pickle_file, map_location="cpu", weights_only=True)  # read whole
     raise ValueError(f"{path} has no model.safetensors, model.safetensors.index.json or "
                      "pytorch_model.bin")
 
