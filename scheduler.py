@@ -246,7 +246,7 @@ class Scheduler:
         blocks allow; each looks up its cached prefix before it takes anything."""
         while len(self.running) < self.max_num_seqs:
             seq = self.waiting.peek(self.num_steps)
-            if seq is None:
+            if seq is None or self._waits_for_a_sibling(seq):
                 return
             cached_hashes, cached_block_ids = self._find_cached_prefix(seq)
             num_cached = len(cached_block_ids) * self.block_pool.block_size
@@ -265,6 +265,21 @@ class Scheduler:
         if num_uncomputed > budget and not self.enable_chunked_prefill:
             return 0
         return min(num_uncomputed, budget)
+
+    def _waits_for_a_sibling(self, seq: Sequence) -> bool:
+        """Whether another sample of seq's request is running and has not yet computed the
+        prompt's full blocks: then seq waits, and takes them from the prefix cache once they
+        are there, so the n samples of a request compute their prompt once. Example, n = 3,
+        a 40-token prompt, blocks of 16: sample 0 computes 40 tokens; samples 1 and 2 then
+        take its first two blocks and compute the last 8 each: 56 prompt tokens, not 120.
+        Nothing waits without the prefix cache, or for prompt log-probabilities (which need
+        every prompt token computed), or for a prompt shorter than a block and a token."""
+        if not self.block_pool.enable_caching or seq.params.prompt_logprobs is not None:
+            return False
+        block_size = self.block_pool.block_size
+        shareable = (len(seq.prompt_token_ids) - 1) // block_size * block_size  # not the last
+        return any(other.request_id == seq.request_id and other.num_computed_tokens < shareable
+                   for other in self.running)
 
     def _find_cached_prefix(self, seq: Sequence) -> tuple[list[bytes], list[int]]:
         """The block hashes and ids of seq's longest cached prefix; none for a request that

@@ -332,6 +332,22 @@ def test_n_samples_are_one_request_each_equal_to_its_seed_alone():
     assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
 
 
+@pytest.mark.parametrize("prefix_caching, computed", [(True, 40 + 8 + 8), (False, 3 * 40)])
+def test_the_samples_of_a_request_compute_their_prompt_once(prefix_caching, computed):
+    """n = 3 on a 40-token prompt, blocks of 16: the first sample computes the prompt, the
+    others take its two full blocks from the prefix cache and compute the last 8 tokens each;
+    without the prefix cache each computes all 40. Each sample's tokens stay its seed's."""
+    llm = tiny(enable_prefix_caching=prefix_caching)
+    prompt = list(range(65, 105))  # 40 byte tokens
+    params = SamplingParams(n=3, seed=5, max_tokens=1, ignore_eos=True)
+    together = llm.generate([prompt], params)[0]
+    assert llm.engine.stats.num_batched_tokens == computed
+    for completion in together.outputs:
+        alone = dataclasses.replace(params, n=1, seed=5 + completion.index)
+        assert completion.token_ids == tiny().generate([prompt], alone)[0].outputs[0].token_ids
+    assert_no_leaks(llm.engine)
+
+
 def test_a_request_of_n_samples_says_finished_once_in_its_last_output():
     engine = tiny().engine
     request_id = engine.add_request("ab", SamplingParams(n=4, seed=1, max_tokens=12))
