@@ -956,8 +956,8 @@ def lm_head_cost(cfg: BenchConfig, reps: int = 20, rounds: int = 5) -> dict:
     gpt2 = replace(cfg, preset="gpt2", device="cpu")
     engine = engine_in_decode(gpt2, 8, 16, 1, rounds * reps * 2 + 2)
     engine.model.to(torch.bfloat16)
-    engine.k_caches, engine.v_caches = (c.to(torch.bfloat16) for c in (engine.k_caches,
-                                                                         engine.v_caches))
+    engine.k_caches = engine.k_caches.to(torch.bfloat16)
+    engine.v_caches = engine.v_caches.to(torch.bfloat16)
     result = {"gpt2 decode step, batch 8": timed(engine.step)}
     head = LMHead(896, 151936, bias=False).to(torch.bfloat16)
     for rows in (1, 8, 32):

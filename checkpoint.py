@@ -440,7 +440,7 @@ def load_model(model: str | None = None, preset: str | None = None, seed: int = 
         return Checkpoint(gpt, tokenizer, eos_token_ids(tokenizer, {}, {}), dtype)
     path = checkpoint_path(model or DEFAULT_MODEL)
     hf = read_json(os.path.join(path, "config.json"))
-    dtype = run_dtype(dtype, CONFIG_DTYPES.get(hf.get("torch_dtype", hf.get("dtype"))))
+    dtype = run_dtype(dtype, DTYPES.get(hf.get("torch_dtype", hf.get("dtype"))))
     gpt = load_checkpoint(path, dtype, device)  # first: a directory that is no checkpoint says so
     generation_config = read_json(os.path.join(path, "generation_config.json"))
     tokenizer = load_tokenizer(path)
@@ -456,7 +456,8 @@ def run_dtype(asked: torch.dtype | None, stored: torch.dtype | None) -> torch.dt
     return asked or stored or torch.bfloat16
 
 
-CONFIG_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# the dtypes a model runs in, by the names config.json's torch_dtype and --dtype give them
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def eos_token_ids(tokenizer: Tokenizer, hf: dict, generation_config: dict) -> list[int]:

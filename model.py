@@ -320,7 +320,8 @@ class LMHead(nn.Linear):
     largest matrix (0.27 GB a step at a 152k vocabulary in bf16): on CUDA a bf16 (or fp16)
     matmul that accumulates in fp32 and returns fp32; on a CPU, where torch has none, an fp32
     copy of the weight made once (the same products and sums: a bf16 value is exact in fp32)."""
-    weight_fp32 = None  # (the weight it was made from, its fp32 copy): the CPU's, made once
+    fp32_weight = None  # the CPU's fp32 copy of the weight
+    fp32_made_from = None  # what it was made from: (data_ptr, dtype, version) of the weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (n, C) -> (n, vocab) fp32
         weight = self.weight
@@ -331,10 +332,19 @@ class LMHead(nn.Linear):
         return F.linear(hidden.float(), self.fp32_copy())
 
     def fp32_copy(self) -> torch.Tensor:
-        """The weight in fp32, made on the first call (again if the weight was replaced)."""
-        if self.weight_fp32 is None or self.weight_fp32[0] is not self.weight:
-            self.weight_fp32 = (self.weight, self.weight.float())
-        return self.weight_fp32[1]
+        """The weight in fp32, made on the first call and again only if the weight changed:
+        new data (a load, a .to()) moves its data_ptr or dtype, and a write in place bumps
+        its version counter (torch's own, which autograd reads). A tensor made under
+        inference_mode keeps no counter, and cannot be written outside it."""
+        weight = self.weight
+        version = None
+        if not weight.is_inference():
+            version = weight._version
+        source = (weight.data_ptr(), weight.dtype, version)
+        if self.fp32_made_from != source:
+            self.fp32_weight = weight.float()
+            self.fp32_made_from = source
+        return self.fp32_weight
 
 
 def embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:

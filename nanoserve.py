@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from checkpoint import load_model
+from checkpoint import DTYPES, load_model
 from display import Progress, progress_wanted, render_trace
 from kernels import AttentionMetadata, keep_freed_memory, select_attention
 from model import PRESETS
@@ -41,7 +41,6 @@ from tokenizer import Detokenizer
 
 __version__ = "0.1.0"     # pyproject.toml reads it from here
 KV_CACHE_BYTES = 1 << 30  # the default KV cache's memory budget: 1 GiB
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -816,6 +815,8 @@ def completion_index(completion: CompletionOutput) -> int:
     return completion.index
 
 
+# `python nanoserve.py ...` runs the command line. Only as a script: the engine, imported as
+# a module, never imports a front end.
 if __name__ == "__main__":
     import cli
     cli.main()

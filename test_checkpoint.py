@@ -297,8 +297,8 @@ def test_an_engine_in_bfloat16_runs_the_checkpoint_in_bfloat16(tmp_path):
     got = llm.generate([[1, 2, 3, 4, 5]], params)[0].outputs[0].token_ids
     cast = fixture_llm("qwen3", tmp_path / "cast", dtype="float32")
     cast.engine.model.to(torch.bfloat16)
-    cast.engine.k_caches, cast.engine.v_caches = (c.to(torch.bfloat16) for c in (
-        cast.engine.k_caches, cast.engine.v_caches))
+    cast.engine.k_caches = cast.engine.k_caches.to(torch.bfloat16)
+    cast.engine.v_caches = cast.engine.v_caches.to(torch.bfloat16)
     want = cast.generate([[1, 2, 3, 4, 5]], params)[0].outputs[0].token_ids
     assert got == want
 

@@ -80,6 +80,23 @@ def test_the_lm_head_gives_fp32_logits_without_converting_its_weight_each_step()
     assert not [op for op in log.ops if op[0].startswith("_to_copy") and op[2] == weight.numel()]
 
 
+def test_the_lm_heads_fp32_copy_follows_its_weight():
+    """The CPU's fp32 copy of the head is made again when the weight changes: written in
+    place, or given new data (the model cast to fp16): the logits are always the current
+    weight's."""
+    model = M.GPT(M.PRESETS["llama-tiny"]).to(torch.bfloat16)
+    hidden = torch.randn(4, model.config.n_embd).to(torch.bfloat16)
+    model.compute_logits(hidden)  # the copy made
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)
+    want = torch.nn.functional.linear(hidden.float(), model.lm_head.weight.float())
+    assert torch.equal(model.compute_logits(hidden), want)
+    model.to(torch.float16)
+    hidden = hidden.to(torch.float16)
+    want = torch.nn.functional.linear(hidden.float(), model.lm_head.weight.float())
+    assert torch.equal(model.compute_logits(hidden), want)
+
+
 def test_grouped_query_kv_cache_holds_n_kv_head_heads():
     """llama-tiny: 8 query heads share 2 K/V heads, so a token's K/V take a quarter of what
     they would with a K/V head per query head, and 1 GiB holds 4 times the tokens."""
