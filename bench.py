@@ -26,6 +26,7 @@ the experiments (greedy only), and pass/fail goals for the figures (those are pr
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -43,11 +44,13 @@ import torch
 import torch.nn.functional as F
 
 from cli import add_config_args
-from model import PRESETS, DenseKVCache, LMHead
+from checkpoint import Checkpoint
+from model import PRESETS, DenseKVCache, GPTConfig, LMHead
 from nanoserve import Engine, EngineConfig, accumulate
 from options import check_fields, option
 from paged_cache import kv_bytes_per_token
 from sampling import SamplingParams, sample, sampling_tensors
+from tokenizer import EOT, GPT2_PATTERN, Tokenizer, gpt2_byte_chars
 
 MODES = {  # mode -> (what it is, EngineConfig overrides); naive does not use the engine
     "naive": ("naive: padded static batches, dense KV cache", None),
@@ -94,6 +97,10 @@ class BenchConfig:
     lm_head: bool = option(False, "only the LM head's cost in bf16 on the CPU, its weight "
                            "converted each step (as before) against once (now): gpt2's decode "
                            "step, and the head alone at a 152k vocabulary")
+    host_overhead: bool = option(False, "only the host's work per decode step, by phase: the "
+                                 "real engine with the model's forward stubbed out")
+    host_batches: tuple = option((16, 64, 256), "host overhead: batch sizes")
+    host_contexts: tuple = option((256, 4096), "host overhead: tokens of context a sequence")
 
 
 def parse_args(argv=None) -> BenchConfig:
@@ -974,6 +981,147 @@ def lm_head_table(result: dict) -> str:
     return "\n".join(rows)
 
 
+# ----------------------------------------------------------------------------- host overhead
+
+HOST_VOCAB = 50257  # GPT-2's vocabulary: the stub's logits and its tokenizer's ids
+HOST_PREFILL_TOKENS = 16384  # the stubbed engine's token budget: its prompts in a few steps
+HOST_MAX_TOKENS = 512  # more than the prefill's steps and the timed ones: no sequence ends
+HOST_PHASES = ("schedule", "inputs", "sampling_tensors", "penalties", "sample", "update",
+               "record")
+
+
+def stub_tokenizer(vocab_size: int) -> Tokenizer:
+    """vocab_size ids of ASCII text, for the detokenizer's real work: the 256 bytes and
+    <|endoftext|> (the byte tokenizer's), then strings of 2, 3 and 4 lowercase letters."""
+    ranks = {bytes([b]): i for i, (b, _) in enumerate(gpt2_byte_chars())}
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    for length in (2, 3, 4):
+        for chars in itertools.product(letters, repeat=length):
+            if len(ranks) == vocab_size - 1:
+                break
+            ranks["".join(chars).encode()] = len(ranks) + 1  # 256 is <|endoftext|>
+    return Tokenizer("stub", GPT2_PATTERN, ranks, {EOT: 256}, {256})
+
+
+class StubModel(torch.nn.Module):
+    """The engine's model without its work: forward gives one zero a token, compute_logits
+    the first rows of fixed random logits (each row its own), so a step's time is the host's
+    (and sampling's, timed apart)."""
+
+    def __init__(self, config: GPTConfig, max_rows: int, device: str):
+        super().__init__()
+        self.config = config
+        generator = torch.Generator().manual_seed(0)
+        self.logits = torch.randn(max_rows, config.vocab_size, generator=generator).to(device)
+
+    def forward(self, input_ids, positions, attn_metadata, k_caches, v_caches, attention):
+        return torch.zeros(len(input_ids), 1, device=input_ids.device)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits[:len(hidden)]
+
+
+def stubbed_engine(cfg: BenchConfig, batch: int, context: int, steps: int) -> Engine:
+    """An engine on StubModel holding `batch` sequences of `context` random prompt tokens,
+    prefilled, each to generate `steps` tokens; tiny K/V (one layer, one head of 8)."""
+    config = GPTConfig(vocab_size=HOST_VOCAB, n_positions=context + steps + 1, n_embd=8,
+                       n_layer=1, n_head=1)
+    stub = Checkpoint(StubModel(config, batch, cfg.device), stub_tokenizer(HOST_VOCAB), [256],
+                      torch.float32)
+    kv_tokens = batch * (context + steps + cfg.block_size)
+    with mock.patch("nanoserve.load_model", return_value=stub):
+        engine = Engine(EngineConfig(preset="tiny", device=cfg.device, max_num_seqs=batch,
+                                     max_num_batched_tokens=HOST_PREFILL_TOKENS,
+                                     kv_cache_tokens=kv_tokens,
+                                     block_size=cfg.block_size))
+    prompts = np.random.default_rng(cfg.seed).integers(0, HOST_VOCAB - 1, (batch, context))
+    for prompt in prompts.tolist():
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=steps,
+                                                  ignore_eos=True))
+    while any(seq.num_output_tokens == 0 for seq in engine.scheduler.running) \
+            or len(engine.scheduler.waiting):
+        engine.step()
+    return engine
+
+
+@contextlib.contextmanager
+def phase_timers(engine: Engine, device: str):
+    """While open, each of HOST_PHASES adds its seconds in the step to the dict it yields."""
+    spent = dict.fromkeys(HOST_PHASES, 0.0)
+    targets = {"schedule": (engine.scheduler, "schedule"),
+               "inputs": (engine, "_prepare_inputs"),
+               "sampling_tensors": (sys.modules["nanoserve"], "sampling_tensors"),
+               "penalties": (engine.input_batch, "penalties"),
+               "sample": (sys.modules["nanoserve"], "sample"),
+               "update": (engine, "update"),
+               "record": (engine, "record")}
+    with contextlib.ExitStack() as stack:
+        for phase, (owner, name) in targets.items():
+            timed = partial(timed_call, getattr(owner, name), spent, phase, device)
+            stack.enter_context(mock.patch.object(owner, name, timed))
+        yield spent
+
+
+def timed_call(fn, spent: dict, phase: str, device: str, *args, **kwargs):
+    """fn(*args, **kwargs), its seconds added to spent[phase]."""
+    start = synced_clock(device)
+    result = fn(*args, **kwargs)
+    spent[phase] += synced_clock(device) - start
+    return result
+
+
+@torch.inference_mode()
+def host_step(cfg: BenchConfig, batch: int, context: int, penalty: bool, steps=24) -> dict:
+    """The median ms of each phase of a decode step over `steps` steps, and of the whole step.
+    device_ms: the step's (batch, vocab) work, sample() and the penalty state's two gathers
+    (timed alone): a GPU's work, which a CPU does in line; host_ms: the step less device_ms."""
+    engine = stubbed_engine(cfg, batch, context, HOST_MAX_TOKENS)
+    for seq in engine.scheduler.running:
+        if penalty:  # Qwen2.5-Instruct's generation_config default
+            seq.params = replace(seq.params, repetition_penalty=1.05)
+    for _ in range(3):  # warm-up
+        engine.step()
+    gathers = 0.0
+    if penalty:
+        gathers = per_call(partial(penalty_gathers, engine), steps, cfg.device)
+    by_step = []
+    with phase_timers(engine, cfg.device) as spent:
+        for _ in range(steps):
+            for phase in spent:
+                spent[phase] = 0.0
+            start = synced_clock(cfg.device)
+            engine.step()
+            step = dict(spent, step=synced_clock(cfg.device) - start)
+            step["device"] = step["sample"] + gathers
+            step["host"] = step["step"] - step["device"]
+            by_step.append(step)
+    assert len(engine.scheduler.running) == batch, (batch, context, penalty, engine.stats)
+    result = dict(batch=batch, context=context, repetition_penalty=penalty)
+    for phase in by_step[0]:
+        result[f"{phase}_ms"] = 1e3 * float(np.median([step[phase] for step in by_step]))
+    return result
+
+
+def penalty_gathers(engine: Engine) -> None:
+    """The device work of InputBatch.penalties: its sequences' rows of the penalty state."""
+    input_batch = engine.input_batch
+    rows = torch.tensor(list(input_batch.rows.values()), device=input_batch.device)
+    input_batch.output_counts[rows]
+    input_batch.seen[rows]
+
+
+def host_overhead(cfg: BenchConfig) -> list[dict]:
+    return [host_step(cfg, batch, context, penalty) for context in cfg.host_contexts
+            for batch in cfg.host_batches for penalty in (False, True)]
+
+
+def host_table(rows: list[dict]) -> str:
+    keys = ("batch context repetition_penalty schedule_ms inputs_ms sampling_tensors_ms "
+            "penalties_ms update_ms record_ms host_ms device_ms")
+    return table("Host work per decode step, ms (medians; device: sample() and the penalty "
+                 "state's gathers)", rows, keys)
+
+
 def hardware_big(cfg: BenchConfig) -> dict:
     """The hardware view of --hardware-preset's shape, on all of torch's threads."""
     big = replace(cfg, preset=cfg.hardware_preset, threads=0)
@@ -996,6 +1144,12 @@ def main(argv=None) -> None:
     if cfg.lm_head:
         result = dict(lm_head=lm_head_cost(cfg), versions=versions(cfg))
         print(lm_head_table(result["lm_head"]))
+        with open(cfg.out, "w") as f:
+            json.dump(result, f, indent=1)
+        return
+    if cfg.host_overhead:
+        result = dict(host_overhead=host_overhead(cfg), versions=versions(cfg))
+        print(host_table(result["host_overhead"]))
         with open(cfg.out, "w") as f:
             json.dump(result, f, indent=1)
         return

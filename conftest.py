@@ -49,6 +49,8 @@ def assert_no_leaks(engine: Engine) -> None:
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
     assert not any(engine.block_pool.ref_counts)
     assert not engine.has_unfinished() and not engine.seqs
+    assert not engine.input_batch.rows  # every row back, for the next sequences
+    assert len(engine.input_batch.free_rows) == engine.config.max_num_seqs
 
 
 def run_to_end(engine: Engine, deltas: dict | None = None, steps: int | None = None) -> dict:
@@ -324,12 +326,19 @@ def offline():
 def server_in_process(engine: Engine):
     """Server on a thread of this process (its loop there), serving `engine`: its
     URL; stopped at the end (shutdown without waiting, then the thread joined)."""
-    server = Server(engine, ServerConfig(port=0))
+    with server_thread(engine) as server:
+        yield server.url
+
+
+@contextlib.contextmanager
+def server_thread(engine: Engine, config: ServerConfig | None = None):
+    """server_in_process's Server itself (config: port 0 unless given), to look inside."""
+    server = Server(engine, config or ServerConfig(port=0))
     thread = threading.Thread(target=asyncio.run, args=(server.run(),), daemon=True)
     thread.start()
     try:
         assert server.started.wait(30)
-        yield server.url
+        yield server
     finally:
         server.shutdown(timeout=0)
         thread.join(30)

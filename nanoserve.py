@@ -31,10 +31,11 @@ import torch
 
 from checkpoint import DTYPES, load_model
 from display import Progress, progress_wanted, render_trace
+from input_batch import InputBatch
 from kernels import AttentionMetadata, keep_freed_memory, select_attention
 from model import PRESETS
 from options import check_fields, option
-from paged_cache import BlockTable, allocate_kv_cache, cdiv, kv_bytes_per_token
+from paged_cache import BlockTable, allocate_kv_cache, kv_bytes_per_token
 from sampling import SamplingParams, generation_config_defaults, sample, sampling_tensors, upload
 from scheduler import POLICIES, Scheduler, SchedulerOutput, Sequence, SequenceStatus, check_stop
 from tokenizer import Detokenizer
@@ -147,7 +148,8 @@ class ModelOutput:
 @dataclass
 class StepRecord:
     """What one step did, by sequence id (a request's first sample has the request's own id):
-    the record that --trace, /metrics and bench.py read and EngineStats adds up."""
+    the record that --trace, /metrics, bench.py and the watch page read and EngineStats adds
+    up."""
     scheduled: dict[str, int]       # tokens computed this step
     sampled: list[str]              # got a token
     finished: list[str]             # ended in this step, or were aborted since the last one
@@ -157,6 +159,8 @@ class StepRecord:
     num_waiting: int
     num_kv_tokens: int              # tokens whose K/V the running sequences hold
     kv_blocks_used: int
+    # each scheduled sequence's phase this step (step_phase): "prefill", "decode", "recompute"
+    phases: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -191,6 +195,19 @@ def is_device_error(error: Exception) -> bool:
     return isinstance(error, torch.AcceleratorError) or "CUDA error" in str(error)
 
 
+def step_phase(seq: Sequence, num_new: int, sampled: bool, failed: bool) -> str:
+    """What a step computed for seq (read after the update): "decode", its one newest token,
+    sampled at the step before; "recompute", tokens it had computed before a preemption
+    freed them; else "prefill", a chunk of its prompt. A failed sequence did not advance."""
+    start = seq.num_computed_tokens if failed else seq.num_computed_tokens - num_new
+    num_tokens_before = len(seq.token_ids) - sampled  # update() appended the sampled token
+    if num_new == 1 and start >= len(seq.prompt_token_ids) and start + 1 == num_tokens_before:
+        return "decode"
+    if seq.num_preemptions:
+        return "recompute"
+    return "prefill"
+
+
 def sample_id(request_id: str, index: int) -> str:
     """The sequence id of a request's sample `index`: the request's own id for sample 0 (so a
     request of one sample is one id, and the trace's row for a request is its first sample),
@@ -204,28 +221,6 @@ def to_host(tensor: torch.Tensor) -> list:
     """A device tensor's values as (nested) Python lists. The only place a step waits for the
     device: a CUDA test runs whole steps with every other wait made an error."""
     return tensor.tolist()
-
-
-BLOCK_TABLE_ALIGNMENT = 16  # a block table's width, in block ids, is a multiple of this
-
-
-def padded_block_tables(block_ids: torch.Tensor, num_blocks: torch.Tensor,
-                        max_num_blocks: int) -> torch.Tensor:
-    """The step's block tables end to end, block_ids (total,), with each sequence's count
-    num_blocks (S,) -> (S, width) int32, padded with block 0 (never read: attention stops at
-    each sequence's context_len), built on block_ids' device without waiting for it.
-
-    width is max_num_blocks rounded up to a multiple of 16: Triton specialises the kernel on
-    whether the row stride divides by 16, so every batch launches one compiled kernel."""
-    width = cdiv(max_num_blocks, BLOCK_TABLE_ALIGNMENT) * BLOCK_TABLE_ALIGNMENT
-    device = block_ids.device
-    rows = torch.repeat_interleave(torch.arange(len(num_blocks), device=device), num_blocks,
-                                   output_size=len(block_ids))   # each id's sequence
-    first = torch.cumsum(num_blocks, 0) - num_blocks                 # each table's first id
-    columns = torch.arange(len(block_ids), device=device) - first[rows]
-    tables = torch.zeros(len(num_blocks), width, dtype=torch.int32, device=device)
-    tables[rows, columns] = block_ids.to(torch.int32)
-    return tables
 
 
 class Engine:
@@ -263,6 +258,9 @@ class Engine:
         self.scheduler = Scheduler(self.block_pool, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
                                    config.policy)
+        # the running sequences' block tables and penalty state, kept on the device
+        self.input_batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size,
+                                      self.vocab_size, config.device)
         self.generator = torch.Generator(config.device).manual_seed(config.seed)
         self.seqs: dict[str, Sequence] = {}            # sequence id -> its sequence
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n samples
@@ -339,6 +337,8 @@ class Engine:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         """Run the model once over every scheduled token and sample. If the batch fails, run
         each sequence alone: the ones that fail alone are the ones that fail."""
+        for seq in scheduler_output.preempted:  # readmitted, it will start from a new row
+            self.input_batch.remove(seq)
         num_scheduled_tokens = scheduler_output.num_scheduled_tokens
         if not num_scheduled_tokens:
             return ModelOutput()
@@ -393,7 +393,10 @@ class Engine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_kv_tokens=sum(seq.num_computed_tokens for seq in self.scheduler.running),
-            kv_blocks_used=self.block_pool.num_blocks - self.block_pool.num_free_blocks)
+            kv_blocks_used=self.block_pool.num_blocks - self.block_pool.num_free_blocks,
+            phases={seq.seq_id: step_phase(seq, num_new, seq in model_output.sampled_token_ids,
+                                           seq in model_output.failed)
+                    for seq, num_new in scheduled.items()})
         self.stats.record(self.last_step)
         if self.step_records is not None:
             self.step_records.append(self.last_step)
@@ -532,6 +535,8 @@ class Engine:
         if batch.sample_seqs:
             tensors = sampling_tensors(batch.sample_seqs, self.vocab_size, self.eos_token_ids,
                                        self.config.device)
+            if any(seq.params.has_penalties for seq in batch.sample_seqs):
+                tensors.penalties = self.input_batch.penalties(batch.sample_seqs)
             token_ids = sample(logits, tensors, self.generator)
         if any(seq.params.logprobs is not None for seq in batch.sample_seqs) or batch.prompt_seqs:
             self._gather_logprobs(batch, hidden, logits, token_ids, output)
@@ -636,13 +641,19 @@ class Engine:
         request_finished = False
         if finished:
             request_finished = self._release(seq)
-        return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids),
+        # Outputs are the caller's to change, so they carry a copy of the prompt's ids: made
+        # once and shared by the sequence's outputs, as vLLM shares one list (a copy in each
+        # output cost a step 1 ms at batch 256 and 4,096-token prompts).
+        if seq.returned_prompt_token_ids is None:
+            seq.returned_prompt_token_ids = list(seq.prompt_token_ids)
+        return RequestOutput(seq.request_id, seq.prompt, seq.returned_prompt_token_ids,
                              [completion], request_finished, prompt_logprobs)
 
     def _release(self, seq: Sequence) -> bool:
         """A finished sequence leaves the engine. Whether it was the last of its request: only
         the output that ends a request's last sample says the request is finished."""
         self.seqs.pop(seq.seq_id, None)
+        self.input_batch.remove(seq)
         samples = self.requests.get(seq.request_id, [])
         if any(sample.seq_id in self.seqs for sample in samples):
             return False
@@ -653,40 +664,45 @@ class Engine:
         """The step's inputs, flattened over the scheduled sequences and sent to the device in
         one pinned, non-blocking copy. Example, block_size 4, three sequences:
 
-            A  decode: 6 tokens computed, 1 new     block table [3, 7]
-            B  prompt chunk: 10-token prompt, 4 computed, 3 new     block table [5, 2]
-            C  decode: 2 tokens computed, 1 new     block table [1]
+            A  decode: 6 tokens computed, 1 new     row 0 of the input batch, holding [3, 7]
+            B  prompt chunk: 10-token prompt, 4 computed, 3 new     row 1, holding [5]; its
+               block table gained block 2 this step
+            C  decode: 2 tokens computed, 1 new     row 2, holding [1]
 
             input_ids        [a6, b4, b5, b6, c2]     (token t of A written a6)
             positions        [ 6,  4,  5,  6,  2]
             slot_mapping     [30,  8,  9, 10,  6]     (A's 6: block 7 * 4 + 2 = 30)
             query_start_loc  [0, 1, 4, 5]             (B owns rows 1..3)
             context_lens     [7, 7, 3]
-            block_ids        [3, 7, 5, 2, 1]          (the tables end to end, as they are)
-            num_blocks       [2, 2, 1]
+            rows             [0, 1, 2]                (each sequence's row in the input batch)
+            new blocks       rows [1], columns [1], block ids [2]
             block_tables     [[3, 7, 0 ...], [5, 2, 0 ...], [1, 0, 0 ...]]   (on the device)
             sample_rows      [0, 4]                   (B has tokens left to compute: no sample)
 
-        The tables go up unpadded and are padded on the device (padded_block_tables): a step
-        costs what its sequences' blocks are, not max_model_len / block_size entries for each
-        sequence (8,192 at a 128k context)."""
-        ints = dict(input_ids=[], positions=[], slot_mapping=[], block_ids=[], num_blocks=[],
-                    context_lens=[], query_start_loc=[0], sample_rows=[], prompt_rows=[],
-                    prompt_targets=[])
+        Only the blocks a table gained go up; the tables stay on the device, in the input
+        batch (input_batch.py): a step costs what is new in it, not its sequences' blocks."""
+        ints = dict(input_ids=[], positions=[], slot_mapping=[], context_lens=[],
+                    query_start_loc=[0], rows=[], new_block_rows=[], new_block_columns=[],
+                    new_block_ids=[], sample_rows=[], prompt_rows=[], prompt_targets=[])
         sample_seqs = []  # the sequences that sample, in the order of ints["sample_rows"]
         prompt_seqs = []  # the sequence of each of ints["prompt_rows"]
+        max_num_blocks = 0
         for seq, num_new in num_scheduled_tokens.items():
             start = seq.num_computed_tokens
             end = start + num_new
             first_row = ints["query_start_loc"][-1]
-            block_ids = seq.block_table.block_ids
+            row, first_column, new_block_ids = self.input_batch.new_blocks(seq)
+            num_new_blocks = len(new_block_ids)
+            max_num_blocks = max(max_num_blocks, len(seq.block_table.block_ids))
             ints["input_ids"] += seq.token_ids[start:end]
             ints["positions"] += range(start, end)
             ints["slot_mapping"] += seq.block_table.slot_mapping(start, end)
-            ints["block_ids"] += block_ids
-            ints["num_blocks"].append(len(block_ids))
             ints["context_lens"].append(end)
             ints["query_start_loc"].append(first_row + num_new)
+            ints["rows"].append(row)
+            ints["new_block_rows"] += [row] * num_new_blocks
+            ints["new_block_columns"] += range(first_column, first_column + num_new_blocks)
+            ints["new_block_ids"] += new_block_ids
             if end == len(seq.token_ids):  # no uncomputed token left: sample the next one
                 ints["sample_rows"].append(first_row + num_new - 1)
                 sample_seqs.append(seq)
@@ -696,10 +712,11 @@ class Engine:
                     ints["prompt_targets"].append(seq.token_ids[position + 1])
                     prompt_seqs.append(seq)
         tensors = upload(ints, torch.int64, self.config.device)
+        block_tables = self.input_batch.step_block_tables(
+            tensors["rows"], tensors["new_block_rows"], tensors["new_block_columns"],
+            tensors["new_block_ids"], max_num_blocks)
         attn_metadata = AttentionMetadata(
-            slot_mapping=tensors["slot_mapping"],
-            block_tables=padded_block_tables(tensors["block_ids"], tensors["num_blocks"],
-                                             max(ints["num_blocks"])),
+            slot_mapping=tensors["slot_mapping"], block_tables=block_tables,
             context_lens=tensors["context_lens"].to(torch.int32),
             query_start_loc=tensors["query_start_loc"].to(torch.int32),
             max_query_len=max(num_scheduled_tokens.values()))

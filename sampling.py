@@ -167,12 +167,13 @@ class SamplingTensors:
     logit_bias: torch.Tensor | None = None      # (n, vocab) fp32: logit_bias, -inf where
                                                 # min_tokens bans a token (end-of-text, stop ids)
     min_p: torch.Tensor | None = None           # (n,) fp32; 0 where off
-    penalties: "Penalties | None" = None
+    penalties: "Penalties | None" = None  # InputBatch.penalties' (input_batch.py)
 
 
 @dataclass
 class Penalties:
-    """What the penalties need, per row that samples (zeros and ones on rows without them)."""
+    """What the penalties need, per row that samples (on a row without penalties, whatever its
+    row held: its neutral penalties ignore it)."""
     output_counts: torch.Tensor     # (n, vocab) fp32: each token's count in the row's output
     seen: torch.Tensor              # (n, vocab) bool: the token is in the prompt or the output
     presence: torch.Tensor          # (n,) fp32; 0 where off
@@ -256,7 +257,8 @@ def upload(host_lists: dict[str, list], dtype: torch.dtype, device: str
 
 def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int],
                      device: str) -> SamplingTensors:
-    """The sampling parameters of the sequences that sample (a row each), as device tensors."""
+    """The sampling parameters of the sequences that sample (a row each), as device tensors;
+    the penalties' state, kept from step to step, is the persistent batch's (input_batch.py)."""
     greedy = [seq.params.temperature < GREEDY_BELOW for seq in seqs]
     temperature = [1.0 if g else seq.params.temperature for g, seq in zip(greedy, seqs)]
     top_k = [seq.params.top_k or vocab_size for seq in seqs]
@@ -273,8 +275,6 @@ def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[
         min_p = [seq.params.min_p for seq in seqs]
         tensors.min_p = upload(dict(min_p=min_p), torch.float32, device)["min_p"]
     tensors.logit_bias = logit_bias_rows(seqs, vocab_size, eos_token_ids, device)
-    if any(seq.params.has_penalties for seq in seqs):
-        tensors.penalties = penalty_counts(seqs, vocab_size, device)
     return tensors
 
 
@@ -304,31 +304,3 @@ def logit_bias_rows(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[i
     values = upload(dict(biases=biases), torch.float32, device)["biases"]
     logit_bias = torch.zeros(len(seqs), vocab_size, device=device)
     return logit_bias.index_put_((index["rows"], index["token_ids"]), values, accumulate=True)
-
-
-def penalty_counts(seqs: list[Sequence], vocab_size: int, device: str) -> Penalties:
-    """The penalized rows' token counts, built on the device from this step's tokens: one
-    upload and one scatter-add for the output counts, one scatter for the tokens seen (prompt
-    and output). Rebuilt each step rather than kept: a row's tokens change by one a step, but
-    its place in the batch changes whenever the batch does."""
-    ints = dict(output_rows=[], output_ids=[], seen_rows=[], seen_ids=[])
-    for row, seq in enumerate(seqs):
-        if not seq.params.has_penalties:
-            continue
-        output = seq.token_ids[len(seq.prompt_token_ids):]
-        ints["output_rows"] += [row] * len(output)
-        ints["output_ids"] += output
-        ints["seen_rows"] += [row] * len(seq.token_ids)
-        ints["seen_ids"] += seq.token_ids
-    index = upload(ints, torch.int64, device)
-    values = upload(dict(
-        presence=[seq.params.presence_penalty for seq in seqs],
-        frequency=[seq.params.frequency_penalty for seq in seqs],
-        repetition=[seq.params.repetition_penalty for seq in seqs]), torch.float32, device)
-    counts = torch.zeros(len(seqs), vocab_size, device=device)
-    ones = torch.ones(len(ints["output_ids"]), device=device)  # made there, not uploaded
-    counts.index_put_((index["output_rows"], index["output_ids"]), ones, accumulate=True)
-    seen = torch.zeros(len(seqs), vocab_size, dtype=torch.bool, device=device)
-    seen[index["seen_rows"], index["seen_ids"]] = True
-    return Penalties(output_counts=counts, seen=seen, presence=values["presence"],
-                     frequency=values["frequency"], repetition=values["repetition"])

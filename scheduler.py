@@ -57,6 +57,7 @@ class Sequence:
     stop_reason: str | int | None = None      # the stop string or stop token id that ended it
     error: str | None = None                  # why it failed (FINISHED_ERROR)
     num_sent_tokens: int = 0                  # output tokens already returned in outputs
+    returned_prompt_token_ids: list[int] | None = None  # the copy its outputs carry
     logprobs: list = field(default_factory=list)         # per output token: {token id: logprob}
     prompt_logprobs: list = field(default_factory=list)  # per prompt token, the first's None
     queue_entry: int | None = None            # its live entry in the waiting queue
@@ -65,6 +66,7 @@ class Sequence:
     request_id: str | None = None             # its request's (one of params.n samples); None:
                                               # the same as seq_id (n = 1)
     index: int = 0                            # which of the request's samples it is
+    num_preemptions: int = 0                  # times it was preempted (then recomputed)
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
@@ -147,6 +149,19 @@ class WaitingQueue:
                 return oldest
         return self._live_top(self._heap)
 
+    def in_order(self, step: int) -> list[Sequence]:
+        """Every waiting sequence, in the order peek(step) would give them if none were
+        admitted meanwhile: under sjf those that have waited max_wait_steps first, oldest
+        first, then the rest by the heap's key (the key each was pushed with). For showing the
+        queue (watch.py); the heap is left as it is."""
+        live = sorted(item for item in self._heap if item[2].queue_entry == item[1])
+        waiting = [seq for _, _, seq in live]
+        if self.policy != "sjf":
+            return waiting
+        overdue = [seq for seq in waiting if step - seq.arrival_step >= self.max_wait_steps]
+        overdue.sort(key=arrival_order)
+        return overdue + [seq for seq in waiting if step - seq.arrival_step < self.max_wait_steps]
+
     @staticmethod
     def _live_top(heap: list) -> Sequence | None:
         while heap and heap[0][2].queue_entry != heap[0][1]:
@@ -154,6 +169,11 @@ class WaitingQueue:
         if not heap:
             return None
         return heap[0][2]
+
+
+def arrival_order(seq: Sequence) -> tuple[int, int]:
+    """The key of the sjf queue's second heap: arrival step, then entry."""
+    return seq.arrival_step, seq.queue_entry
 
 
 class Scheduler:
@@ -333,6 +353,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.running.remove(seq)
         self.waiting.push(seq, front=True)
+        seq.num_preemptions += 1
         self.num_preemptions += 1
 
     def update(self, num_scheduled_tokens: dict[Sequence, int],

@@ -12,6 +12,7 @@ import model as M
 import sampling
 from conftest import (NEAR_TIE, PROMPTS, assert_no_leaks, chat_checkpoint, checkpoint_llm, http,
                       nanoserve_main, server_in_process, tiny, token_ids)
+from input_batch import InputBatch
 from nanoserve import Engine
 from sampling import SamplingParams, SamplingTensors, apply_top_k_top_p, sample
 from tokenizer import EOT
@@ -144,12 +145,12 @@ def test_penalties_do_not_depend_on_batching_chunking_or_preemption():
 
 def test_no_count_tensor_is_built_when_no_row_has_a_penalty(monkeypatch):
     built = []
-    penalty_counts = sampling.penalty_counts
+    penalties = InputBatch.penalties
 
-    def counting(seqs, vocab_size, device):
+    def counting(self, seqs):
         built.append(len(seqs))
-        return penalty_counts(seqs, vocab_size, device)
-    monkeypatch.setattr(sampling, "penalty_counts", counting)
+        return penalties(self, seqs)
+    monkeypatch.setattr(InputBatch, "penalties", counting)
     llm = tiny()
     llm.generate(PROMPTS[:3], SamplingParams(max_tokens=4, seed=1, top_k=5, min_p=0.1))
     assert built == []

@@ -6,7 +6,7 @@ import pytest
 from conftest import GREEDY, PROMPTS, assert_no_leaks, tiny
 from paged_cache import BlockPool, BlockTable
 from sampling import SamplingParams
-from scheduler import Scheduler, Sequence, SequenceStatus
+from scheduler import Scheduler, Sequence, SequenceStatus, WaitingQueue
 
 
 # ----------------------------------------------------------------------------- scheduler rules
@@ -67,6 +67,31 @@ def test_sjf_runs_the_shortest_job_first_and_bounds_starvation():
         order += [seq.seq_id for seq in scheduler.schedule().num_scheduled_tokens]
         scheduler.finish(scheduler.running[0], SequenceStatus.FINISHED_LENGTH)
     assert order == ["short", "long", "medium"]  # at step 2 "long" has waited 2 steps
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "sjf"])
+def test_waiting_queue_in_order_is_the_order_peek_admits_them_in(policy):
+    """in_order(step) lists the queue as peek(step) would give it, one admission after
+    another: preempted first, then by policy; under sjf, the jobs that have waited
+    max_wait_steps before all (here 0 and 1, at step 4). One removed (aborted) is not listed."""
+    queue = WaitingQueue(policy, max_wait_steps=3)
+    seqs = []
+    for arrival, max_tokens in [(0, 30), (1, 5), (2, 20), (3, 1), (4, 9)]:
+        seq = Sequence(str(arrival), "", [1, 2], SamplingParams(max_tokens=max_tokens),
+                       BlockTable(None))
+        seq.arrival_step = arrival
+        queue.push(seq)
+        seqs.append(seq)
+    queue.remove(seqs[3])
+    queue.push(seqs[4], front=True)  # re-queued: preempted
+    listed = queue.in_order(step=4)
+    peeked = []
+    while (seq := queue.peek(step=4)) is not None:
+        peeked.append(seq)
+        queue.remove(seq)
+    assert listed == peeked and seqs[3] not in listed and len(listed) == 4
+    assert [seq.seq_id for seq in listed] == {"fcfs": ["4", "0", "1", "2"],
+                                              "sjf": ["0", "1", "4", "2"]}[policy]
 
 
 def test_static_admits_only_when_nothing_runs():

@@ -1,0 +1,143 @@
+"""The persistent batch: what the engine keeps on the device about the sequences it runs, from
+one step to the next, so that a step's host work grows with what is new in it (a token a
+sequence, a block every block_size steps), not with what the sequences already hold.
+
+Each sequence the engine runs has a row, from the first step that schedules it until it
+finishes or is preempted, and in that row:
+- its block table: a row of `block_tables` (max_num_seqs, max blocks a sequence) int32 on the
+  device, extended by the blocks its BlockTable gained since the last step. A step uploads
+  those new (row, column, block id) entries, not every sequence's whole table: at 4,096
+  tokens of context that is 256 block ids a sequence, 65,536 at batch 256, for one new
+  block a sequence every 16 steps;
+- if it has penalties, its penalty state: its output tokens' counts and the tokens it has
+  seen (prompt and output), rows of (max_num_seqs, vocab) on the device, brought up to date
+  with the tokens it gained since it last sampled, not rebuilt from all its tokens each step.
+
+Rows are handed out and taken back like blocks. A step's tables are its sequences' rows, in
+batch order, gathered on the device, as wide as its longest table (rounded up to 16 columns).
+
+    row 0: A  blocks [3, 7]        step: B (prompt chunk), A (decode)
+    row 1: B  blocks [5]     +2    uploads (1, 1, 2), (1, 2, 9): B's new blocks 2 and 9
+                                   block_tables[[1, 0], :16] = [[5, 2, 9, 0 ...], [3, 7, 0 ...]]
+
+vLLM v1's InputBatch and its BlockTable (in its GPU worker) are the model; vLLM also keeps
+each row's sampling parameters there, where a step here uploads a few numbers a sequence.
+"""
+import torch
+
+from paged_cache import cdiv
+from sampling import Penalties, upload
+from scheduler import Sequence
+
+BLOCK_TABLE_ALIGNMENT = 16  # a step's block tables' width, in block ids, is a multiple of this
+
+
+class InputBatch:
+    """Rows of per-sequence state on the device: block tables, and penalty state if needed."""
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, vocab_size: int,
+                 device: str):
+        self.device = device
+        self.vocab_size = vocab_size
+        self.rows: dict[Sequence, int] = {}           # each running sequence's row
+        self.free_rows = list(range(max_num_seqs))[::-1]  # pop() hands out row 0 first
+        width = aligned(cdiv(max_model_len, block_size))
+        self.block_tables = torch.zeros(max_num_seqs, width, dtype=torch.int32, device=device)
+        self.num_blocks = [0] * max_num_seqs          # blocks a row holds of its sequence's
+        self.num_counted = [0] * max_num_seqs         # tokens in a row's penalty state
+        # (max_num_seqs, vocab), made when a sequence with penalties first samples
+        self.output_counts: torch.Tensor | None = None  # fp32: each token's count in the output
+        self.seen: torch.Tensor | None = None            # bool: in the prompt or the output
+
+    def row(self, seq: Sequence) -> int:
+        """seq's row; a sequence new to the batch takes a free one, with nothing in it."""
+        row = self.rows.get(seq)
+        if row is not None:
+            return row
+        row = self.free_rows.pop()
+        self.rows[seq] = row
+        self.num_blocks[row] = 0
+        self.num_counted[row] = 0
+        return row
+
+    def remove(self, seq: Sequence) -> None:
+        """seq left the batch (it finished or was preempted): its row is free again, its table
+        zeroed (tables are padded with block 0)."""
+        row = self.rows.pop(seq, None)
+        if row is None:  # never scheduled (aborted while waiting)
+            return
+        self.block_tables[row, :self.num_blocks[row]] = 0
+        self.free_rows.append(row)
+
+    def new_blocks(self, seq: Sequence) -> tuple[int, int, list[int]]:
+        """(seq's row, the first column to fill, the blocks to fill it with): those seq's
+        BlockTable gained since the last call. A table only grows while its sequence runs; a
+        preempted sequence comes back to a new row."""
+        row = self.row(seq)
+        block_ids = seq.block_table.block_ids
+        first_column = self.num_blocks[row]
+        self.num_blocks[row] = len(block_ids)
+        return row, first_column, block_ids[first_column:]
+
+    def step_block_tables(self, rows: torch.Tensor, new_rows: torch.Tensor,
+                          new_columns: torch.Tensor, new_block_ids: torch.Tensor,
+                          max_num_blocks: int) -> torch.Tensor:
+        """Write the step's new entries, then gather its tables: rows (S,) -> (S, width) int32
+        on the device, width max_num_blocks rounded up to a multiple of 16 (Triton specialises
+        the kernel on whether a row's stride divides by 16: every batch launches one kernel)."""
+        self.block_tables[new_rows, new_columns] = new_block_ids.to(torch.int32)
+        return self.block_tables[rows, :aligned(max_num_blocks)]
+
+    def penalties(self, seqs: list[Sequence]) -> Penalties:
+        """The Penalties of a step's sampling rows, seqs in order: each penalised row first
+        brought up to date with its tokens since it last sampled (all of them in a row new to
+        it), in one upload and two scatters. A row without penalties gets whatever its row
+        holds, which its neutral penalties (1 and 0) ignore."""
+        if self.output_counts is None:
+            num_rows = self.block_tables.shape[0]
+            self.output_counts = torch.zeros(num_rows, self.vocab_size, device=self.device)
+            self.seen = torch.zeros(num_rows, self.vocab_size, dtype=torch.bool,
+                                    device=self.device)
+        ints = dict(rows=[], emptied=[], output_rows=[], output_ids=[], seen_rows=[],
+                    seen_ids=[])
+        for seq in seqs:
+            row = self.rows[seq]
+            ints["rows"].append(row)
+            if seq.params.has_penalties:
+                self._count_new_tokens(seq, row, ints)
+        index = upload(ints, torch.int64, self.device)
+        self.output_counts[index["emptied"]] = 0
+        self.seen[index["emptied"]] = False
+        ones = torch.ones(len(ints["output_ids"]), device=self.device)  # made there, not uploaded
+        self.output_counts.index_put_((index["output_rows"], index["output_ids"]), ones,
+                                      accumulate=True)
+        self.seen[index["seen_rows"], index["seen_ids"]] = True
+        values = upload(dict(
+            presence=[seq.params.presence_penalty for seq in seqs],
+            frequency=[seq.params.frequency_penalty for seq in seqs],
+            repetition=[seq.params.repetition_penalty for seq in seqs]), torch.float32,
+            self.device)
+        rows = index["rows"]
+        return Penalties(output_counts=self.output_counts[rows], seen=self.seen[rows],
+                         presence=values["presence"], frequency=values["frequency"],
+                         repetition=values["repetition"])
+
+    def _count_new_tokens(self, seq: Sequence, row: int, ints: dict[str, list]) -> None:
+        """Add to ints the entries that bring row's penalty state up to seq's tokens: each new
+        token is seen; a new output token is also counted."""
+        counted = self.num_counted[row]
+        if counted == 0:  # a row new to penalties: its previous owner's state goes
+            ints["emptied"].append(row)
+        new_tokens = seq.token_ids[counted:]
+        ints["seen_rows"] += [row] * len(new_tokens)
+        ints["seen_ids"] += new_tokens
+        first_output = max(counted, len(seq.prompt_token_ids))
+        new_output = seq.token_ids[first_output:]
+        ints["output_rows"] += [row] * len(new_output)
+        ints["output_ids"] += new_output
+        self.num_counted[row] = len(seq.token_ids)
+
+
+def aligned(num_blocks: int) -> int:
+    """num_blocks rounded up to a multiple of BLOCK_TABLE_ALIGNMENT."""
+    return cdiv(num_blocks, BLOCK_TABLE_ALIGNMENT) * BLOCK_TABLE_ALIGNMENT

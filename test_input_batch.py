@@ -1,0 +1,109 @@
+"""The persistent batch's guarantees: a step's host work is what is new in it (the blocks a
+table gained, the tokens a penalised sequence gained), and a row left behind is reused empty.
+"""
+import pytest
+import torch
+
+from conftest import GREEDY, assert_no_leaks, tiny
+from input_batch import InputBatch
+from sampling import SamplingParams
+
+
+def uploaded_block_ids(engine, monkeypatch) -> list[int]:
+    """Every block id the engine's steps will upload into the input batch's tables."""
+    uploaded = []
+    step_block_tables = engine.input_batch.step_block_tables
+
+    def recording(rows, new_rows, new_columns, new_block_ids, max_num_blocks):
+        uploaded.append(len(new_block_ids))
+        return step_block_tables(rows, new_rows, new_columns, new_block_ids, max_num_blocks)
+    monkeypatch.setattr(engine.input_batch, "step_block_tables", recording)
+    return uploaded
+
+
+def test_a_step_uploads_only_the_blocks_a_table_gained(monkeypatch):
+    """Two 40-token prompts in blocks of 8, 24 tokens each: each sequence's 5 prompt blocks
+    go up once, then one block every 8 decodes; 64 tokens, 8 blocks a sequence in all."""
+    engine = tiny(block_size=8).engine
+    uploaded = uploaded_block_ids(engine, monkeypatch)
+    for prompt in ([5] * 40, [6] * 40):
+        engine.add_request(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert uploaded[0] == 2 * 5  # the prompts' blocks, in the step that computes them
+    assert sum(uploaded) == 2 * 8  # every block once: a decode step uploads none or the new
+    assert max(uploaded[1:]) <= 2
+    assert_no_leaks(engine)
+
+
+def test_block_tables_are_as_the_block_tables_say_padded_with_block_0_to_16_columns():
+    """_prepare_inputs's example, in the order the scheduler gives: each row of the step's
+    tables is its sequence's blocks, then zeros, 16 columns wide."""
+    engine = tiny(block_size=4).engine
+    for prompt in ([1] * 7, [2] * 10, [3] * 2):
+        engine.add_request(prompt, GREEDY)
+    batch = engine._prepare_inputs(engine.scheduler.schedule().num_scheduled_tokens)
+    tables = batch.attn_metadata.block_tables
+    seqs = list(engine.scheduler.running)
+    assert tables.dtype == torch.int32 and tables.shape == (3, 16)
+    for row, seq in zip(tables.tolist(), seqs):
+        num_blocks = len(seq.block_table.block_ids)
+        assert row[:num_blocks] == seq.block_table.block_ids and not any(row[num_blocks:])
+
+
+def test_a_row_is_reused_empty_after_its_sequence_finishes(monkeypatch):
+    """A long sequence's row, handed to a short one after it, holds only the short one's
+    block: what the long one left is zeroed (the tables are padded with block 0)."""
+    engine = tiny(block_size=4, max_num_seqs=1).engine
+    tables = []
+    step_block_tables = engine.input_batch.step_block_tables
+
+    def recording(*args):
+        table = step_block_tables(*args)
+        tables.append(table[0].tolist())
+        return table
+    monkeypatch.setattr(engine.input_batch, "step_block_tables", recording)
+    engine.add_request([1] * 30, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    engine.add_request([2] * 3, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.input_batch.block_tables.shape[0] == 1  # one row: the short one took it
+    assert sum(1 for b in tables[0] if b) >= 7  # (block 0 may be one of the long one's)
+    assert sum(1 for b in tables[-1][1:] if b) == 0
+    assert_no_leaks(engine)
+
+
+def test_penalty_state_takes_each_new_token_once_not_every_token_each_step(monkeypatch):
+    """A penalised sequence's prompt goes up once, then one token a step: its counts are
+    kept on the device, not rebuilt from its tokens every step."""
+    engine = tiny().engine
+    uploaded = []
+    count_new_tokens = InputBatch._count_new_tokens
+
+    def recording(self, seq, row, ints):
+        before = len(ints["seen_ids"])
+        count_new_tokens(self, seq, row, ints)
+        uploaded.append(len(ints["seen_ids"]) - before)
+    monkeypatch.setattr(InputBatch, "_count_new_tokens", recording)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                            repetition_penalty=1.3)
+    engine.add_request([7] * 50, params)
+    while engine.has_unfinished():
+        engine.step()
+    assert uploaded == [50] + [1] * 11
+    assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("penalty", [dict(repetition_penalty=1.5),
+                                     dict(frequency_penalty=1.0, presence_penalty=0.5)])
+def test_penalty_state_survives_preemption_and_row_reuse(penalty):
+    """Penalised greedy requests in a cache small enough to preempt, their rows freed and
+    taken by others: each equals itself served alone."""
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, **penalty)
+    prompts = [[5 + i] * (20 + 3 * i) for i in range(6)]
+    alone = [tiny().generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    llm = tiny(kv_cache_tokens=160, block_size=8, max_num_seqs=3)
+    together = llm.generate(prompts, params)
+    assert [out.outputs[0].token_ids for out in together] == alone
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_no_leaks(llm.engine)
