@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from cli import add_config_args
 from checkpoint import Checkpoint
+from kernels import AttentionMetadata, select_attention
 from model import PRESETS, DenseKVCache, GPTConfig, LMHead
 from nanoserve import Engine, EngineConfig, accumulate
 from options import check_fields, option
@@ -101,6 +102,14 @@ class BenchConfig:
                                  "real engine with the model's forward stubbed out")
     host_batches: tuple = option((16, 64, 256), "host overhead: batch sizes")
     host_contexts: tuple = option((256, 4096), "host overhead: tokens of context a sequence")
+    kernel: bool = option(False, "only the paged-attention kernel against torch's SDPA on the "
+                          "same K/V (contiguous), decode, GB/s of K/V read (a GPU's figure)")
+    kernel_batches: tuple = option((1, 16, 64, 256), "kernel: batch sizes")
+    kernel_contexts: tuple = option((512, 2048, 8192), "kernel: tokens of context a sequence")
+    step_gemms: bool = option(False, "only a decode step at batch --max-num-seqs and context "
+                              "--prompt-len against its matrix multiplies alone at the same "
+                              "shapes, and attention's share of the step")
+    model: str = option("", "--step-gemms: a checkpoint directory instead of --preset's weights")
 
 
 def parse_args(argv=None) -> BenchConfig:
@@ -210,7 +219,8 @@ def naive_steps(prompts: list[list[int]], lengths: list[int]) -> list[StepLog]:
 
 def make_engine(cfg: BenchConfig, mode: str = "fcfs", limit: int = 0, **overrides) -> Engine:
     """A fresh engine for `mode`, on the same seeded weights as every other."""
-    args = dict(preset=cfg.preset, device=cfg.device, seed=cfg.seed, block_size=cfg.block_size,
+    args = dict(preset=None if cfg.model else cfg.preset, model=cfg.model or None,
+                device=cfg.device, seed=cfg.seed, block_size=cfg.block_size,
                 kv_cache_tokens=cfg.kv_cache_tokens or None, max_num_seqs=cfg.max_num_seqs,
                 max_num_batched_tokens=cfg.max_num_batched_tokens) | MODES[mode][1] | overrides
     if not args.get("enable_chunked_prefill", True):  # as in vLLM: a whole recompute fits a step
@@ -723,8 +733,12 @@ def decode_figures(model, batch: int, prompt_len: int, output_len: float, paged_
     flops = batch * (2 * weights + 4 * c.n_layer * context * c.n_embd)
     paged = np.median(paged_s)
     dense = np.median(dense_s)
+    # every sequence's K/V, read once by attention in each layer
+    kv_read_bytes = batch * context * kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_dim,
+                                                         model.lm_head.weight.dtype)
     return dict(batch=batch, prompt_len=prompt_len, output_len=output_len, context=context,
                 flops=flops, weight_bytes=weights * model.lm_head.weight.element_size(),
+                kv_read_bytes=kv_read_bytes,
                 paged_step_ms=paged * 1e3, forward_ms=np.median(forward_s) * 1e3,
                 host_ms=np.median(np.subtract(paged_s, forward_s)) * 1e3,
                 dense_step_ms=dense * 1e3, paging_overhead=paged / dense - 1)
@@ -749,9 +763,9 @@ def machine_rates(device: str, dtype: torch.dtype) -> tuple[float, float]:
 
 
 def hardware_view(cfg: BenchConfig, model, batches, steps=16, host_output_lens=()) -> dict:
-    """Decode steps at each batch size against a roofline measured in the same run: max(weight
-    bytes / copy bandwidth, FLOPs / matmul rate), what the step would cost if it only streamed
-    the weights or only multiplied at a big square matmul's rate. Host cost: at the largest
+    """Decode steps at each batch size against a roofline measured in the same run: max((weight
+    + K/V bytes) / copy bandwidth, FLOPs / matmul rate), what the step would cost if it only
+    streamed the weights and the K/V it reads, or only multiplied at a big square matmul's rate. Host cost: at the largest
     batch and one context (top + 16), a step at each output length n (centred on n)."""
     matmul_rate, copy_rate = machine_rates(cfg.device, model.lm_head.weight.dtype)
     decode = [decode_step(cfg, model, b, steps=steps) for b in batches]
@@ -760,7 +774,8 @@ def hardware_view(cfg: BenchConfig, model, batches, steps=16, host_output_lens=(
     host_cost = [decode_step(cfg, model, batches[-1], top + 16 - n, max(1, n - 20), steps=4,
                              rounds=5) for n in host_output_lens]
     for d in decode + host_cost:
-        d["roofline_ms"] = max(d["weight_bytes"] / copy_rate, d["flops"] / matmul_rate) * 1e3
+        bytes_read = d["weight_bytes"] + d["kv_read_bytes"]
+        d["roofline_ms"] = max(bytes_read / copy_rate, d["flops"] / matmul_rate) * 1e3
     return dict(decode=decode, host_cost=host_cost, preset=cfg.preset,
                 threads=torch.get_num_threads(), matmul_n=1024, matmul_gflops=matmul_rate / 1e9,
                 copy_gb_s=copy_rate / 1e9)
@@ -986,8 +1001,8 @@ def lm_head_table(result: dict) -> str:
 HOST_VOCAB = 50257  # GPT-2's vocabulary: the stub's logits and its tokenizer's ids
 HOST_PREFILL_TOKENS = 16384  # the stubbed engine's token budget: its prompts in a few steps
 HOST_MAX_TOKENS = 512  # more than the prefill's steps and the timed ones: no sequence ends
-HOST_PHASES = ("schedule", "inputs", "sampling_tensors", "penalties", "sample", "update",
-               "record")
+HOST_PHASES = ("schedule", "inputs", "sampling_tensors", "penalties", "penalty_rows", "sample",
+               "update", "record")
 
 
 def stub_tokenizer(vocab_size: int) -> Tokenizer:
@@ -1052,6 +1067,7 @@ def phase_timers(engine: Engine, device: str):
                "inputs": (engine, "_prepare_inputs"),
                "sampling_tensors": (sys.modules["nanoserve"], "sampling_tensors"),
                "penalties": (engine.input_batch, "penalties"),
+               "penalty_rows": (engine.input_batch, "penalty_rows"),
                "sample": (sys.modules["nanoserve"], "sample"),
                "update": (engine, "update"),
                "record": (engine, "record")}
@@ -1073,17 +1089,15 @@ def timed_call(fn, spent: dict, phase: str, device: str, *args, **kwargs):
 @torch.inference_mode()
 def host_step(cfg: BenchConfig, batch: int, context: int, penalty: bool, steps=24) -> dict:
     """The median ms of each phase of a decode step over `steps` steps, and of the whole step.
-    device_ms: the step's (batch, vocab) work, sample() and the penalty state's two gathers
-    (timed alone): a GPU's work, which a CPU does in line; host_ms: the step less device_ms."""
+    device_ms: the step's (batch, vocab) work, sample() and the penalty state's gathers
+    (penalty_rows, within penalties): a GPU's work, which a CPU does in line; host_ms: the
+    step less device_ms."""
     engine = stubbed_engine(cfg, batch, context, HOST_MAX_TOKENS)
     for seq in engine.scheduler.running:
         if penalty:  # Qwen2.5-Instruct's generation_config default
             seq.params = replace(seq.params, repetition_penalty=1.05)
     for _ in range(3):  # warm-up
         engine.step()
-    gathers = 0.0
-    if penalty:
-        gathers = per_call(partial(penalty_gathers, engine), steps, cfg.device)
     by_step = []
     with phase_timers(engine, cfg.device) as spent:
         for _ in range(steps):
@@ -1092,7 +1106,7 @@ def host_step(cfg: BenchConfig, batch: int, context: int, penalty: bool, steps=2
             start = synced_clock(cfg.device)
             engine.step()
             step = dict(spent, step=synced_clock(cfg.device) - start)
-            step["device"] = step["sample"] + gathers
+            step["device"] = step["sample"] + step["penalty_rows"]
             step["host"] = step["step"] - step["device"]
             by_step.append(step)
     assert len(engine.scheduler.running) == batch, (batch, context, penalty, engine.stats)
@@ -1102,12 +1116,107 @@ def host_step(cfg: BenchConfig, batch: int, context: int, penalty: bool, steps=2
     return result
 
 
-def penalty_gathers(engine: Engine) -> None:
-    """The device work of InputBatch.penalties: its sequences' rows of the penalty state."""
-    input_batch = engine.input_batch
-    rows = torch.tensor(list(input_batch.rows.values()), device=input_batch.device)
-    input_batch.output_counts[rows]
-    input_batch.seen[rows]
+# ----------------------------------------------------------------------------- attention kernel
+
+# (query heads, K/V heads, head dim): GPT-2's (12 of 64, a K/V head each) and Llama 3 8B's
+# (32 query heads sharing 8 K/V heads of 128)
+KERNEL_SHAPES = {"gpt2": (12, 12, 64), "llama-8b": (32, 8, 128)}
+
+
+@torch.inference_mode()
+def kernel_step(cfg: BenchConfig, shape: str, batch: int, context: int, reps=20) -> dict:
+    """One decode's attention for `batch` sequences of `context` tokens, each K/V block
+    shuffled in the cache: the engine's attention (Triton on CUDA) against torch's SDPA on
+    the same K/V laid out contiguously; microseconds (best of 3 rounds) and GB/s of K/V read
+    (every K and V of every sequence, once). bf16 on CUDA, fp32 on a CPU."""
+    num_heads, num_kv_heads, head_dim = KERNEL_SHAPES[shape]
+    device = cfg.device
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    blocks_per_seq = -(-context // cfg.block_size)
+    num_blocks = batch * blocks_per_seq
+    cache_shape = (num_blocks, cfg.block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, dtype=dtype, device=device)
+    v_cache = torch.randn(cache_shape, dtype=dtype, device=device)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    block_tables = torch.randperm(num_blocks, generator=generator).view(batch, -1)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(batch, dtype=torch.int64, device=device),
+        block_tables=block_tables.to(device, torch.int32),
+        context_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        max_query_len=1)
+    q = torch.randn(batch, num_heads, head_dim, dtype=dtype, device=device)
+    scale = head_dim ** -0.5
+    attention = select_attention("auto", device)
+    paged = partial(attention, q, k_cache, v_cache, meta, scale)
+    by_sequence = block_tables.to(device).flatten()
+    k = k_cache[by_sequence].view(batch, -1, num_kv_heads, head_dim)[:, :context]
+    v = v_cache[by_sequence].view(batch, -1, num_kv_heads, head_dim)[:, :context]
+    dense = partial(F.scaled_dot_product_attention, q[:, :, None], k.transpose(1, 2).contiguous(),
+                    v.transpose(1, 2).contiguous(), scale=scale, enable_gqa=True)
+    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * dtype.itemsize
+    paged_s = min(per_call(paged, reps, device) for _ in range(3))
+    dense_s = min(per_call(dense, reps, device) for _ in range(3))
+    return dict(shape=shape, batch=batch, context=context, kv_mb=kv_bytes / 1e6,
+                paged_us=paged_s * 1e6, sdpa_us=dense_s * 1e6,
+                paged_gb_s=kv_bytes / paged_s / 1e9, sdpa_gb_s=kv_bytes / dense_s / 1e9)
+
+
+def kernel_sweep(cfg: BenchConfig) -> list[dict]:
+    return [kernel_step(cfg, shape, batch, context) for shape in KERNEL_SHAPES
+            for context in cfg.kernel_contexts for batch in cfg.kernel_batches]
+
+
+def kernel_table(rows: list[dict]) -> str:
+    return table("Paged attention (decode) against SDPA on contiguous K/V", rows,
+                 "shape batch context kv_mb paged_us sdpa_us paged_gb_s sdpa_gb_s")
+
+
+# ----------------------------------------------------------------------------- step and GEMMs
+
+@torch.inference_mode()
+def step_against_gemms(cfg: BenchConfig, steps=8, rounds=5) -> dict:
+    """A decode step of --max-num-seqs sequences of --prompt-len tokens (ms, the median of
+    `rounds`) against its GEMMs alone: every nn.Linear of the model and the LM head, in order,
+    on a (batch, in_features) input of the model's dtype, what a step cannot go below on this
+    machine; and the share of the step spent in attention (its 30-odd calls, timed around)."""
+    batch = cfg.max_num_seqs
+    engine = engine_in_decode(cfg, batch, cfg.prompt_len, 1, 2 * rounds * steps + 2)
+    model = engine.model
+    dtype = model.lm_head.weight.dtype
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {m.in_features: torch.randn(batch, m.in_features, dtype=dtype, device=cfg.device)
+              for m in linears}
+
+    def gemms() -> None:  # the products are thrown away: only their time counts
+        for m in linears:
+            F.linear(inputs[m.in_features], m.weight, m.bias)
+
+    attention_s = []
+    attention = engine.attention
+
+    def timed_attention(*args):
+        start = synced_clock(cfg.device)
+        out = attention(*args)
+        attention_s.append(synced_clock(cfg.device) - start)
+        return out
+
+    step_ms, gemm_ms, attention_share = [], [], []
+    for _ in range(rounds):
+        step_ms.append(1e3 * per_call(engine.step, steps, cfg.device))
+        gemm_ms.append(1e3 * per_call(gemms, steps, cfg.device))
+        attention_s.clear()
+        engine.attention = timed_attention
+        timed = per_call(engine.step, steps, cfg.device)
+        engine.attention = attention
+        attention_share.append(sum(attention_s) / steps / timed)
+    step = float(np.median(step_ms))
+    gemm = float(np.median(gemm_ms))
+    context = float(np.mean([len(seq.token_ids) for seq in engine.scheduler.running]))
+    return dict(model=cfg.model or cfg.preset, batch=batch, context=context, step_ms=step,
+                gemm_ms=gemm, step_over_gemms=step / gemm,
+                attention_share=float(np.median(attention_share)), linears=len(linears),
+                threads=torch.get_num_threads())
 
 
 def host_overhead(cfg: BenchConfig) -> list[dict]:
@@ -1117,9 +1226,9 @@ def host_overhead(cfg: BenchConfig) -> list[dict]:
 
 def host_table(rows: list[dict]) -> str:
     keys = ("batch context repetition_penalty schedule_ms inputs_ms sampling_tensors_ms "
-            "penalties_ms update_ms record_ms host_ms device_ms")
-    return table("Host work per decode step, ms (medians; device: sample() and the penalty "
-                 "state's gathers)", rows, keys)
+            "penalties_ms penalty_rows_ms update_ms record_ms host_ms device_ms")
+    return table("Host work per decode step, ms (medians; device: sample() and penalty_rows, "
+                 "the penalty state's gathers, within penalties)", rows, keys)
 
 
 def hardware_big(cfg: BenchConfig) -> dict:
@@ -1150,6 +1259,19 @@ def main(argv=None) -> None:
     if cfg.host_overhead:
         result = dict(host_overhead=host_overhead(cfg), versions=versions(cfg))
         print(host_table(result["host_overhead"]))
+        with open(cfg.out, "w") as f:
+            json.dump(result, f, indent=1)
+        return
+    if cfg.step_gemms:
+        result = dict(step_gemms=step_against_gemms(cfg), versions=versions(cfg))
+        print(table("A decode step against its GEMMs alone", [result["step_gemms"]],
+                    "model batch context step_ms gemm_ms step_over_gemms attention_share"))
+        with open(cfg.out, "w") as f:
+            json.dump(result, f, indent=1)
+        return
+    if cfg.kernel:
+        result = dict(kernel=kernel_sweep(cfg), versions=versions(cfg))
+        print(kernel_table(result["kernel"]))
         with open(cfg.out, "w") as f:
             json.dump(result, f, indent=1)
         return

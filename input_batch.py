@@ -117,10 +117,14 @@ class InputBatch:
             frequency=[seq.params.frequency_penalty for seq in seqs],
             repetition=[seq.params.repetition_penalty for seq in seqs]), torch.float32,
             self.device)
-        rows = index["rows"]
-        return Penalties(output_counts=self.output_counts[rows], seen=self.seen[rows],
-                         presence=values["presence"], frequency=values["frequency"],
-                         repetition=values["repetition"])
+        output_counts, seen = self.penalty_rows(index["rows"])
+        return Penalties(output_counts=output_counts, seen=seen, presence=values["presence"],
+                         frequency=values["frequency"], repetition=values["repetition"])
+
+    def penalty_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The penalty state's rows (n,), gathered in the step's order: (n, vocab) counts and
+        seen. Device work (on a CPU, two copies of n x vocab values)."""
+        return self.output_counts[rows], self.seen[rows]
 
     def _count_new_tokens(self, seq: Sequence, row: int, ints: dict[str, list]) -> None:
         """Add to ints the entries that bring row's penalty state up to seq's tokens: each new

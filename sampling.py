@@ -288,8 +288,11 @@ def logit_bias_rows(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[i
     biases = []
     for row, seq in enumerate(seqs):
         params = seq.params
+        holds_back = seq.num_output_tokens < params.min_tokens
+        if not params.logit_bias and not holds_back:  # most rows: nothing to add
+            continue
         banned = []
-        if seq.num_output_tokens < params.min_tokens:
+        if holds_back:
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
                 banned += eos_token_ids

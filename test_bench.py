@@ -166,7 +166,11 @@ def test_bench_hardware_view_figures_agree(bench_run):
             # timed in separate rounds (no wait for the device inside a timed step), so the
             # split is a difference of medians: measured, not bounded here
             assert all(math.isfinite(d[k]) for k in ("paged_step_ms", "forward_ms", "host_ms"))
-            roofline = max(d["weight_bytes"] / copy_rate, d["flops"] / matmul_rate) * 1e3
+            # the bytes a step reads: the weights, and every sequence's K/V in every layer
+            tiny_kv_bytes = 2 * 4 * M.GPTConfig().n_layer * M.GPTConfig().n_embd  # fp32, MHA
+            assert d["kv_read_bytes"] == d["batch"] * d["context"] * tiny_kv_bytes
+            bytes_read = d["weight_bytes"] + d["kv_read_bytes"]
+            roofline = max(bytes_read / copy_rate, d["flops"] / matmul_rate) * 1e3
             assert d["roofline_ms"] == pytest.approx(roofline)
     assert [d["batch"] for d in hw["decode"]] == [1, 2, 4]  # the sequences the engine held
     assert [d["batch"] for d in big["decode"]] == [1, 8, 32, 64] and big["preset"] == "tiny"
@@ -233,16 +237,22 @@ def test_bench_forward_timer_leaves_no_hook_behind():
     assert not engine.model.lm_head._forward_hooks and not engine.model.lm_head._forward_pre_hooks
 
 
-def test_ci_gpu_dry_run_checks_its_bench_flags_and_runs_them_on_the_cpu():
+def test_ci_gpu_dry_run_checks_its_bench_flags_and_runs_them_on_the_cpu(tmp_path):
     """.ci/gpu runs where a failure is expensive (a lent GPU, for minutes): its bench flags
-    and sizes are checked here (gpt2's context included), and its bench command runs at a
-    tiny scale on the CPU, so a flag that does not exist fails here first."""
-    env = dict(os.environ, DRY_RUN="1")
+    and sizes are checked here (gpt2's context included), and each of its parts runs at a
+    tiny scale on the CPU, writing its results under $OUT as it ends."""
+    env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path))
     result = subprocess.run(["bash", ".ci/gpu"], cwd=HERE, env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    with open("/tmp/bench-gpu-dry-run.json") as f:  # TINY_ARGS' --out
-        ran = json.load(f)
+    status = (tmp_path / "status.txt").read_text().split("\n")[1:-1]
+    assert [line.split()[:2] for line in status] == [
+        [name, "0"] for name in ("1-versions", "2-cuda-tests", "3-kernel", "4-host-overhead",
+                                 "5-kv-limited", "6-bf16")]
+    kernel = json.loads((tmp_path / "3-kernel.json").read_text())["kernel"]
+    assert {row["shape"] for row in kernel} == {"gpt2", "llama-8b"}
+    assert json.loads((tmp_path / "4-host-overhead.json").read_text())["host_overhead"]
+    ran = json.loads((tmp_path / "5-kv-limited.json").read_text())
     assert list(ran["offline"]["16"]["modes"]) == ["naive", "static", "fcfs"]
     assert ran["config"]["preset"] == "tiny" and ran["hardware"]["decode"]
 
@@ -445,7 +455,7 @@ def test_bench_host_overhead_times_each_phase_of_a_stubbed_decode_step(tmp_path)
     assert [(r["batch"], r["context"], r["repetition_penalty"]) for r in rows] == [
         (2, 16, False), (2, 16, True), (4, 16, False), (4, 16, True)]
     for row in rows:
-        phases = sum(row[f"{phase}_ms"] for phase in bench.HOST_PHASES)
+        phases = sum(row[f"{phase}_ms"] for phase in bench.HOST_PHASES if phase != "penalty_rows")
         assert 0 < phases <= row["step_ms"] * 1.01
         assert (row["penalties_ms"] > 0) == row["repetition_penalty"]
     assert "| 4 | 16 | True |" in printed.getvalue()
