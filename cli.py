@@ -6,7 +6,8 @@ builds the Engine and hands it to one front end: --prompt serves every prompt as
 and streams its text (--trace draws the steps after); piped lines are submitted as they arrive
 and printed whole, in order (--jsonl: a JSON object a line); at a terminal, a REPL (a chat
 through the checkpoint's template, if it has one); --serve starts the HTTP server
-(server.py). An error is one "error: ..." line, never a traceback.
+(server.py). --trace-html writes the watch page (watch.py) replaying the run of --prompt or
+piped input. An error is one "error: ..." line, never a traceback.
 """
 import argparse
 import codecs
@@ -21,6 +22,7 @@ from functools import partial
 
 import torch
 
+import watch
 from display import Progress, render_trace
 from nanoserve import (CompletionOutput, Engine, EngineConfig, EngineDeadError, RequestOutput,
                        accumulate)
@@ -54,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "line; prompt and SamplingParams fields in; text, token ids, finish out")
     p.add_argument("--trace", action="store_true", help="with --prompt: the step-by-step "
                    "timeline at the end (to stderr)")
+    p.add_argument("--trace-html", metavar="FILE", help="with --prompt, piped input or "
+                   "--jsonl: write a page that replays the run step by step (open it in a "
+                   "browser); a server's live page is at /")
     p.add_argument("--serve", action="store_true", help="serve OpenAI's API over HTTP")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                    help="torch CPU threads: half the cores, so a busy core does not stall steps")
@@ -133,9 +138,10 @@ def line_params(engine: Engine, args: argparse.Namespace, prompt, **fields) -> S
     return params
 
 
-def run_prompts(engine: Engine, args: argparse.Namespace) -> None:
+def run_prompts(engine: Engine, args: argparse.Namespace,
+                frames: watch.FrameLog | None = None) -> None:
     """Serve every --prompt as one batch; stream each one's samples in turn (--n: each under
-    its index); a summary, Ctrl-C or not."""
+    its index); a summary, Ctrl-C or not. `frames` (--trace-html) gets each step's frame."""
     ids = [engine.add_request(prompt, cli_params(engine, args, prompt)) for prompt in args.prompt]
     samples = [(k, request_id, index) for k, request_id in enumerate(ids)
                for index in range(args.n)]  # in the order they print
@@ -147,7 +153,10 @@ def run_prompts(engine: Engine, args: argparse.Namespace) -> None:
     print(sample_heading(args, 0, 0), end="", flush=True)
     try:
         while engine.has_unfinished():
-            for out in engine.step():
+            outputs = engine.step()
+            if frames is not None:
+                frames.add()
+            for out in outputs:
                 for completion in out.outputs:
                     later[(out.request_id, completion.index)].append(completion)
             while current < len(samples) and later[samples[current][1:]]:
@@ -225,20 +234,23 @@ def arrived_lines(lines: queue.Queue, wait: bool) -> list[str | None]:
     return arrived
 
 
-def run_stdin(engine: Engine, args: argparse.Namespace) -> tuple[int, int]:
+def run_stdin(engine: Engine, args: argparse.Namespace,
+              frames: watch.FrameLog | None = None) -> tuple[int, int]:
     """Piped stdin: each line is submitted as it is read, all served as one continuous batch;
     each completion is printed whole, in input order, an error in its place (--jsonl: a JSON
     object a line in and out, an error as {"error": ...}, blank lines skipped; else errors go
     to stderr). When stderr is a terminal, it shows the progress line (Progress), blanked
-    before each result is printed and at the end. Returns (lines that failed, lines submitted)."""
+    before each result is printed and at the end. `frames` (--trace-html) gets each step's
+    frame. Returns (lines that failed, lines submitted)."""
     progress = Progress(0, sys.stderr.isatty())
     try:
-        return serve_stdin(engine, args, progress)
+        return serve_stdin(engine, args, progress, frames)
     finally:
         progress.clear()
 
 
-def serve_stdin(engine: Engine, args: argparse.Namespace, progress: Progress) -> tuple[int, int]:
+def serve_stdin(engine: Engine, args: argparse.Namespace, progress: Progress,
+                frames: watch.FrameLog | None) -> tuple[int, int]:
     """run_stdin's loop: read, submit, step, print in order; `progress` counts and draws."""
     lines = queue.Queue()
     threading.Thread(target=read_lines, args=(sys.stdin, lines), daemon=True).start()
@@ -263,7 +275,10 @@ def serve_stdin(engine: Engine, args: argparse.Namespace, progress: Progress) ->
                         result_index[submitted] = len(results)
                         results.append(None)
                         progress.total += 1
-        for delta in engine.step():
+        deltas = engine.step()
+        if frames is not None:
+            frames.add()
+        for delta in deltas:
             accumulate(whole, delta)
             progress.count(delta)
             if delta.finished:
@@ -419,6 +434,20 @@ def repl_command(line: str, settings: dict, engine: Engine, args: argparse.Names
     return f"{name} = {parsed!r}"
 
 
+def run_front_end(engine: Engine, args: argparse.Namespace,
+                  frames: watch.FrameLog | None) -> None:
+    """--prompt, the REPL at a terminal, or piped lines (status 1 if any failed)."""
+    if args.prompt:
+        run_prompts(engine, args, frames)
+    elif sys.stdin.isatty() and not args.jsonl:
+        run_terminal(engine, args)
+    else:
+        num_failed, num_lines = run_stdin(engine, args, frames)
+        if num_failed:
+            print(f"error: {num_failed} of {num_lines} lines failed", file=sys.stderr)
+            sys.exit(1)
+
+
 def main(argv=None) -> None:
     """Errors: one "error: ..." line, status 2; piped lines that failed: status 1. Ctrl-C:
     status 130. A closed stdout: quiet."""
@@ -429,6 +458,12 @@ def main(argv=None) -> None:
             raise ValueError("--trace needs --prompt")
         if args.serve and args.prompt:
             raise ValueError("--serve takes no --prompt")
+        runs_a_batch = args.prompt or args.jsonl or not sys.stdin.isatty()  # not the REPL
+        if args.trace_html is not None and (args.serve or not runs_a_batch):
+            raise ValueError("--trace-html needs --prompt, piped input or --jsonl (a server's "
+                             "live page is at /)")
+        if args.trace_html is not None:  # a bad path fails now, not after the run
+            watch.write_page(args.trace_html, [])
         torch.set_num_threads(args.threads)
         config = EngineConfig(**{f.name: getattr(args, f.name)
                                  for f in dataclasses.fields(EngineConfig)})
@@ -439,15 +474,12 @@ def main(argv=None) -> None:
             serve(engine, server_config)
             return
         print_sampling_defaults(engine.sampling_defaults)
-        if args.prompt:
-            run_prompts(engine, args)
-        elif sys.stdin.isatty() and not args.jsonl:
-            run_terminal(engine, args)
-        else:
-            num_failed, num_lines = run_stdin(engine, args)
-            if num_failed:
-                print(f"error: {num_failed} of {num_lines} lines failed", file=sys.stderr)
-                sys.exit(1)
+        frames = None if args.trace_html is None else watch.FrameLog(engine)
+        try:
+            run_front_end(engine, args, frames)
+        finally:  # also after Ctrl-C or a failed line: the page shows the steps that ran
+            if frames is not None:
+                watch.write_page(args.trace_html, frames.frames)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no 2nd error at exit
         sys.exit(1)

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server: python nanoserve.py --serve.
 
 OpenAI's /v1/completions and /v1/chat/completions (streamed as server-sent events or whole,
-n samples, logprobs, echo), /v1/models, vLLM's /tokenize and /detokenize, /health, /version
-and /metrics (Prometheus' text format, vLLM's metric names). One asyncio event loop serves
+n samples, logprobs, echo), /v1/models, vLLM's /tokenize and /detokenize, /health, /version,
+/metrics (Prometheus' text format, vLLM's metric names), and the watch page at / with its
+stream of step frames, /watch/events (watch.py, watch.html). One asyncio event loop serves
 every connection (HTTP/1.1 keep-alive, written here on the standard library); the engine runs
 on its own thread (EngineThread), which takes requests and aborts between steps and hands each
 step's outputs to the loop in one call. ServerConfig holds the flags that say where and for
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from http import HTTPStatus
 
+import watch
 from nanoserve import Engine, EngineDeadError, RequestOutput, __version__, accumulate
 from openai_protocol import (HTTPError, chat_prompt, check_model, choice, error_body,
                              parse_request, typed, usage_of)
@@ -52,7 +54,8 @@ class ServerConfig:
     request_timeout: float = option(30.0, "seconds from a request's first byte to its last "
                                     "(then 408)", low=0, open_low=True)
     max_write_buffer: int = option(1 << 20, "bytes a client may leave unread; past that it is "
-                                   "dropped and its request aborted")
+                                   "dropped and its request aborted (a watching page misses "
+                                   "frames instead)")
     shutdown_timeout: float = option(5.0, "on SIGTERM, seconds the requests in flight may "
                                      "still run (then they end with finish_reason abort)", low=0)
     log_requests: bool = option(False, "an access-log line per request, on stderr")
@@ -116,27 +119,37 @@ class EngineThread(threading.Thread):
     """The one thread that touches the engine. Between steps it runs the calls the event loop
     put in its inbox (add a request, abort, read the gauges), blocking there while the engine
     has no work; after each step it hands the step's outputs, the whole list, to the loop in
-    one call: one wake-up of the loop per step, however many streams are open. Not a daemon:
-    stop() and join() end it before the process exits."""
+    one call: one wake-up of the loop per step, however many streams are open. While a page
+    watches (`watched`), it also hands over the step's frame (watch.frame); while none does,
+    no frame is built. Not a daemon: stop() and join() end it before the process exits."""
 
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, deliver, died):
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, deliver, died, show):
         super().__init__(name="engine")
         self.engine = engine
         self.loop = loop
         self.deliver = deliver  # called on the loop with each step's outputs
         self.died = died        # called on the loop with the EngineDeadError, if the engine dies
+        self.show = show        # called on the loop with each step's frame while `watched`
+        self.watched = False    # set by the loop while a page watches the engine
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # calls to run between steps; None: stop
 
     def run(self) -> None:
         while self._run_inbox():
+            last_record = self.engine.last_step
             try:
                 outputs = self.engine.step()
             except EngineDeadError as e:
                 self.loop.call_soon_threadsafe(self.died, e)
                 self._answer_until_stopped()
                 return
+            if self.watched and self.engine.last_step is not last_record:
+                self.send_frame()  # first: a page has the step's frame when its tokens go out
             if outputs:
                 self.loop.call_soon_threadsafe(self.deliver, outputs)
+
+    def send_frame(self) -> None:
+        """Hand the engine's state now, as a frame (watch.frame), to the loop's show()."""
+        self.loop.call_soon_threadsafe(self.show, watch.frame(self.engine))
 
     def _answer_until_stopped(self) -> None:
         """The engine is dead: run what is still asked (adds now fail) until stop()."""
@@ -274,7 +287,7 @@ class ClientProtocol(asyncio.StreamReaderProtocol):
     def __init__(self, server: "Server"):
         self.server = server
         self.gone = False
-        self.waiting: ServedRequest | None = None  # woken if the client goes
+        self.waiting: ServedRequest | Watcher | None = None  # woken if the client goes
         super().__init__(asyncio.StreamReader(limit=MAX_HEADER_BYTES), self._connected)
 
     def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
@@ -303,6 +316,14 @@ class ServedRequest:
     outputs: list[RequestOutput] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     dead: EngineDeadError | None = None   # the engine died under it
+
+
+@dataclass(eq=False)
+class Watcher:
+    """A page watching the engine (/watch/events): its stream, and the event that wakes the
+    coroutine holding it when the client goes."""
+    exchange: "Exchange"
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class Exchange:
@@ -360,7 +381,8 @@ class Server:
               "/v1/models": ("GET", "models"), "/metrics": ("GET", "metrics"),
               "/tokenize": ("POST", "tokenize"), "/detokenize": ("POST", "detokenize"),
               "/v1/completions": ("POST", "completions"),
-              "/v1/chat/completions": ("POST", "chat_completions")}
+              "/v1/chat/completions": ("POST", "chat_completions"),
+              "/": ("GET", "watch_page"), "/watch/events": ("GET", "watch_events")}
     NEEDS_KEY = ("/v1/", "/tokenize", "/detokenize")  # paths (prefixes) the API key guards
 
     def __init__(self, engine: Engine, config: ServerConfig):
@@ -378,6 +400,7 @@ class Server:
             "time_to_first_token_seconds", "time_per_output_token_seconds",
             "e2e_request_latency_seconds")}
         self.connections: set[asyncio.StreamWriter] = set()
+        self.watchers: set[Watcher] = set()           # pages following /watch/events
         self.request_numbers = itertools.count()
         self.draining = False
         self.dead: EngineDeadError | None = None
@@ -392,7 +415,8 @@ class Server:
         self.shutdown_asked = loop.create_future()  # its result: seconds to let requests run
         self.idle = asyncio.Event()                 # set whenever nothing is in flight
         self.idle.set()
-        self.engine_thread = EngineThread(self.engine, loop, self.deliver, self.engine_died)
+        self.engine_thread = EngineThread(self.engine, loop, self.deliver, self.engine_died,
+                                          self.show)
         listener = await loop.create_server(partial(ClientProtocol, self), self.config.host,
                                             self.config.port, backlog=256)
         host, port = listener.sockets[0].getsockname()[:2]
@@ -457,6 +481,17 @@ class Server:
                 continue
             served.outputs.append(out)
             served.wake.set()
+
+    def show(self, frame: dict) -> None:
+        """On the loop, after each step while a page watches: the step's frame to every
+        watching page, encoded once. A page that has left more than --max-write-buffer bytes
+        unread misses frames until it catches up: it never holds the engine or anyone else."""
+        text = json.dumps(frame, separators=(",", ":"))
+        for watcher in self.watchers:
+            exchange = watcher.exchange
+            if exchange.client.gone or exchange.unsent_bytes() > self.config.max_write_buffer:
+                continue
+            exchange.event(text)
 
     # -- a connection
 
@@ -614,6 +649,29 @@ class Server:
         for name, histogram in self.histograms.items():
             lines += histogram.lines("nanoserve:" + name)
         exchange.send(200, "\n".join(lines) + "\n", "text/plain; version=0.0.4")
+
+    async def watch_page(self, exchange: Exchange) -> None:
+        """The page that watches the engine (watch.html), live: it follows /watch/events."""
+        exchange.send(200, watch.page(), "text/html; charset=utf-8")
+
+    async def watch_events(self, exchange: Exchange) -> None:
+        """A watching page's stream, until it goes or the server stops: the engine's state
+        now, then a frame after every step (show), each a server-sent event. Only while a page
+        watches does the engine thread build frames; with none, the engine pays nothing.
+        Open without the API key, as /metrics: a frame holds ids and counts, no text."""
+        exchange.start_stream()
+        watcher = Watcher(exchange)
+        exchange.client.waiting = watcher
+        self.watchers.add(watcher)
+        self.engine_thread.watched = True
+        self.engine_thread.inbox.put(self.engine_thread.send_frame)  # the state now, for it
+        try:
+            while not exchange.client.gone:
+                await watcher.wake.wait()
+                watcher.wake.clear()
+        finally:
+            self.watchers.discard(watcher)
+            self.engine_thread.watched = bool(self.watchers)
 
     async def tokenize(self, exchange: Exchange) -> None:
         """vLLM's /tokenize: a prompt's (or chat's) token ids, as the engine encodes them."""
