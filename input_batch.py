@@ -85,7 +85,8 @@ class InputBatch:
         """Write the step's new entries, then gather its tables: rows (S,) -> (S, width) int32
         on the device, width max_num_blocks rounded up to a multiple of 16 (Triton specialises
         the kernel on whether a row's stride divides by 16: every batch launches one kernel)."""
-        self.block_tables[new_rows, new_columns] = new_block_ids.to(torch.int32)
+        if len(new_block_ids):  # most decode steps add no block (a shape: no wait)
+            self.block_tables[new_rows, new_columns] = new_block_ids.to(torch.int32)
         return self.block_tables[rows, :aligned(max_num_blocks)]
 
     def penalties(self, seqs: list[Sequence]) -> Penalties:
@@ -106,8 +107,9 @@ class InputBatch:
             if seq.params.has_penalties:
                 self._count_new_tokens(seq, row, ints)
         index = upload(ints, torch.int64, self.device)
-        self.output_counts[index["emptied"]] = 0
-        self.seen[index["emptied"]] = False
+        if ints["emptied"]:
+            self.output_counts[index["emptied"]] = 0
+            self.seen[index["emptied"]] = False
         ones = torch.ones(len(ints["output_ids"]), device=self.device)  # made there, not uploaded
         self.output_counts.index_put_((index["output_rows"], index["output_ids"]), ones,
                                       accumulate=True)

@@ -398,7 +398,7 @@ class Detokenizer:
         before it (or after it, if include_stop)."""
         search_from = max(0, len(self.text) - self.max_stop_len + 1)  # a stop string's overlap
         self.text += self.decoder.decode(self.tokenizer.token_bytes(token))
-        if not check_stop:
+        if not check_stop or not self.stop:
             return None
         # One token can complete several stop strings: the earliest in the text wins, whatever
         # the list's order; of those found at the same place ("ab" and "abc"), the longest.
