@@ -448,6 +448,14 @@ def run_front_end(engine: Engine, args: argparse.Namespace,
             sys.exit(1)
 
 
+def write_trace_page(path: str, frames: list[dict]) -> None:
+    """--trace-html's page; ValueError saying which file could not be written, and why."""
+    try:
+        watch.write_page(path, frames)
+    except OSError as e:
+        raise ValueError(f"cannot write --trace-html {path}: {e.strerror or e}") from None
+
+
 def main(argv=None) -> None:
     """Errors: one "error: ..." line, status 2; piped lines that failed: status 1. Ctrl-C:
     status 130. A closed stdout: quiet."""
@@ -463,7 +471,7 @@ def main(argv=None) -> None:
             raise ValueError("--trace-html needs --prompt, piped input or --jsonl (a server's "
                              "live page is at /)")
         if args.trace_html is not None:  # a bad path fails now, not after the run
-            watch.write_page(args.trace_html, [])
+            write_trace_page(args.trace_html, [])
         torch.set_num_threads(args.threads)
         config = EngineConfig(**{f.name: getattr(args, f.name)
                                  for f in dataclasses.fields(EngineConfig)})
@@ -479,7 +487,7 @@ def main(argv=None) -> None:
             run_front_end(engine, args, frames)
         finally:  # also after Ctrl-C or a failed line: the page shows the steps that ran
             if frames is not None:
-                watch.write_page(args.trace_html, frames.frames)
+                write_trace_page(args.trace_html, frames.frames)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no 2nd error at exit
         sys.exit(1)
