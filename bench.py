@@ -1219,6 +1219,11 @@ def step_against_gemms(cfg: BenchConfig, steps=8, rounds=5) -> dict:
                 threads=torch.get_num_threads())
 
 
+def step_gemms_table(figures: dict) -> str:
+    return table("A decode step against its GEMMs alone", [figures],
+                 "model batch context step_ms gemm_ms step_over_gemms attention_share")
+
+
 def host_overhead(cfg: BenchConfig) -> list[dict]:
     return [host_step(cfg, batch, context, penalty) for context in cfg.host_contexts
             for batch in cfg.host_batches for penalty in (False, True)]
@@ -1246,34 +1251,29 @@ def versions(cfg: BenchConfig) -> dict:
                 load_average_start=os.getloadavg())
 
 
+def run_single_measurement(cfg: BenchConfig) -> bool:
+    """The measurement a flag asks for alone (--lm-head, --host-overhead, --step-gemms,
+    --kernel): run it, print its table, write its figures to --out; False if none is asked."""
+    modes = {"lm_head": (cfg.lm_head, lm_head_cost, lm_head_table),
+             "host_overhead": (cfg.host_overhead, host_overhead, host_table),
+             "step_gemms": (cfg.step_gemms, step_against_gemms, step_gemms_table),
+             "kernel": (cfg.kernel, kernel_sweep, kernel_table)}
+    for name, (asked, measure, draw) in modes.items():
+        if not asked:
+            continue
+        figures = measure(cfg)
+        print(draw(figures))
+        with open(cfg.out, "w") as f:
+            json.dump({name: figures, "versions": versions(cfg)}, f, indent=1)
+        return True
+    return False
+
+
 def main(argv=None) -> None:
     cfg = parse_args(argv)
     default_threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads or default_threads)
-    if cfg.lm_head:
-        result = dict(lm_head=lm_head_cost(cfg), versions=versions(cfg))
-        print(lm_head_table(result["lm_head"]))
-        with open(cfg.out, "w") as f:
-            json.dump(result, f, indent=1)
-        return
-    if cfg.host_overhead:
-        result = dict(host_overhead=host_overhead(cfg), versions=versions(cfg))
-        print(host_table(result["host_overhead"]))
-        with open(cfg.out, "w") as f:
-            json.dump(result, f, indent=1)
-        return
-    if cfg.step_gemms:
-        result = dict(step_gemms=step_against_gemms(cfg), versions=versions(cfg))
-        print(table("A decode step against its GEMMs alone", [result["step_gemms"]],
-                    "model batch context step_ms gemm_ms step_over_gemms attention_share"))
-        with open(cfg.out, "w") as f:
-            json.dump(result, f, indent=1)
-        return
-    if cfg.kernel:
-        result = dict(kernel=kernel_sweep(cfg), versions=versions(cfg))
-        print(kernel_table(result["kernel"]))
-        with open(cfg.out, "w") as f:
-            json.dump(result, f, indent=1)
+    if run_single_measurement(cfg):
         return
     workload = make_workload(cfg, cfg.online_requests, cfg.online_limit, shared=True)
     result = dict(config=asdict(cfg), offline={}, online={}, online_lengths=workload[1],
