@@ -246,7 +246,12 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 def upload(host_lists: dict[str, list], dtype: torch.dtype, device: str
            ) -> dict[str, torch.Tensor]:
     """Named host lists -> device tensors of one dtype, by the same names: one pinned buffer,
-    one non-blocking copy (on CUDA). The engine sends a step's inputs the same way."""
+    one non-blocking copy (on CUDA). The engine sends a step's inputs the same way.
+
+    The pinned buffer comes from torch's caching host allocator, which hands a block out again
+    only once the copy from it has run; a buffer of our own, kept from step to step, would
+    need a wait before each rewrite (a step that samples nothing never waits for the device,
+    so the last step's copy may still be queued behind its forward)."""
     flat = list(itertools.chain.from_iterable(host_lists.values()))
     pin = str(device).startswith("cuda")
     host = torch.tensor(flat, dtype=dtype, pin_memory=pin)
