@@ -346,6 +346,8 @@ class Engine:
             return self.run_batch(num_scheduled_tokens)
         except Exception as e:  # noqa: BLE001 (find the request that fails; it alone fails)
             self._fail_fast_on_device_error(e)
+            for seq in num_scheduled_tokens:  # whatever the failed batch wrote of their rows
+                self.input_batch.remove(seq)
             return self._run_one_at_a_time(num_scheduled_tokens)
 
     def _fail_fast_on_device_error(self, error: Exception) -> None:

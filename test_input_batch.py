@@ -107,3 +107,25 @@ def test_penalty_state_survives_preemption_and_row_reuse(penalty):
     assert [out.outputs[0].token_ids for out in together] == alone
     assert llm.engine.scheduler.num_preemptions > 0
     assert_no_leaks(llm.engine)
+
+
+def test_a_batch_that_fails_after_taking_new_blocks_leaves_no_row_behind(monkeypatch):
+    """The batch fails between taking its new blocks and writing them on the device: each
+    sequence, run again alone (as a failed batch is), starts from a new row holding its whole
+    table, so every request's tokens are those it makes alone."""
+    prompts = [[5 + i] * (20 + 7 * i) for i in range(3)]
+    alone = [tiny().generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
+    llm = tiny(block_size=8)
+    step_block_tables = llm.engine.input_batch.step_block_tables
+    calls = []
+
+    def failing_once(*args):
+        calls.append(len(args[0]))
+        if len(calls) == 1:
+            raise RuntimeError("the device table was not written")
+        return step_block_tables(*args)
+    monkeypatch.setattr(llm.engine.input_batch, "step_block_tables", failing_once)
+    outputs = llm.generate(prompts, GREEDY)
+    assert [out.outputs[0].token_ids for out in outputs] == alone
+    assert calls[:4] == [3, 1, 1, 1]  # the batch of 3 failed, then each alone
+    assert_no_leaks(llm.engine)
