@@ -251,6 +251,7 @@ def test_ci_gpu_dry_run_checks_its_bench_flags_and_runs_them_on_the_cpu(tmp_path
                                  "5-kv-limited", "6-bf16")]
     kernel = json.loads((tmp_path / "3-kernel.json").read_text())["kernel"]
     assert {row["shape"] for row in kernel} == {"gpt2", "llama-8b"}
+    assert all(row["max_abs_diff"] < 1e-4 for row in kernel)  # the CPU path, fp32
     assert json.loads((tmp_path / "4-host-overhead.json").read_text())["host_overhead"]
     ran = json.loads((tmp_path / "5-kv-limited.json").read_text())
     assert list(ran["offline"]["16"]["modes"]) == ["naive", "static", "fcfs"]
