@@ -43,15 +43,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cli import add_config_args
+import nanoserve
 from checkpoint import Checkpoint
+from cli import add_config_args
 from kernels import AttentionMetadata, select_attention
 from model import PRESETS, DenseKVCache, GPTConfig, LMHead
 from nanoserve import Engine, EngineConfig, accumulate
 from options import check_fields, option
 from paged_cache import kv_bytes_per_token
 from sampling import SamplingParams, sample, sampling_tensors
-from tokenizer import EOT, GPT2_PATTERN, Tokenizer, gpt2_byte_chars
+from tokenizer import EOT, GPT2_PATTERN, Tokenizer, byte_ranks
 
 MODES = {  # mode -> (what it is, EngineConfig overrides); naive does not use the engine
     "naive": ("naive: padded static batches, dense KV cache", None),
@@ -1008,7 +1009,7 @@ HOST_PHASES = ("schedule", "inputs", "sampling_tensors", "penalties", "penalty_r
 def stub_tokenizer(vocab_size: int) -> Tokenizer:
     """vocab_size ids of ASCII text, for the detokenizer's real work: the 256 bytes and
     <|endoftext|> (the byte tokenizer's), then strings of 2, 3 and 4 lowercase letters."""
-    ranks = {bytes([b]): i for i, (b, _) in enumerate(gpt2_byte_chars())}
+    ranks = byte_ranks()
     letters = "abcdefghijklmnopqrstuvwxyz"
     for length in (2, 3, 4):
         for chars in itertools.product(letters, repeat=length):
@@ -1065,10 +1066,10 @@ def phase_timers(engine: Engine, device: str):
     spent = dict.fromkeys(HOST_PHASES, 0.0)
     targets = {"schedule": (engine.scheduler, "schedule"),
                "inputs": (engine, "_prepare_inputs"),
-               "sampling_tensors": (sys.modules["nanoserve"], "sampling_tensors"),
+               "sampling_tensors": (nanoserve, "sampling_tensors"),
                "penalties": (engine.input_batch, "penalties"),
                "penalty_rows": (engine.input_batch, "penalty_rows"),
-               "sample": (sys.modules["nanoserve"], "sample"),
+               "sample": (nanoserve, "sample"),
                "update": (engine, "update"),
                "record": (engine, "record")}
     with contextlib.ExitStack() as stack:
@@ -1093,8 +1094,8 @@ def host_step(cfg: BenchConfig, batch: int, context: int, penalty: bool, steps=2
     (penalty_rows, within penalties): a GPU's work, which a CPU does in line; host_ms: the
     step less device_ms."""
     engine = stubbed_engine(cfg, batch, context, HOST_MAX_TOKENS)
-    for seq in engine.scheduler.running:
-        if penalty:  # Qwen2.5-Instruct's generation_config default
+    if penalty:  # Qwen2.5-Instruct's generation_config default
+        for seq in engine.scheduler.running:
             seq.params = replace(seq.params, repetition_penalty=1.05)
     for _ in range(3):  # warm-up
         engine.step()
@@ -1208,7 +1209,9 @@ def step_against_gemms(cfg: BenchConfig, steps=8, rounds=5) -> dict:
         attention_s.append(synced_clock(cfg.device) - start)
         return out
 
-    step_ms, gemm_ms, attention_share = [], [], []
+    step_ms = []          # a step, by round
+    gemm_ms = []          # the GEMMs alone, by round
+    attention_share = []  # attention's part of a step, by round
     for _ in range(rounds):
         step_ms.append(1e3 * per_call(engine.step, steps, cfg.device))
         gemm_ms.append(1e3 * per_call(gemms, steps, cfg.device))

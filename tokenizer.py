@@ -138,10 +138,14 @@ class Tokenizer:
         return self.encoding.encode_single_token(token)
 
 
+def byte_ranks() -> dict[bytes, int]:
+    """GPT-2's first 256 tokens, one a byte, each byte -> its id (GPT-2's order of the bytes)."""
+    return {bytes([b]): i for i, (b, _) in enumerate(gpt2_byte_chars())}
+
+
 def byte_tokenizer() -> Tokenizer:
     """256 byte tokens (GPT-2's first 256 ids) plus <|endoftext|> = 256: GPT-2 without merges."""
-    ranks = {bytes([b]): i for i, (b, _) in enumerate(gpt2_byte_chars())}
-    return Tokenizer("bytes", GPT2_PATTERN, ranks, {EOT: 256}, {256})
+    return Tokenizer("bytes", GPT2_PATTERN, byte_ranks(), {EOT: 256}, {256})
 
 
 def load_tokenizer(path: str) -> Tokenizer:
@@ -171,7 +175,7 @@ def load_gpt2_tokenizer(path: str) -> Tokenizer:
     """GPT-2 BPE: Hugging Face's vocab.json + merges.txt, or OpenAI's encoder.json + vocab.bpe.
     The ranks the merges give must be the ids the vocabulary gives."""
     vocab_file, merges_file = tokenizer_files(path)
-    ranks = {bytes([b]): i for i, (b, _) in enumerate(gpt2_byte_chars())}
+    ranks = byte_ranks()
     with open(merges_file, encoding="utf-8") as f:
         merges = [line.split() for line in f.read().split("\n")[1:] if line]  # line 0: #version
     ranks |= {byte_level_bytes(a) + byte_level_bytes(b): rank
