@@ -1011,11 +1011,11 @@ def stub_tokenizer(vocab_size: int) -> Tokenizer:
     <|endoftext|> (the byte tokenizer's), then strings of 2, 3 and 4 lowercase letters."""
     ranks = byte_ranks()
     letters = "abcdefghijklmnopqrstuvwxyz"
-    for length in (2, 3, 4):
-        for chars in itertools.product(letters, repeat=length):
-            if len(ranks) == vocab_size - 1:
-                break
-            ranks["".join(chars).encode()] = len(ranks) + 1  # 256 is <|endoftext|>
+    words = itertools.chain.from_iterable(itertools.product(letters, repeat=length)
+                                          for length in (2, 3, 4))
+    num_words = vocab_size - 1 - len(ranks)  # less <|endoftext|>
+    for chars in itertools.islice(words, num_words):
+        ranks["".join(chars).encode()] = len(ranks) + 1  # 256 is <|endoftext|>
     return Tokenizer("stub", GPT2_PATTERN, ranks, {EOT: 256}, {256})
 
 
@@ -1037,14 +1037,14 @@ class StubModel(torch.nn.Module):
         return self.logits[:len(hidden)]
 
 
-def stubbed_engine(cfg: BenchConfig, batch: int, context: int, steps: int) -> Engine:
+def stubbed_engine(cfg: BenchConfig, batch: int, context: int, max_tokens: int) -> Engine:
     """An engine on StubModel holding `batch` sequences of `context` random prompt tokens,
-    prefilled, each to generate `steps` tokens; tiny K/V (one layer, one head of 8)."""
-    config = GPTConfig(vocab_size=HOST_VOCAB, n_positions=context + steps + 1, n_embd=8,
+    prefilled, each to generate max_tokens tokens; tiny K/V (one layer, one head of 8)."""
+    config = GPTConfig(vocab_size=HOST_VOCAB, n_positions=context + max_tokens + 1, n_embd=8,
                        n_layer=1, n_head=1)
     stub = Checkpoint(StubModel(config, batch, cfg.device), stub_tokenizer(HOST_VOCAB), [256],
                       torch.float32)
-    kv_tokens = batch * (context + steps + cfg.block_size)
+    kv_tokens = batch * (context + max_tokens + cfg.block_size)
     with mock.patch("nanoserve.load_model", return_value=stub):
         engine = Engine(EngineConfig(preset="tiny", device=cfg.device, max_num_seqs=batch,
                                      max_num_batched_tokens=HOST_PREFILL_TOKENS,
@@ -1052,7 +1052,7 @@ def stubbed_engine(cfg: BenchConfig, batch: int, context: int, steps: int) -> En
                                      block_size=cfg.block_size))
     prompts = np.random.default_rng(cfg.seed).integers(0, HOST_VOCAB - 1, (batch, context))
     for prompt in prompts.tolist():
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=steps,
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
                                                   ignore_eos=True))
     while any(seq.num_output_tokens == 0 for seq in engine.scheduler.running) \
             or len(engine.scheduler.waiting):
@@ -1110,7 +1110,7 @@ def host_step(cfg: BenchConfig, batch: int, context: int, penalty: bool, steps=2
             step["device"] = step["sample"] + step["penalty_rows"]
             step["host"] = step["step"] - step["device"]
             by_step.append(step)
-    assert len(engine.scheduler.running) == batch, (batch, context, penalty, engine.stats)
+    assert len(engine.scheduler.running) == batch, "a sequence ended while it was timed"
     result = dict(batch=batch, context=context, repetition_penalty=penalty)
     for phase in by_step[0]:
         result[f"{phase}_ms"] = 1e3 * float(np.median([step[phase] for step in by_step]))

@@ -92,8 +92,9 @@ class InputBatch:
     def penalties(self, seqs: list[Sequence]) -> Penalties:
         """The Penalties of a step's sampling rows, seqs in order: each penalised row first
         brought up to date with its tokens since it last sampled (all of them in a row new to
-        it), in one upload and two scatters. A row without penalties gets whatever its row
-        holds, which its neutral penalties (1 and 0) ignore."""
+        it): their ids go up in one upload and are scattered into the rows on the device. A
+        row without penalties gets whatever its row holds, which its neutral penalties (1 and
+        0) ignore."""
         if self.output_counts is None:
             num_rows = self.block_tables.shape[0]
             self.output_counts = torch.zeros(num_rows, self.vocab_size, device=self.device)
