@@ -1003,7 +1003,7 @@ HOST_VOCAB = 50257  # GPT-2's vocabulary: the stub's logits and its tokenizer's 
 HOST_PREFILL_TOKENS = 16384  # the stubbed engine's token budget: its prompts in a few steps
 HOST_MAX_TOKENS = 512  # more than the prefill's steps and the timed ones: no sequence ends
 HOST_PHASES = ("schedule", "inputs", "sampling_tensors", "penalties", "penalty_rows", "sample",
-               "update", "record")
+               "count_sampled", "update", "record")
 
 
 def stub_tokenizer(vocab_size: int) -> Tokenizer:
@@ -1070,6 +1070,7 @@ def phase_timers(engine: Engine, device: str):
                "penalties": (engine.input_batch, "penalties"),
                "penalty_rows": (engine.input_batch, "penalty_rows"),
                "sample": (nanoserve, "sample"),
+               "count_sampled": (engine.input_batch, "count_sampled"),
                "update": (engine, "update"),
                "record": (engine, "record")}
     with contextlib.ExitStack() as stack:
@@ -1091,8 +1092,8 @@ def timed_call(fn, spent: dict, phase: str, device: str, *args, **kwargs):
 def host_step(cfg: BenchConfig, batch: int, context: int, penalty: bool, steps=24) -> dict:
     """The median ms of each phase of a decode step over `steps` steps, and of the whole step.
     device_ms: the step's (batch, vocab) work, sample() and the penalty state's gathers
-    (penalty_rows, within penalties): a GPU's work, which a CPU does in line; host_ms: the
-    step less device_ms."""
+    (penalty_rows, within penalties) and count (count_sampled): a GPU's work, which a CPU
+    does in line; host_ms: the step less device_ms."""
     engine = stubbed_engine(cfg, batch, context, HOST_MAX_TOKENS)
     if penalty:  # Qwen2.5-Instruct's generation_config default
         for seq in engine.scheduler.running:
@@ -1107,7 +1108,7 @@ def host_step(cfg: BenchConfig, batch: int, context: int, penalty: bool, steps=2
             start = synced_clock(cfg.device)
             engine.step()
             step = dict(spent, step=synced_clock(cfg.device) - start)
-            step["device"] = step["sample"] + step["penalty_rows"]
+            step["device"] = step["sample"] + step["penalty_rows"] + step["count_sampled"]
             step["host"] = step["step"] - step["device"]
             by_step.append(step)
     assert len(engine.scheduler.running) == batch, "a sequence ended while it was timed"
@@ -1241,9 +1242,10 @@ def host_overhead(cfg: BenchConfig) -> list[dict]:
 
 def host_table(rows: list[dict]) -> str:
     keys = ("batch context repetition_penalty schedule_ms inputs_ms sampling_tensors_ms "
-            "penalties_ms penalty_rows_ms update_ms record_ms host_ms device_ms")
-    return table("Host work per decode step, ms (medians; device: sample() and penalty_rows, "
-                 "the penalty state's gathers, within penalties)", rows, keys)
+            "penalties_ms penalty_rows_ms count_sampled_ms update_ms record_ms host_ms "
+            "device_ms")
+    return table("Host work per decode step, ms (medians; device: sample(), penalty_rows (the "
+                 "penalty state's gathers, within penalties) and count_sampled)", rows, keys)
 
 
 def hardware_big(cfg: BenchConfig) -> dict:

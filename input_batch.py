@@ -10,8 +10,9 @@ finishes or is preempted, and in that row:
   tokens of context that is 256 block ids a sequence, 65,536 at batch 256, for one new
   block a sequence every 16 steps;
 - if it has penalties, its penalty state: its output tokens' counts and the tokens it has
-  seen (prompt and output), rows of (max_num_seqs, vocab) on the device, brought up to date
-  with the tokens it gained since it last sampled, not rebuilt from all its tokens each step.
+  seen (prompt and output), rows of (max_num_seqs, vocab) on the device, and its three
+  penalty values. Built from its tokens the first time it samples, then given each token it
+  samples where it was sampled, on the device: after that the host sends nothing for it.
 
 Rows are handed out and taken back like blocks. A step's tables are its sequences' rows, in
 batch order, gathered on the device, as wide as its longest table (rounded up to 16 columns).
@@ -21,7 +22,8 @@ batch order, gathered on the device, as wide as its longest table (rounded up to
                                    block_tables[[1, 0], :16] = [[5, 2, 9, 0 ...], [3, 7, 0 ...]]
 
 vLLM v1's InputBatch and its BlockTable (in its GPU worker) are the model; vLLM also keeps
-each row's sampling parameters there, where a step here uploads a few numbers a sequence.
+each row's other sampling parameters there, where a step here uploads a few numbers a
+sequence (sampling.py's sampling_tensors).
 """
 import torch
 
@@ -44,10 +46,14 @@ class InputBatch:
         width = aligned(cdiv(max_model_len, block_size))
         self.block_tables = torch.zeros(max_num_seqs, width, dtype=torch.int32, device=device)
         self.num_blocks = [0] * max_num_seqs          # blocks a row holds of its sequence's
-        self.num_counted = [0] * max_num_seqs         # tokens in a row's penalty state
-        # (max_num_seqs, vocab), made when a sequence with penalties first samples
+        self.holds_penalties = [False] * max_num_seqs  # a row's penalty state is its sequence's
+        # made when a sequence with penalties first samples: (max_num_seqs, vocab) ...
         self.output_counts: torch.Tensor | None = None  # fp32: each token's count in the output
         self.seen: torch.Tensor | None = None            # bool: in the prompt or the output
+        # ... and (max_num_seqs,) fp32, each row's penalty values (neutral: 0, 0 and 1)
+        self.presence: torch.Tensor | None = None
+        self.frequency: torch.Tensor | None = None
+        self.repetition: torch.Tensor | None = None
 
     def row(self, seq: Sequence) -> int:
         """seq's row; a sequence new to the batch takes a free one, with nothing in it."""
@@ -57,7 +63,6 @@ class InputBatch:
         row = self.free_rows.pop()
         self.rows[seq] = row
         self.num_blocks[row] = 0
-        self.num_counted[row] = 0
         return row
 
     def remove(self, seq: Sequence) -> None:
@@ -68,6 +73,11 @@ class InputBatch:
             return
         self.block_tables[row, :self.num_blocks[row]] = 0
         self.free_rows.append(row)
+        if self.holds_penalties[row]:  # neutral values, for a next owner without penalties
+            self.holds_penalties[row] = False
+            self.presence[row] = 0
+            self.frequency[row] = 0
+            self.repetition[row] = 1
 
     def new_blocks(self, seq: Sequence) -> tuple[int, int, list[int]]:
         """(seq's row, the first column to fill, the blocks to fill it with): those seq's
@@ -90,59 +100,80 @@ class InputBatch:
         return self.block_tables[rows, :aligned(max_num_blocks)]
 
     def penalties(self, seqs: list[Sequence]) -> Penalties:
-        """The Penalties of a step's sampling rows, seqs in order: each penalised row first
-        brought up to date with its tokens since it last sampled (all of them in a row new to
-        it): their ids go up in one upload and are scattered into the rows on the device. A
-        row without penalties gets whatever its row holds, which its neutral penalties (1 and
-        0) ignore."""
+        """The Penalties of a step's sampling rows, seqs in order. A row's state is built once,
+        in the first step its sequence samples with penalties: its tokens (prompt and output)
+        go up in one upload, its three penalty values in another. After that it takes only
+        the tokens it samples, on the device (count_sampled): the host does nothing for it
+        but name its row. A row without penalties gets whatever its row holds, which its
+        neutral values (see remove) ignore."""
         if self.output_counts is None:
-            num_rows = self.block_tables.shape[0]
-            self.output_counts = torch.zeros(num_rows, self.vocab_size, device=self.device)
-            self.seen = torch.zeros(num_rows, self.vocab_size, dtype=torch.bool,
-                                    device=self.device)
-        ints = dict(rows=[], emptied=[], output_rows=[], output_ids=[], seen_rows=[],
-                    seen_ids=[])
+            self._make_penalty_state()
+        rows = []
+        new_seqs = []  # penalised sequences whose rows hold no state yet
         for seq in seqs:
             row = self.rows[seq]
-            ints["rows"].append(row)
-            if seq.params.has_penalties:
-                self._count_new_tokens(seq, row, ints)
-        index = upload(ints, torch.int64, self.device)
-        if ints["emptied"]:
-            self.output_counts[index["emptied"]] = 0
-            self.seen[index["emptied"]] = False
-        ones = torch.ones(len(ints["output_ids"]), device=self.device)  # made there, not uploaded
-        self.output_counts.index_put_((index["output_rows"], index["output_ids"]), ones,
-                                      accumulate=True)
-        self.seen[index["seen_rows"], index["seen_ids"]] = True
-        values = upload(dict(
-            presence=[seq.params.presence_penalty for seq in seqs],
-            frequency=[seq.params.frequency_penalty for seq in seqs],
-            repetition=[seq.params.repetition_penalty for seq in seqs]), torch.float32,
-            self.device)
-        output_counts, seen = self.penalty_rows(index["rows"])
-        return Penalties(output_counts=output_counts, seen=seen, presence=values["presence"],
-                         frequency=values["frequency"], repetition=values["repetition"])
+            rows.append(row)
+            if not self.holds_penalties[row] and seq.params.has_penalties:
+                new_seqs.append(seq)
+        if new_seqs:
+            self._build_penalty_rows(new_seqs)
+        step_rows = upload(dict(rows=rows), torch.int64, self.device)["rows"]
+        output_counts, seen = self.penalty_rows(step_rows)
+        return Penalties(output_counts=output_counts, seen=seen,
+                         presence=self.presence[step_rows], frequency=self.frequency[step_rows],
+                         repetition=self.repetition[step_rows], rows=step_rows)
+
+    def count_sampled(self, penalties: Penalties, token_ids: torch.Tensor) -> None:
+        """After sampling with penalties: each row's new token (token_ids (n,), on the device,
+        in the rows' order) counted in its output and seen, without a wait for the device or
+        anything from the host. The counts that sampling used were gathered before."""
+        ones = torch.ones(len(token_ids), device=self.device)
+        self.output_counts.index_put_((penalties.rows, token_ids), ones, accumulate=True)
+        self.seen[penalties.rows, token_ids] = True
 
     def penalty_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The penalty state's rows (n,), gathered in the step's order: (n, vocab) counts and
         seen. Device work (on a CPU, two copies of n x vocab values)."""
         return self.output_counts[rows], self.seen[rows]
 
-    def _count_new_tokens(self, seq: Sequence, row: int, ints: dict[str, list]) -> None:
-        """Add to ints the entries that bring row's penalty state up to seq's tokens: each new
-        token is seen; a new output token is also counted."""
-        counted = self.num_counted[row]
-        if counted == 0:  # a row new to penalties: its previous owner's state goes
-            ints["emptied"].append(row)
-        new_tokens = seq.token_ids[counted:]
-        ints["seen_rows"] += [row] * len(new_tokens)
-        ints["seen_ids"] += new_tokens
-        first_output = max(counted, len(seq.prompt_token_ids))
-        new_output = seq.token_ids[first_output:]
-        ints["output_rows"] += [row] * len(new_output)
-        ints["output_ids"] += new_output
-        self.num_counted[row] = len(seq.token_ids)
+    def _make_penalty_state(self) -> None:
+        """The rows' penalty state, made when a sequence with penalties first samples."""
+        num_rows = self.block_tables.shape[0]
+        self.output_counts = torch.zeros(num_rows, self.vocab_size, device=self.device)
+        self.seen = torch.zeros(num_rows, self.vocab_size, dtype=torch.bool, device=self.device)
+        self.presence = torch.zeros(num_rows, device=self.device)
+        self.frequency = torch.zeros(num_rows, device=self.device)
+        self.repetition = torch.ones(num_rows, device=self.device)
+
+    def _build_penalty_rows(self, seqs: list[Sequence]) -> None:
+        """Build the penalty state of seqs' rows from their tokens: the rows are emptied (their
+        previous owners' state goes), each token is seen, an output token also counted, and
+        each row takes its sequence's three penalty values. Two uploads in all."""
+        ints = dict(rows=[], seen_rows=[], seen_ids=[], output_rows=[], output_ids=[])
+        for seq in seqs:
+            row = self.rows[seq]
+            self.holds_penalties[row] = True
+            output_ids = seq.token_ids[len(seq.prompt_token_ids):]
+            ints["rows"].append(row)
+            ints["seen_rows"] += [row] * len(seq.token_ids)
+            ints["seen_ids"] += seq.token_ids
+            ints["output_rows"] += [row] * len(output_ids)
+            ints["output_ids"] += output_ids
+        index = upload(ints, torch.int64, self.device)
+        floats = upload(dict(presence=[seq.params.presence_penalty for seq in seqs],
+                             frequency=[seq.params.frequency_penalty for seq in seqs],
+                             repetition=[seq.params.repetition_penalty for seq in seqs]),
+                        torch.float32, self.device)
+        rows = index["rows"]
+        self.output_counts[rows] = 0
+        self.seen[rows] = False
+        ones = torch.ones(len(ints["output_ids"]), device=self.device)  # made there
+        self.output_counts.index_put_((index["output_rows"], index["output_ids"]), ones,
+                                      accumulate=True)
+        self.seen[index["seen_rows"], index["seen_ids"]] = True
+        self.presence[rows] = floats["presence"]
+        self.frequency[rows] = floats["frequency"]
+        self.repetition[rows] = floats["repetition"]
 
 
 def aligned(num_blocks: int) -> int:

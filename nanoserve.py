@@ -540,6 +540,8 @@ class Engine:
             if any(seq.params.has_penalties for seq in batch.sample_seqs):
                 tensors.penalties = self.input_batch.penalties(batch.sample_seqs)
             token_ids = sample(logits, tensors, self.generator)
+            if tensors.penalties is not None:
+                self.input_batch.count_sampled(tensors.penalties, token_ids)
         if any(seq.params.logprobs is not None for seq in batch.sample_seqs) or batch.prompt_seqs:
             self._gather_logprobs(batch, hidden, logits, token_ids, output)
         # The step's one wait for the device (log-probabilities, if asked for, were read above).

@@ -179,6 +179,7 @@ class Penalties:
     presence: torch.Tensor          # (n,) fp32; 0 where off
     frequency: torch.Tensor         # (n,) fp32; 0 where off
     repetition: torch.Tensor        # (n,) fp32; 1 where off
+    rows: torch.Tensor              # (n,) int64: each row's row in the input batch
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors, generator: torch.Generator) -> torch.Tensor:

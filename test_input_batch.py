@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import GREEDY, assert_no_leaks, tiny
-from input_batch import InputBatch
+import input_batch
 from sampling import SamplingParams
 
 
@@ -73,24 +73,25 @@ def test_a_row_is_reused_empty_after_its_sequence_finishes(monkeypatch):
     assert_no_leaks(engine)
 
 
-def test_penalty_state_takes_each_new_token_once_not_every_token_each_step(monkeypatch):
-    """A penalised sequence's prompt goes up once, then one token a step: its counts are
-    kept on the device, not rebuilt from its tokens every step."""
+def test_penalty_state_takes_a_sequences_tokens_once_then_nothing_from_the_host(monkeypatch):
+    """A penalised sequence's 50 prompt tokens go up once, in its first sampling step; after
+    that a step uploads only its row: the tokens it samples are counted on the device."""
     engine = tiny().engine
-    uploaded = []
-    count_new_tokens = InputBatch._count_new_tokens
+    uploads = []  # per upload by the input batch: its lists' names and lengths
+    upload = input_batch.upload
 
-    def recording(self, seq, row, ints):
-        before = len(ints["seen_ids"])
-        count_new_tokens(self, seq, row, ints)
-        uploaded.append(len(ints["seen_ids"]) - before)
-    monkeypatch.setattr(InputBatch, "_count_new_tokens", recording)
+    def recording(host_lists, dtype, device):
+        uploads.append({name: len(values) for name, values in host_lists.items()})
+        return upload(host_lists, dtype, device)
+    monkeypatch.setattr(input_batch, "upload", recording)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
                             repetition_penalty=1.3)
     engine.add_request([7] * 50, params)
     while engine.has_unfinished():
         engine.step()
-    assert uploaded == [50] + [1] * 11
+    first_step = [dict(rows=1, seen_rows=50, seen_ids=50, output_rows=0, output_ids=0),
+                  dict(presence=1, frequency=1, repetition=1), dict(rows=1)]
+    assert uploads == first_step + [dict(rows=1)] * 11
     assert_no_leaks(engine)
 
 
@@ -129,3 +130,23 @@ def test_a_batch_that_fails_after_taking_new_blocks_leaves_no_row_behind(monkeyp
     assert [out.outputs[0].token_ids for out in outputs] == alone
     assert calls[:4] == [3, 1, 1, 1]  # the batch of 3 failed, then each alone
     assert_no_leaks(llm.engine)
+
+
+def test_a_row_left_by_a_penalised_sequence_penalises_nothing_for_its_next_owner():
+    """Two rows. A penalised request runs throughout; a second, with a strong repetition
+    penalty, finishes, and an unpenalised one takes its row while the first still samples
+    with penalties: the unpenalised one's tokens are those it makes alone."""
+    plain = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    alone = tiny().generate([[9] * 12], plain)[0].outputs[0].token_ids
+    llm = tiny(max_num_seqs=2)
+    engine = llm.engine
+    engine.add_request([5] * 20, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                                                presence_penalty=0.5))
+    engine.add_request([9] * 12, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,
+                                                repetition_penalty=3.0))
+    engine.add_request([9] * 12, plain, request_id="plain")
+    outputs = []
+    while engine.has_unfinished():
+        outputs += [out for out in engine.step() if out.request_id == "plain"]
+    assert [t for out in outputs for t in out.outputs[0].token_ids] == alone
+    assert_no_leaks(engine)
