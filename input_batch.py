@@ -40,6 +40,7 @@ class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, vocab_size: int,
                  device: str):
         self.device = device
+        self.block_size = block_size
         self.vocab_size = vocab_size
         self.rows: dict[Sequence, int] = {}           # each running sequence's row
         self.free_rows = list(range(max_num_seqs))[::-1]  # pop() hands out row 0 first
@@ -98,6 +99,14 @@ class InputBatch:
         if len(new_block_ids):  # most decode steps add no block (a shape: no wait)
             self.block_tables[new_rows, new_columns] = new_block_ids.to(torch.int32)
         return self.block_tables[rows, :aligned(max_num_blocks)]
+
+    def slot_mapping(self, token_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Each new token's cache slot (N,) int64, read from its sequence's table on the device
+        (after step_block_tables wrote the step's new blocks): the block holding its position,
+        times the block size, plus its offset in the block. token_rows (N,): each token's
+        sequence's row; positions (N,): its position in its sequence."""
+        block_ids = self.block_tables[token_rows, positions // self.block_size]
+        return block_ids.to(torch.int64) * self.block_size + positions % self.block_size
 
     def penalties(self, seqs: list[Sequence]) -> Penalties:
         """The Penalties of a step's sampling rows, seqs in order. A row's state is built once,

@@ -675,19 +675,22 @@ class Engine:
 
             input_ids        [a6, b4, b5, b6, c2]     (token t of A written a6)
             positions        [ 6,  4,  5,  6,  2]
-            slot_mapping     [30,  8,  9, 10,  6]     (A's 6: block 7 * 4 + 2 = 30)
             query_start_loc  [0, 1, 4, 5]             (B owns rows 1..3)
             context_lens     [7, 7, 3]
             rows             [0, 1, 2]                (each sequence's row in the input batch)
+            token_rows       [0, 1, 1, 1, 2]          (each token's sequence's row)
             new blocks       rows [1], columns [1], block ids [2]
             block_tables     [[3, 7, 0 ...], [5, 2, 0 ...], [1, 0, 0 ...]]   (on the device)
+            slot_mapping     [30,  8,  9, 10,  6]     (on the device: A's 6 is in its second
+                                                       block, 7: 7 * 4 + 6 % 4 = 30)
             sample_rows      [0, 4]                   (B has tokens left to compute: no sample)
 
         Only the blocks a table gained go up; the tables stay on the device, in the input
-        batch (input_batch.py): a step costs what is new in it, not its sequences' blocks."""
-        ints = dict(input_ids=[], positions=[], slot_mapping=[], context_lens=[],
-                    query_start_loc=[0], rows=[], new_block_rows=[], new_block_columns=[],
-                    new_block_ids=[], sample_rows=[], prompt_rows=[], prompt_targets=[])
+        batch (input_batch.py), and the slots are read from them there: a step costs what is
+        new in it, not its sequences' blocks."""
+        ints = dict(input_ids=[], positions=[], context_lens=[], query_start_loc=[0], rows=[],
+                    token_rows=[], new_block_rows=[], new_block_columns=[], new_block_ids=[],
+                    sample_rows=[], prompt_rows=[], prompt_targets=[])
         sample_seqs = []  # the sequences that sample, in the order of ints["sample_rows"]
         prompt_seqs = []  # the sequence of each of ints["prompt_rows"]
         max_num_blocks = 0
@@ -700,10 +703,10 @@ class Engine:
             max_num_blocks = max(max_num_blocks, len(seq.block_table.block_ids))
             ints["input_ids"] += seq.token_ids[start:end]
             ints["positions"] += range(start, end)
-            ints["slot_mapping"] += seq.block_table.slot_mapping(start, end)
             ints["context_lens"].append(end)
             ints["query_start_loc"].append(first_row + num_new)
             ints["rows"].append(row)
+            ints["token_rows"] += [row] * num_new
             ints["new_block_rows"] += [row] * num_new_blocks
             ints["new_block_columns"] += range(first_column, first_column + num_new_blocks)
             ints["new_block_ids"] += new_block_ids
@@ -719,8 +722,9 @@ class Engine:
         block_tables = self.input_batch.step_block_tables(
             tensors["rows"], tensors["new_block_rows"], tensors["new_block_columns"],
             tensors["new_block_ids"], max_num_blocks)
+        slot_mapping = self.input_batch.slot_mapping(tensors["token_rows"], tensors["positions"])
         attn_metadata = AttentionMetadata(
-            slot_mapping=tensors["slot_mapping"], block_tables=block_tables,
+            slot_mapping=slot_mapping, block_tables=block_tables,
             context_lens=tensors["context_lens"].to(torch.int32),
             query_start_loc=tensors["query_start_loc"].to(torch.int32),
             max_query_len=max(num_scheduled_tokens.values()))

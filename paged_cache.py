@@ -34,10 +34,10 @@ forgotten) only when it is handed out again.
     block table [5, 3, new, new]  (5 and 3 shared), num_computed_tokens 8
 
 In this file, in order: cdiv and hash_block, BlockPool (reference counts, the free queue,
-the prefix cache), BlockTable (one sequence's blocks and its slot_mapping), and
-allocate_kv_cache (the tensors). The scheduler (scheduler.py) grows, shares and releases
-block tables; the engine (nanoserve.py) turns them into the block_tables and slot_mapping
-that the attention kernels (kernels.py) read.
+the prefix cache), BlockTable (one sequence's blocks), and allocate_kv_cache (the tensors).
+The scheduler (scheduler.py) grows, shares and releases block tables; the engine's input
+batch (input_batch.py) keeps them on the device as the block_tables that the attention
+kernels (kernels.py) read, and works out the step's slot_mapping from them there.
 
 Names as in vLLM v1: BlockPool, block hashes, the free queue; BlockTable ~ the request's
 block ids; slot_mapping is the same. A "slot" is always a token's flat index in the cache.
@@ -216,16 +216,6 @@ class BlockTable:
         self.block_pool.free(self.block_ids[::-1])
         self.block_ids = []
         self.block_hashes = []
-
-    def slot_mapping(self, start: int, end: int) -> list[int]:
-        """The flat cache slots (block_id * block_size + offset in the block) of token
-        positions start..end-1."""
-        block_size = self.block_pool.block_size
-        slots = []
-        for position in range(start, end):
-            block_id = self.block_ids[position // block_size]
-            slots.append(block_id * block_size + position % block_size)
-        return slots
 
 
 def kv_bytes_per_token(n_layer: int, n_kv_head: int, head_dim: int, dtype: torch.dtype) -> int:

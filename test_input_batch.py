@@ -6,6 +6,7 @@ import torch
 
 from conftest import GREEDY, assert_no_leaks, tiny
 import input_batch
+from input_batch import InputBatch
 from sampling import SamplingParams
 
 
@@ -150,3 +151,14 @@ def test_a_row_left_by_a_penalised_sequence_penalises_nothing_for_its_next_owner
         outputs += [out for out in engine.step() if out.request_id == "plain"]
     assert [t for out in outputs for t in out.outputs[0].token_ids] == alone
     assert_no_leaks(engine)
+
+
+def test_slot_of_a_token_follows_its_block_table():
+    """paged_cache.py's example: block table [7, 2, 9], block size 16: token 36 -> slot 148;
+    tokens 15 and 16 straddle blocks 7 and 2 -> 127 and 32. Read from a row of the device
+    tables, whichever row the sequence holds."""
+    batch = InputBatch(max_num_seqs=2, max_model_len=64, block_size=16, vocab_size=8,
+                       device="cpu")
+    batch.block_tables[1, :3] = torch.tensor([7, 2, 9])
+    slots = batch.slot_mapping(torch.tensor([1, 1, 1]), torch.tensor([36, 15, 16]))
+    assert slots.tolist() == [148, 127, 32] and slots.dtype == torch.int64

@@ -14,13 +14,6 @@ from scheduler import SequenceStatus
 
 # ----------------------------------------------------------------------------- paged cache
 
-def test_slot_of_a_token_follows_its_block_table():
-    """The module docstring's example: block table [7, 2, 9], block size 16, token 36 -> 148."""
-    table = BlockTable(BlockPool(10, block_size=16))
-    table.block_ids = [7, 2, 9]
-    assert table.slot_mapping(36, 37) == [148] and table.slot_mapping(15, 17) == [127, 32]
-
-
 def test_a_block_returns_to_the_free_queue_when_its_count_reaches_zero():
     block_pool = BlockPool(4, block_size=16)
     table = BlockTable(block_pool)

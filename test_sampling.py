@@ -9,7 +9,6 @@ import torch
 
 import cli
 import model as M
-import sampling
 from conftest import (NEAR_TIE, PROMPTS, assert_no_leaks, chat_checkpoint, checkpoint_llm, http,
                       nanoserve_main, server_in_process, tiny, token_ids)
 from input_batch import InputBatch
