@@ -128,9 +128,13 @@ class InputBatch:
             self._build_penalty_rows(new_seqs)
         step_rows = upload(dict(rows=rows), torch.int64, self.device)["rows"]
         output_counts, seen = self.penalty_rows(step_rows)
+        any_frequency_or_presence = any(seq.params.frequency_penalty != 0
+                                        or seq.params.presence_penalty != 0 for seq in seqs)
         return Penalties(output_counts=output_counts, seen=seen,
                          presence=self.presence[step_rows], frequency=self.frequency[step_rows],
-                         repetition=self.repetition[step_rows], rows=step_rows)
+                         repetition=self.repetition[step_rows], rows=step_rows,
+                         any_repetition=any(seq.params.repetition_penalty != 1 for seq in seqs),
+                         any_frequency_or_presence=any_frequency_or_presence)
 
     def count_sampled(self, penalties: Penalties, token_ids: torch.Tensor) -> None:
         """After sampling with penalties: each row's new token (token_ids (n,), on the device,

@@ -180,6 +180,8 @@ class Penalties:
     frequency: torch.Tensor         # (n,) fp32; 0 where off
     repetition: torch.Tensor        # (n,) fp32; 1 where off
     rows: torch.Tensor              # (n,) int64: each row's row in the input batch
+    any_repetition: bool = True     # some row's repetition penalty is not 1
+    any_frequency_or_presence: bool = True  # some row's frequency or presence penalty is not 0
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors, generator: torch.Generator) -> torch.Tensor:
@@ -229,11 +231,17 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
     """The repetition penalty (transformers' and vLLM's): a token of the prompt or the output
     has its logit divided by it if positive, multiplied by it if negative. Then OpenAI's
     frequency and presence penalties, over the output only: logit - frequency x count -
-    presence x [count > 0]. Elementwise over (n, vocab), without a wait for the device."""
-    repetition = torch.where(p.seen, p.repetition[:, None], 1.0)
-    logits = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = logits - p.frequency[:, None] * p.output_counts
-    return logits - p.presence[:, None] * (p.output_counts > 0)
+    presence x [count > 0]. Elementwise over (n, vocab), without a wait for the device. A
+    penalty no row uses is skipped: it would change no value (a row's neutral 1 or 0 leaves
+    its logits bit for bit as they were), but each costs passes over all (n, vocab) values
+    (Qwen2.5's default, a repetition penalty alone, halves the work)."""
+    if p.any_repetition:
+        repetition = torch.where(p.seen, p.repetition[:, None], 1.0)
+        logits = torch.where(logits > 0, logits / repetition, logits * repetition)
+    if p.any_frequency_or_presence:
+        logits = logits - p.frequency[:, None] * p.output_counts
+        logits = logits - p.presence[:, None] * (p.output_counts > 0)
+    return logits
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

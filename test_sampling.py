@@ -13,6 +13,7 @@ from conftest import (NEAR_TIE, PROMPTS, assert_no_leaks, chat_checkpoint, check
                       nanoserve_main, server_in_process, tiny, token_ids)
 from input_batch import InputBatch
 from nanoserve import Engine
+import sampling
 from sampling import SamplingParams, SamplingTensors, apply_top_k_top_p, sample
 from tokenizer import EOT
 
@@ -140,6 +141,26 @@ def test_penalties_do_not_depend_on_batching_chunking_or_preemption():
     seeded = SamplingParams(max_tokens=12, seed=3, ignore_eos=True, **PENALTIES)
     assert tiny().generate([PROMPTS[0]], seeded)[0].outputs[0].token_ids == \
         tiny().generate([PROMPTS[0], PROMPTS[1]], [seeded, plain])[0].outputs[0].token_ids
+
+
+def test_a_penalty_no_row_uses_is_skipped_and_skipping_changes_no_logit(monkeypatch):
+    """A repetition penalty alone (Qwen2.5's default) skips the frequency and presence
+    passes, and what sampling sees is bit for bit what all the passes give."""
+    seen = []
+    apply_penalties = sampling.apply_penalties
+
+    def recording(logits, penalties):
+        every_pass = dataclasses.replace(penalties, any_repetition=True,
+                                         any_frequency_or_presence=True)
+        seen.append((penalties.any_repetition, penalties.any_frequency_or_presence,
+                     torch.equal(apply_penalties(logits, penalties),
+                                 apply_penalties(logits, every_pass))))
+        return apply_penalties(logits, penalties)
+    monkeypatch.setattr(sampling, "apply_penalties", recording)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                            repetition_penalty=1.3)
+    tiny().generate([PROMPTS[0], PROMPTS[1]], params)
+    assert seen and all(entry == (True, False, True) for entry in seen)
 
 
 def test_no_count_tensor_is_built_when_no_row_has_a_penalty(monkeypatch):
