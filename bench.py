@@ -1037,9 +1037,11 @@ class StubModel(torch.nn.Module):
         return self.logits[:len(hidden)]
 
 
-def stubbed_engine(cfg: BenchConfig, batch: int, context: int, max_tokens: int) -> Engine:
+def stubbed_engine(cfg: BenchConfig, batch: int, context: int, max_tokens: int,
+                   stream: bool = True) -> Engine:
     """An engine on StubModel holding `batch` sequences of `context` random prompt tokens,
-    prefilled, each to generate max_tokens tokens; tiny K/V (one layer, one head of 8)."""
+    prefilled, each to generate max_tokens tokens, streamed or not (Engine.add_request's
+    stream); tiny K/V (one layer, one head of 8)."""
     config = GPTConfig(vocab_size=HOST_VOCAB, n_positions=context + max_tokens + 1, n_embd=8,
                        n_layer=1, n_head=1)
     stub = Checkpoint(StubModel(config, batch, cfg.device), stub_tokenizer(HOST_VOCAB), [256],
@@ -1053,7 +1055,7 @@ def stubbed_engine(cfg: BenchConfig, batch: int, context: int, max_tokens: int) 
     prompts = np.random.default_rng(cfg.seed).integers(0, HOST_VOCAB - 1, (batch, context))
     for prompt in prompts.tolist():
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                  ignore_eos=True))
+                                                  ignore_eos=True), stream=stream)
     while any(seq.num_output_tokens == 0 for seq in engine.scheduler.running) \
             or len(engine.scheduler.waiting):
         engine.step()
@@ -1089,12 +1091,13 @@ def timed_call(fn, spent: dict, phase: str, device: str, *args, **kwargs):
 
 
 @torch.inference_mode()
-def host_step(cfg: BenchConfig, batch: int, context: int, penalty: bool, steps=24) -> dict:
+def host_step(cfg: BenchConfig, batch: int, context: int, penalty: bool, stream: bool,
+              steps=24) -> dict:
     """The median ms of each phase of a decode step over `steps` steps, and of the whole step.
     device_ms: the step's (batch, vocab) work, sample() and the penalty state's gathers
     (penalty_rows, within penalties) and count (count_sampled): a GPU's work, which a CPU
     does in line; host_ms: the step less device_ms."""
-    engine = stubbed_engine(cfg, batch, context, HOST_MAX_TOKENS)
+    engine = stubbed_engine(cfg, batch, context, HOST_MAX_TOKENS, stream)
     if penalty:  # Qwen2.5-Instruct's generation_config default
         for seq in engine.scheduler.running:
             seq.params = replace(seq.params, repetition_penalty=1.05)
@@ -1112,7 +1115,7 @@ def host_step(cfg: BenchConfig, batch: int, context: int, penalty: bool, steps=2
             step["host"] = step["step"] - step["device"]
             by_step.append(step)
     assert len(engine.scheduler.running) == batch, "a sequence ended while it was timed"
-    result = dict(batch=batch, context=context, repetition_penalty=penalty)
+    result = dict(batch=batch, context=context, repetition_penalty=penalty, stream=stream)
     for phase in by_step[0]:
         result[f"{phase}_ms"] = 1e3 * float(np.median([step[phase] for step in by_step]))
     return result
@@ -1236,12 +1239,15 @@ def step_gemms_table(figures: dict) -> str:
 
 
 def host_overhead(cfg: BenchConfig) -> list[dict]:
-    return [host_step(cfg, batch, context, penalty) for context in cfg.host_contexts
-            for batch in cfg.host_batches for penalty in (False, True)]
+    """Each batch and context: plain, with a penalty, and plain without streaming (one output
+    a request, as LLM.generate asks)."""
+    variants = [(False, True), (True, True), (False, False)]  # (penalty, stream)
+    return [host_step(cfg, batch, context, penalty, stream) for context in cfg.host_contexts
+            for batch in cfg.host_batches for penalty, stream in variants]
 
 
 def host_table(rows: list[dict]) -> str:
-    keys = ("batch context repetition_penalty schedule_ms inputs_ms sampling_tensors_ms "
+    keys = ("batch context repetition_penalty stream schedule_ms inputs_ms sampling_tensors_ms "
             "penalties_ms penalty_rows_ms count_sampled_ms update_ms record_ms host_ms "
             "device_ms")
     return table("Host work per decode step, ms (medians; device: sample(), penalty_rows (the "

@@ -362,7 +362,7 @@ class Engine:
                ) -> list[RequestOutput]:
         """Apply a step's results: failed sequences fail; the scheduler advances the others
         and appends their tokens; each sampled sequence detokenizes, finishes or not
-        (check_stop), and makes its output."""
+        (check_stop), and makes its output if it streams or finished."""
         outputs = []
         for seq, error in model_output.failed.items():
             outputs.append(self._fail(seq, error))
@@ -375,7 +375,9 @@ class Engine:
         for seq, entry in model_output.logprobs.items():
             seq.logprobs.append(entry)
         for seq in model_output.sampled_token_ids:
-            outputs.append(self._detokenize(seq))
+            output = self._detokenize(seq)
+            if output is not None:
+                outputs.append(output)
         return outputs
 
     def record(self, scheduler_output: SchedulerOutput, model_output: ModelOutput,
@@ -404,11 +406,16 @@ class Engine:
             self.step_records.append(self.last_step)
 
     def add_request(self, prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, stream: bool = True) -> str:
         """Queue a prompt (a string, a list of token ids, {"prompt": str} or
         {"prompt_token_ids": [...]}) with a copy of params (none: the checkpoint's sampling
         defaults over SamplingParams' own, its max_tokens at most what the context leaves);
-        ValueError if it can never run."""
+        ValueError if it can never run. stream: step() returns an output for each sample
+        every step it makes a token (a delta); False: only the one that finishes it, whole,
+        which saves a caller that wants only the end (LLM.generate) making and dropping an
+        output per token."""
+        if type(stream) is not bool:
+            raise ValueError(f"stream must be True or False, got {stream!r}")
         text, token_ids = self.parse_prompt(prompt)
         if params is None:
             params = self.default_params(len(token_ids))
@@ -418,7 +425,7 @@ class Engine:
         if request_id is None:  # the next free number: never a caller's id
             request_id = next(i for i in map(str, self._ids) if i not in self.requests)
         self._validate(token_ids, params, request_id)
-        seqs = [self._sample_sequence(request_id, index, text, token_ids, params)
+        seqs = [self._sample_sequence(request_id, index, text, token_ids, params, stream)
                 for index in range(params.n)]
         with self._lock:  # abort() may run on another thread
             self.requests[request_id] = seqs
@@ -448,7 +455,7 @@ class Engine:
         return max(1, min(max_tokens, room_left))
 
     def _sample_sequence(self, request_id: str, index: int, text: str | None,
-                         token_ids: list[int], params: SamplingParams) -> Sequence:
+                         token_ids: list[int], params: SamplingParams, stream: bool) -> Sequence:
         """Sample `index` of a request: each of its n samples is a sequence of its own (vLLM's
         fan-out, ids from sample_id); a seeded one's seed is seed + index."""
         seq_id = sample_id(request_id, index)
@@ -459,7 +466,7 @@ class Engine:
             generator = torch.Generator(self.config.device).manual_seed(params.seed)
         seq = Sequence(seq_id, text, token_ids, params, BlockTable(self.block_pool), generator,
                        Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output),
-                       request_id=request_id, index=index)
+                       request_id=request_id, index=index, stream=stream)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # the first prompt token has no log-probability
         return seq
@@ -596,13 +603,16 @@ class Engine:
             else:
                 output.prompt_logprobs.setdefault(seq, []).append(entry)
 
-    def _detokenize(self, seq: Sequence) -> RequestOutput:
-        """Add seq's new token to its text, finish it if check_stop says so, make its output;
-        an error here fails this request alone."""
+    def _detokenize(self, seq: Sequence) -> RequestOutput | None:
+        """Add seq's new token to its text, finish it if check_stop says so, make its output
+        (a sequence that does not stream has none until it finishes); an error here fails
+        this request alone."""
         try:
             token = seq.token_ids[-1]
             stop_string = self._append_text(seq, token)
             finish = check_stop(seq, token, stop_string, self.eos_token_ids)
+            if finish is None and not seq.stream:
+                return None
             if finish is None:
                 return self._output(seq)
             status, seq.stop_reason = finish
@@ -784,7 +794,8 @@ class LLM:
         progress = Progress(len(prompts), show_progress)
         try:
             for prompt, prompt_params in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, prompt_params))
+                # whole outputs only: an output per token would be made to be merged here
+                ids.append(self.engine.add_request(prompt, prompt_params, stream=False))
             while any(i not in whole or not whole[i].finished for i in ids):
                 for delta in self.engine.step():
                     accumulate(whole, delta)

@@ -57,6 +57,9 @@ class Sequence:
     stop_reason: str | int | None = None      # the stop string or stop token id that ended it
     error: str | None = None                  # why it failed (FINISHED_ERROR)
     num_sent_tokens: int = 0                  # output tokens already returned in outputs
+    stream: bool = True                       # an output each step it makes a token; False:
+                                              # one output, when it finishes (vLLM's
+                                              # FINAL_ONLY; Engine.add_request)
     returned_prompt_token_ids: list[int] | None = None  # the copy its outputs carry
     logprobs: list = field(default_factory=list)         # per output token: {token id: logprob}
     prompt_logprobs: list = field(default_factory=list)  # per prompt token, the first's None

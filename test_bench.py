@@ -446,20 +446,22 @@ def test_bench_url_needs_a_stream(stub):
 
 
 def test_bench_host_overhead_times_each_phase_of_a_stubbed_decode_step(tmp_path):
-    """--host-overhead: a row per context, batch and penalty, each with every phase's ms;
-    the phases fit in the step, and only the penalised rows spend time on penalty state."""
+    """--host-overhead: rows per context and batch (plain, penalised, plain not streamed),
+    each with every phase's ms; the phases fit in the step, and only the penalised rows spend
+    time on penalty state."""
     out = tmp_path / "host.json"
     with contextlib.redirect_stdout(io.StringIO()) as printed:
         bench.main(["--host-overhead", "--host-batches", "2", "4", "--host-contexts", "16",
                     "--threads", "1", "--out", str(out)])
     rows = json.loads(out.read_text())["host_overhead"]
-    assert [(r["batch"], r["context"], r["repetition_penalty"]) for r in rows] == [
-        (2, 16, False), (2, 16, True), (4, 16, False), (4, 16, True)]
+    assert [(r["batch"], r["context"], r["repetition_penalty"], r["stream"]) for r in rows] == [
+        (2, 16, False, True), (2, 16, True, True), (2, 16, False, False),
+        (4, 16, False, True), (4, 16, True, True), (4, 16, False, False)]
     for row in rows:
         phases = sum(row[f"{phase}_ms"] for phase in bench.HOST_PHASES if phase != "penalty_rows")
         assert 0 < phases <= row["step_ms"] * 1.01
         assert (row["penalties_ms"] > 0) == row["repetition_penalty"]
-    assert "| 4 | 16 | True |" in printed.getvalue()
+    assert "| 4 | 16 | True | True |" in printed.getvalue()
 
 
 def test_bench_step_gemms_times_a_decode_step_against_its_linears_alone(tmp_path):

@@ -150,6 +150,35 @@ def test_deltas_add_up_to_the_whole_output():
     assert len(deltas) == len(whole.token_ids) > 1
 
 
+def test_a_request_that_does_not_stream_gets_its_samples_whole_once_each():
+    """stream=False: step() returns each sample's output only when it finishes, and those
+    outputs hold what the streamed deltas of the same request add up to: text, tokens,
+    log-probabilities, prompt log-probabilities and finish reasons. (Each in an engine of
+    its own: the same batches, so log-probabilities equal to the last bit.)"""
+    params = SamplingParams(n=2, seed=5, max_tokens=12, logprobs=2, prompt_logprobs=1)
+    outputs = {}
+    for request_id, stream in (("streamed", True), ("whole", False)):
+        engine = tiny().engine
+        engine.add_request("ab", params, request_id, stream=stream)
+        run_to_end(engine, outputs)
+        assert_no_leaks(engine)
+    assert len(outputs["streamed"]) > 2 and len(outputs["whole"]) == 2
+    assert all(out.outputs[0].finish_reason == "length" for out in outputs["whole"])
+    assert [out.finished for out in outputs["whole"]] == [False, True]
+    streamed, whole = {}, {}
+    for out in outputs["streamed"]:
+        accumulate(streamed, out)
+    for out in outputs["whole"]:
+        accumulate(whole, out)
+    assert whole["whole"].outputs == streamed["streamed"].outputs
+    assert whole["whole"].prompt_logprobs == streamed["streamed"].prompt_logprobs
+
+
+def test_stream_must_be_a_bool():
+    with pytest.raises(ValueError, match="stream must be True or False, got 'no'"):
+        tiny().engine.add_request("ab", GREEDY, stream="no")
+
+
 def test_streamed_text_is_always_a_prefix_of_the_final_text():
     """Stop strings that the text starts and abandons many times ("e", "th", "the ..."): text
     that could begin one is held back until it cannot, and what was streamed is never cut."""
