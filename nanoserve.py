@@ -35,7 +35,7 @@ from input_batch import InputBatch
 from kernels import AttentionMetadata, keep_freed_memory, select_attention
 from model import PRESETS
 from options import check_fields, option
-from paged_cache import BlockTable, allocate_kv_cache, kv_bytes_per_token
+from paged_cache import BlockTable, allocate_kv_cache, cdiv, kv_bytes_per_token
 from sampling import SamplingParams, generation_config_defaults, sample, sampling_tensors, upload
 from scheduler import POLICIES, Scheduler, SchedulerOutput, Sequence, SequenceStatus, check_stop
 from tokenizer import Detokenizer
@@ -703,23 +703,22 @@ class Engine:
                     sample_rows=[], prompt_rows=[], prompt_targets=[])
         sample_seqs = []  # the sequences that sample, in the order of ints["sample_rows"]
         prompt_seqs = []  # the sequence of each of ints["prompt_rows"]
-        max_num_blocks = 0
         for seq, num_new in num_scheduled_tokens.items():
             start = seq.num_computed_tokens
             end = start + num_new
             first_row = ints["query_start_loc"][-1]
             row, first_column, new_block_ids = self.input_batch.new_blocks(seq)
-            num_new_blocks = len(new_block_ids)
-            max_num_blocks = max(max_num_blocks, len(seq.block_table.block_ids))
             ints["input_ids"] += seq.token_ids[start:end]
             ints["positions"] += range(start, end)
             ints["context_lens"].append(end)
             ints["query_start_loc"].append(first_row + num_new)
             ints["rows"].append(row)
             ints["token_rows"] += [row] * num_new
-            ints["new_block_rows"] += [row] * num_new_blocks
-            ints["new_block_columns"] += range(first_column, first_column + num_new_blocks)
-            ints["new_block_ids"] += new_block_ids
+            if new_block_ids:  # most decodes fill a block they hold
+                num_new_blocks = len(new_block_ids)
+                ints["new_block_rows"] += [row] * num_new_blocks
+                ints["new_block_columns"] += range(first_column, first_column + num_new_blocks)
+                ints["new_block_ids"] += new_block_ids
             if end == len(seq.token_ids):  # no uncomputed token left: sample the next one
                 ints["sample_rows"].append(first_row + num_new - 1)
                 sample_seqs.append(seq)
@@ -729,6 +728,8 @@ class Engine:
                     ints["prompt_targets"].append(seq.token_ids[position + 1])
                     prompt_seqs.append(seq)
         tensors = upload(ints, torch.int64, self.config.device)
+        # the blocks attention reads: those of the longest context (a table holds no more)
+        max_num_blocks = cdiv(max(ints["context_lens"]), self.block_pool.block_size)
         block_tables = self.input_batch.step_block_tables(
             tensors["rows"], tensors["new_block_rows"], tensors["new_block_columns"],
             tensors["new_block_ids"], max_num_blocks)
