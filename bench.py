@@ -1191,7 +1191,9 @@ def step_against_gemms(cfg: BenchConfig, steps=8, rounds=5) -> dict:
     """A decode step of --max-num-seqs sequences of --prompt-len tokens (ms, the median of
     `rounds`) against its GEMMs alone: every nn.Linear of the model and the LM head, in order,
     on a (batch, in_features) input of the model's dtype, what a step cannot go below on this
-    machine; and the share of the step spent in attention (its 30-odd calls, timed around)."""
+    machine; and the share of the step spent in attention (its 30-odd calls, timed around),
+    and of that in SDPA's kernel: the rest of attention is its bookkeeping (gathering K/V by
+    block table, indexing rows, masks)."""
     batch = cfg.max_num_seqs
     engine = engine_in_decode(cfg, batch, cfg.prompt_len, 1, 2 * rounds * steps + 2)
     model = engine.model
@@ -1205,7 +1207,9 @@ def step_against_gemms(cfg: BenchConfig, steps=8, rounds=5) -> dict:
             F.linear(inputs[m.in_features], m.weight, m.bias)
 
     attention_s = []
+    sdpa_s = []
     attention = engine.attention
+    sdpa = F.scaled_dot_product_attention
 
     def timed_attention(*args):
         start = synced_clock(cfg.device)
@@ -1213,29 +1217,41 @@ def step_against_gemms(cfg: BenchConfig, steps=8, rounds=5) -> dict:
         attention_s.append(synced_clock(cfg.device) - start)
         return out
 
+    def timed_sdpa(*args, **kwargs):
+        start = synced_clock(cfg.device)
+        out = sdpa(*args, **kwargs)
+        sdpa_s.append(synced_clock(cfg.device) - start)
+        return out
+
     step_ms = []          # a step, by round
     gemm_ms = []          # the GEMMs alone, by round
     attention_share = []  # attention's part of a step, by round
+    sdpa_share = []       # SDPA's kernel's part of a step (within attention's), by round
     for _ in range(rounds):
         step_ms.append(1e3 * per_call(engine.step, steps, cfg.device))
         gemm_ms.append(1e3 * per_call(gemms, steps, cfg.device))
         attention_s.clear()
+        sdpa_s.clear()
         engine.attention = timed_attention
-        timed = per_call(engine.step, steps, cfg.device)
+        with mock.patch.object(F, "scaled_dot_product_attention", timed_sdpa):
+            timed = per_call(engine.step, steps, cfg.device)
         engine.attention = attention
         attention_share.append(sum(attention_s) / steps / timed)
+        sdpa_share.append(sum(sdpa_s) / steps / timed)
     step = float(np.median(step_ms))
     gemm = float(np.median(gemm_ms))
     context = float(np.mean([len(seq.token_ids) for seq in engine.scheduler.running]))
     return dict(model=cfg.model or cfg.preset, batch=batch, context=context, step_ms=step,
                 gemm_ms=gemm, step_over_gemms=step / gemm,
-                attention_share=float(np.median(attention_share)), linears=len(linears),
+                attention_share=float(np.median(attention_share)),
+                sdpa_share=float(np.median(sdpa_share)), linears=len(linears),
                 threads=torch.get_num_threads())
 
 
 def step_gemms_table(figures: dict) -> str:
     return table("A decode step against its GEMMs alone", [figures],
-                 "model batch context step_ms gemm_ms step_over_gemms attention_share")
+                 "model batch context step_ms gemm_ms step_over_gemms attention_share "
+                 "sdpa_share")
 
 
 def host_overhead(cfg: BenchConfig) -> list[dict]:

@@ -466,7 +466,7 @@ def test_bench_host_overhead_times_each_phase_of_a_stubbed_decode_step(tmp_path)
 
 def test_bench_step_gemms_times_a_decode_step_against_its_linears_alone(tmp_path):
     """--step-gemms: the step, every nn.Linear of the model (the LM head too) alone, and
-    attention's share of the step, which the step's time bounds."""
+    attention's share of the step, which the step's time bounds, and SDPA's within it."""
     out = tmp_path / "step.json"
     with contextlib.redirect_stdout(io.StringIO()) as printed:
         bench.main(["--step-gemms", "--max-num-seqs", "2", "--prompt-len", "8", "--threads",
@@ -475,5 +475,6 @@ def test_bench_step_gemms_times_a_decode_step_against_its_linears_alone(tmp_path
     assert (figures["model"], figures["batch"]) == ("tiny", 2)
     assert figures["linears"] == 6 * M.GPTConfig().n_layer + 1  # q k v o up down, LM head
     assert 0 < figures["attention_share"] < 1 and figures["step_ms"] > 0
+    assert 0 < figures["sdpa_share"] < figures["attention_share"]
     assert figures["step_over_gemms"] == pytest.approx(figures["step_ms"] / figures["gemm_ms"])
     assert "| tiny | 2 |" in printed.getvalue()
