@@ -128,12 +128,13 @@ class InputBatch:
             self._build_penalty_rows(new_seqs)
         step_rows = upload(dict(rows=rows), torch.int64, self.device)["rows"]
         output_counts, seen = self.penalty_rows(step_rows)
+        any_repetition = any(seq.params.repetition_penalty != 1 for seq in seqs)
         any_frequency_or_presence = any(seq.params.frequency_penalty != 0
                                         or seq.params.presence_penalty != 0 for seq in seqs)
         return Penalties(output_counts=output_counts, seen=seen,
                          presence=self.presence[step_rows], frequency=self.frequency[step_rows],
-                         repetition=self.repetition[step_rows], rows=step_rows,
-                         any_repetition=any(seq.params.repetition_penalty != 1 for seq in seqs),
+                         repetition=self.repetition[step_rows], input_batch_rows=step_rows,
+                         any_repetition=any_repetition,
                          any_frequency_or_presence=any_frequency_or_presence)
 
     def count_sampled(self, penalties: Penalties, token_ids: torch.Tensor) -> None:
@@ -141,8 +142,9 @@ class InputBatch:
         in the rows' order) counted in its output and seen, without a wait for the device or
         anything from the host. The counts that sampling used were gathered before."""
         ones = torch.ones(len(token_ids), device=self.device)
-        self.output_counts.index_put_((penalties.rows, token_ids), ones, accumulate=True)
-        self.seen[penalties.rows, token_ids] = True
+        rows = penalties.input_batch_rows
+        self.output_counts.index_put_((rows, token_ids), ones, accumulate=True)
+        self.seen[rows, token_ids] = True
 
     def penalty_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The penalty state's rows (n,), gathered in the step's order: (n, vocab) counts and

@@ -179,7 +179,7 @@ class Penalties:
     presence: torch.Tensor          # (n,) fp32; 0 where off
     frequency: torch.Tensor         # (n,) fp32; 0 where off
     repetition: torch.Tensor        # (n,) fp32; 1 where off
-    rows: torch.Tensor              # (n,) int64: each row's row in the input batch
+    input_batch_rows: torch.Tensor  # (n,) int64: each row's row of state in the input batch
     any_repetition: bool = True     # some row's repetition penalty is not 1
     any_frequency_or_presence: bool = True  # some row's frequency or presence penalty is not 0
 
