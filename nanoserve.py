@@ -266,6 +266,7 @@ class Engine:
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n samples
         self.stats = EngineStats()
         self.last_step: StepRecord | None = None           # the newest step's record
+        self.step_recorded = False  # whether the last step() made one (an idle step makes none)
         self.step_records: list[StepRecord] | None = None  # every record, once made a list
         self._ids = itertools.count()
         self._lock = threading.Lock()  # abort() from other threads against step()
@@ -321,8 +322,9 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """One iteration of continuous batching: schedule, execute, update, record. Returns a
-        delta output for every request that got a token, and the last output of each one
-        aborted or failed since the last step."""
+        delta output for every streamed request that got a token, the whole output of each
+        sample that finished without streaming, and the last output of each request aborted
+        or failed since the last step."""
         with self._lock:
             if self.dead is not None:
                 raise EngineDeadError(self.dead)
@@ -382,9 +384,11 @@ class Engine:
 
     def record(self, scheduler_output: SchedulerOutput, model_output: ModelOutput,
                outputs: list[RequestOutput]) -> None:
-        """Make the step's StepRecord (an idle step without outputs makes none) and count it."""
+        """Make the step's StepRecord (an idle step without outputs makes none, and says so in
+        step_recorded) and count it."""
         scheduled = scheduler_output.num_scheduled_tokens
-        if not scheduled and not outputs:
+        self.step_recorded = bool(scheduled or outputs)
+        if not self.step_recorded:
             return
         self.last_step = StepRecord(
             scheduled={seq.seq_id: num_new for seq, num_new in scheduled.items()},

@@ -135,14 +135,13 @@ class EngineThread(threading.Thread):
 
     def run(self) -> None:
         while self._run_inbox():
-            last_record = self.engine.last_step
             try:
                 outputs = self.engine.step()
             except EngineDeadError as e:
                 self.loop.call_soon_threadsafe(self.died, e)
                 self._answer_until_stopped()
                 return
-            if self.watched and self.engine.last_step is not last_record:
+            if self.watched and self.engine.step_recorded:
                 self.send_frame()  # first: a page has the step's frame when its tokens go out
             if outputs:
                 self.loop.call_soon_threadsafe(self.deliver, outputs)

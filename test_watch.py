@@ -67,6 +67,23 @@ def test_frames_give_each_scheduled_sequence_its_phase(known_run):
     assert at_step(known_run, 15)["record"]["phases"] == {"2": "decode", "3": "recompute"}
 
 
+def test_an_idle_step_adds_no_frame():
+    """A frame is a step that made a record: steps with nothing to run add none, before a
+    request and after it finished."""
+    engine = tiny().engine
+    frames = watch.FrameLog(engine)
+    engine.step()
+    frames.add()
+    assert frames.frames == [] and not engine.step_recorded
+    engine.add_request("ab", SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+        frames.add()
+    engine.step()
+    frames.add()
+    assert [frame["step"] for frame in frames.frames] == [2, 3]  # step 1 was the idle one
+
+
 def test_frames_show_the_blocks_a_common_prefix_shares(known_run):
     frame = at_step(known_run, 2)
     first, second = frame["running"][:2]

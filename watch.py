@@ -81,13 +81,11 @@ class FrameLog:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.frames: list[dict] = []
-        self._last_record = engine.last_step
 
     def add(self) -> None:
         """The frame of the step just run, if it made a record (an idle step makes none)."""
-        if self.engine.last_step is self._last_record:
+        if not self.engine.step_recorded:
             return
-        self._last_record = self.engine.last_step
         self.frames.append(frame(self.engine))
 
 
