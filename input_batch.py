@@ -127,10 +127,11 @@ class InputBatch:
         if new_seqs:
             self._build_penalty_rows(new_seqs)
         step_rows = upload(dict(rows=rows), torch.int64, self.device)["rows"]
-        output_counts, seen = self.penalty_rows(step_rows)
         any_repetition = any(seq.params.repetition_penalty != 1 for seq in seqs)
         any_frequency_or_presence = any(seq.params.frequency_penalty != 0
                                         or seq.params.presence_penalty != 0 for seq in seqs)
+        output_counts, seen = self.penalty_rows(step_rows, any_frequency_or_presence,
+                                                any_repetition)
         return Penalties(output_counts=output_counts, seen=seen,
                          presence=self.presence[step_rows], frequency=self.frequency[step_rows],
                          repetition=self.repetition[step_rows], input_batch_rows=step_rows,
@@ -146,10 +147,19 @@ class InputBatch:
         self.output_counts.index_put_((rows, token_ids), ones, accumulate=True)
         self.seen[rows, token_ids] = True
 
-    def penalty_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The penalty state's rows (n,), gathered in the step's order: (n, vocab) counts and
-        seen. Device work (on a CPU, two copies of n x vocab values)."""
-        return self.output_counts[rows], self.seen[rows]
+    def penalty_rows(self, rows: torch.Tensor, counts: bool, seen: bool
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The penalty state's rows (n,) that the step's penalties read, gathered in the step's
+        order: (n, vocab) counts if `counts` (frequency and presence read them), (n, vocab) seen
+        if `seen` (repetition reads it), else None. Device work: on a CPU, a copy of n x vocab
+        values each (51 MB of counts at batch 256 and GPT-2's vocabulary)."""
+        gathered_counts = None
+        if counts:
+            gathered_counts = self.output_counts[rows]
+        gathered_seen = None
+        if seen:
+            gathered_seen = self.seen[rows]
+        return gathered_counts, gathered_seen
 
     def _make_penalty_state(self) -> None:
         """The rows' penalty state, made when a sequence with penalties first samples."""

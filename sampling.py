@@ -174,14 +174,16 @@ class SamplingTensors:
 class Penalties:
     """What the penalties need, per row that samples (on a row without penalties, whatever its
     row held: its neutral penalties ignore it)."""
-    output_counts: torch.Tensor     # (n, vocab) fp32: each token's count in the row's output
-    seen: torch.Tensor              # (n, vocab) bool: the token is in the prompt or the output
+    output_counts: torch.Tensor | None  # (n, vocab) fp32: each token's count in the row's
+                                        # output (None unless any_frequency_or_presence)
+    seen: torch.Tensor | None       # (n, vocab) bool: the token is in the prompt or the output
+                                    # (None unless any_repetition)
     presence: torch.Tensor          # (n,) fp32; 0 where off
     frequency: torch.Tensor         # (n,) fp32; 0 where off
     repetition: torch.Tensor        # (n,) fp32; 1 where off
     input_batch_rows: torch.Tensor  # (n,) int64: each row's row of state in the input batch
-    any_repetition: bool = True     # some row's repetition penalty is not 1
-    any_frequency_or_presence: bool = True  # some row's frequency or presence penalty is not 0
+    any_repetition: bool            # some row's repetition penalty is not 1
+    any_frequency_or_presence: bool  # some row's frequency or presence penalty is not 0
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors, generator: torch.Generator) -> torch.Tensor:

@@ -144,23 +144,29 @@ def test_penalties_do_not_depend_on_batching_chunking_or_preemption():
 
 
 def test_a_penalty_no_row_uses_is_skipped_and_skipping_changes_no_logit(monkeypatch):
-    """A repetition penalty alone (Qwen2.5's default) skips the frequency and presence
-    passes, and what sampling sees is bit for bit what all the passes give."""
+    """A repetition penalty alone (Qwen2.5's default) neither gathers the token counts nor
+    runs the frequency and presence passes, and what sampling sees is bit for bit what all
+    the passes give."""
+    llm = tiny()
+    state = llm.engine.input_batch
     seen = []
     apply_penalties = sampling.apply_penalties
 
     def recording(logits, penalties):
-        every_pass = dataclasses.replace(penalties, any_repetition=True,
-                                         any_frequency_or_presence=True)
+        rows = penalties.input_batch_rows
+        every_pass = dataclasses.replace(
+            penalties, output_counts=state.output_counts[rows], seen=state.seen[rows],
+            any_repetition=True, any_frequency_or_presence=True)
         seen.append((penalties.any_repetition, penalties.any_frequency_or_presence,
+                     penalties.output_counts is None,
                      torch.equal(apply_penalties(logits, penalties),
                                  apply_penalties(logits, every_pass))))
         return apply_penalties(logits, penalties)
     monkeypatch.setattr(sampling, "apply_penalties", recording)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
                             repetition_penalty=1.3)
-    tiny().generate([PROMPTS[0], PROMPTS[1]], params)
-    assert seen and all(entry == (True, False, True) for entry in seen)
+    llm.generate([PROMPTS[0], PROMPTS[1]], params)
+    assert seen and all(entry == (True, False, True, True) for entry in seen)
 
 
 def test_no_count_tensor_is_built_when_no_row_has_a_penalty(monkeypatch):
