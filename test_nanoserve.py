@@ -179,6 +179,23 @@ def test_stream_must_be_a_bool():
         tiny().engine.add_request("ab", GREEDY, stream="no")
 
 
+def test_accumulate_leaves_every_delta_as_it_was():
+    """The whole output extends lists of its own: the first delta's token ids and
+    log-probabilities, and every later one's, are what the engine returned."""
+    engine = tiny().engine
+    engine.add_request("ab", SamplingParams(max_tokens=6, seed=2, logprobs=1), "r")
+    deltas = run_to_end(engine)["r"]
+    returned = [(d.outputs[0].text, list(d.outputs[0].token_ids), list(d.outputs[0].logprobs))
+                for d in deltas]
+    whole = {}
+    for delta in deltas:
+        accumulate(whole, delta)
+    assert [(d.outputs[0].text, d.outputs[0].token_ids, d.outputs[0].logprobs)
+            for d in deltas] == returned
+    assert whole["r"].outputs[0].token_ids == [t for _, ids, _ in returned for t in ids]
+    assert len(whole["r"].outputs[0].logprobs) == 6 and len(deltas) == 6
+
+
 def test_streamed_text_is_always_a_prefix_of_the_final_text():
     """Stop strings that the text starts and abandons many times ("e", "th", "the ..."): text
     that could begin one is held back until it cannot, and what was streamed is never cut."""
