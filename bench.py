@@ -50,7 +50,7 @@ from kernels import AttentionMetadata, select_attention
 from model import PRESETS, DenseKVCache, GPTConfig, LMHead
 from nanoserve import Engine, EngineConfig, accumulate
 from options import check_fields, option
-from paged_cache import kv_bytes_per_token
+from paged_cache import cdiv, kv_bytes_per_token
 from sampling import SamplingParams, sample, sampling_tensors
 from tokenizer import EOT, GPT2_PATTERN, Tokenizer, byte_ranks
 
@@ -766,8 +766,9 @@ def machine_rates(device: str, dtype: torch.dtype) -> tuple[float, float]:
 def hardware_view(cfg: BenchConfig, model, batches, steps=16, host_output_lens=()) -> dict:
     """Decode steps at each batch size against a roofline measured in the same run: max((weight
     + K/V bytes) / copy bandwidth, FLOPs / matmul rate), what the step would cost if it only
-    streamed the weights and the K/V it reads, or only multiplied at a big square matmul's rate. Host cost: at the largest
-    batch and one context (top + 16), a step at each output length n (centred on n)."""
+    streamed the weights and the K/V it reads, or only multiplied at a big square matmul's
+    rate. Host cost: at the largest batch and one context (top + 16), a step at each output
+    length n (centred on n)."""
     matmul_rate, copy_rate = machine_rates(cfg.device, model.lm_head.weight.dtype)
     decode = [decode_step(cfg, model, b, steps=steps) for b in batches]
     top = max(host_output_lens, default=0)
@@ -1138,7 +1139,7 @@ def kernel_step(cfg: BenchConfig, shape: str, batch: int, context: int, reps=20)
     num_heads, num_kv_heads, head_dim = KERNEL_SHAPES[shape]
     device = cfg.device
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    blocks_per_seq = -(-context // cfg.block_size)
+    blocks_per_seq = cdiv(context, cfg.block_size)
     num_blocks = batch * blocks_per_seq
     cache_shape = (num_blocks, cfg.block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(cache_shape, dtype=dtype, device=device)
@@ -1206,22 +1207,10 @@ def step_against_gemms(cfg: BenchConfig, steps=8, rounds=5) -> dict:
         for m in linears:
             F.linear(inputs[m.in_features], m.weight, m.bias)
 
-    attention_s = []
-    sdpa_s = []
+    spent = {"attention": 0.0, "sdpa": 0.0}  # seconds inside each, in a round's timed steps
     attention = engine.attention
-    sdpa = F.scaled_dot_product_attention
-
-    def timed_attention(*args):
-        start = synced_clock(cfg.device)
-        out = attention(*args)
-        attention_s.append(synced_clock(cfg.device) - start)
-        return out
-
-    def timed_sdpa(*args, **kwargs):
-        start = synced_clock(cfg.device)
-        out = sdpa(*args, **kwargs)
-        sdpa_s.append(synced_clock(cfg.device) - start)
-        return out
+    timed_attention = partial(timed_call, attention, spent, "attention", cfg.device)
+    timed_sdpa = partial(timed_call, F.scaled_dot_product_attention, spent, "sdpa", cfg.device)
 
     step_ms = []          # a step, by round
     gemm_ms = []          # the GEMMs alone, by round
@@ -1230,14 +1219,14 @@ def step_against_gemms(cfg: BenchConfig, steps=8, rounds=5) -> dict:
     for _ in range(rounds):
         step_ms.append(1e3 * per_call(engine.step, steps, cfg.device))
         gemm_ms.append(1e3 * per_call(gemms, steps, cfg.device))
-        attention_s.clear()
-        sdpa_s.clear()
+        spent["attention"] = 0.0
+        spent["sdpa"] = 0.0
         engine.attention = timed_attention
         with mock.patch.object(F, "scaled_dot_product_attention", timed_sdpa):
             timed = per_call(engine.step, steps, cfg.device)
         engine.attention = attention
-        attention_share.append(sum(attention_s) / steps / timed)
-        sdpa_share.append(sum(sdpa_s) / steps / timed)
+        attention_share.append(spent["attention"] / steps / timed)
+        sdpa_share.append(spent["sdpa"] / steps / timed)
     step = float(np.median(step_ms))
     gemm = float(np.median(gemm_ms))
     context = float(np.mean([len(seq.token_ids) for seq in engine.scheduler.running]))

@@ -199,8 +199,12 @@ def step_phase(seq: Sequence, num_new: int, sampled: bool, failed: bool) -> str:
     """What a step computed for seq (read after the update): "decode", its one newest token,
     sampled at the step before; "recompute", tokens it had computed before a preemption
     freed them; else "prefill", a chunk of its prompt. A failed sequence did not advance."""
-    start = seq.num_computed_tokens if failed else seq.num_computed_tokens - num_new
-    num_tokens_before = len(seq.token_ids) - sampled  # update() appended the sampled token
+    start = seq.num_computed_tokens
+    if not failed:
+        start -= num_new
+    num_tokens_before = len(seq.token_ids)
+    if sampled:  # update() appended the sampled token
+        num_tokens_before -= 1
     if num_new == 1 and start >= len(seq.prompt_token_ids) and start + 1 == num_tokens_before:
         return "decode"
     if seq.num_preemptions:

@@ -148,7 +148,7 @@ class WaitingQueue:
         """The sequence to admit next at scheduler step `step`, or None if none waits."""
         if self.policy == "sjf":
             oldest = self._live_top(self._by_arrival)
-            if oldest is not None and step - oldest.arrival_step >= self.max_wait_steps:
+            if oldest is not None and self._waited_too_long(oldest, step):
                 return oldest
         return self._live_top(self._heap)
 
@@ -157,21 +157,37 @@ class WaitingQueue:
         admitted meanwhile: under sjf those that have waited max_wait_steps first, oldest
         first, then the rest by the heap's key (the key each was pushed with). For showing the
         queue (watch.py); the heap is left as it is."""
-        live = sorted(item for item in self._heap if item[2].queue_entry == item[1])
+        live = sorted(item for item in self._heap if is_live(item))
         waiting = [seq for _, _, seq in live]
         if self.policy != "sjf":
             return waiting
-        overdue = [seq for seq in waiting if step - seq.arrival_step >= self.max_wait_steps]
+        overdue = []
+        rest = []
+        for seq in waiting:
+            if self._waited_too_long(seq, step):
+                overdue.append(seq)
+            else:
+                rest.append(seq)
         overdue.sort(key=arrival_order)
-        return overdue + [seq for seq in waiting if step - seq.arrival_step < self.max_wait_steps]
+        return overdue + rest
+
+    def _waited_too_long(self, seq: Sequence, step: int) -> bool:
+        """sjf: whether seq has waited max_wait_steps by scheduler step `step`, and goes first."""
+        return step - seq.arrival_step >= self.max_wait_steps
 
     @staticmethod
     def _live_top(heap: list) -> Sequence | None:
-        while heap and heap[0][2].queue_entry != heap[0][1]:
+        while heap and not is_live(heap[0]):
             heapq.heappop(heap)  # a stale entry: its sequence was admitted, aborted or re-queued
         if not heap:
             return None
         return heap[0][2]
+
+
+def is_live(item: tuple) -> bool:
+    """Whether a heap item (key, entry, seq) is still its sequence's entry (removal is lazy)."""
+    _, entry, seq = item
+    return seq.queue_entry == entry
 
 
 def arrival_order(seq: Sequence) -> tuple[int, int]:

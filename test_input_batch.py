@@ -4,8 +4,8 @@ table gained, the tokens a penalised sequence gained), and a row left behind is 
 import pytest
 import torch
 
-from conftest import GREEDY, assert_no_leaks, tiny
 import input_batch
+from conftest import GREEDY, assert_no_leaks, tiny
 from input_batch import InputBatch
 from sampling import SamplingParams
 

@@ -9,11 +9,11 @@ import torch
 
 import cli
 import model as M
+import sampling
 from conftest import (NEAR_TIE, PROMPTS, assert_no_leaks, chat_checkpoint, checkpoint_llm, http,
                       nanoserve_main, server_in_process, tiny, token_ids)
 from input_batch import InputBatch
 from nanoserve import Engine
-import sampling
 from sampling import SamplingParams, SamplingTensors, apply_top_k_top_p, sample
 from tokenizer import EOT
 
