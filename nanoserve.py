@@ -706,35 +706,7 @@ class Engine:
         Only the blocks a table gained go up; the tables stay on the device, in the input
         batch (input_batch.py), and the slots are read from them there: a step costs what is
         new in it, not its sequences' blocks."""
-        ints = dict(input_ids=[], positions=[], context_lens=[], query_start_loc=[0], rows=[],
-                    token_rows=[], new_block_rows=[], new_block_columns=[], new_block_ids=[],
-                    sample_rows=[], prompt_rows=[], prompt_targets=[])
-        sample_seqs = []  # the sequences that sample, in the order of ints["sample_rows"]
-        prompt_seqs = []  # the sequence of each of ints["prompt_rows"]
-        for seq, num_new in num_scheduled_tokens.items():
-            start = seq.num_computed_tokens
-            end = start + num_new
-            first_row = ints["query_start_loc"][-1]
-            row, first_column, new_block_ids = self.input_batch.new_blocks(seq)
-            ints["input_ids"] += seq.token_ids[start:end]
-            ints["positions"] += range(start, end)
-            ints["context_lens"].append(end)
-            ints["query_start_loc"].append(first_row + num_new)
-            ints["rows"].append(row)
-            ints["token_rows"] += [row] * num_new
-            if new_block_ids:  # most decodes fill a block they hold
-                num_new_blocks = len(new_block_ids)
-                ints["new_block_rows"] += [row] * num_new_blocks
-                ints["new_block_columns"] += range(first_column, first_column + num_new_blocks)
-                ints["new_block_ids"] += new_block_ids
-            if end == len(seq.token_ids):  # no uncomputed token left: sample the next one
-                ints["sample_rows"].append(first_row + num_new - 1)
-                sample_seqs.append(seq)
-            if seq.params.prompt_logprobs is not None:
-                for position in self._prompt_positions_to_score(seq, start, end):
-                    ints["prompt_rows"].append(first_row + position - start)
-                    ints["prompt_targets"].append(seq.token_ids[position + 1])
-                    prompt_seqs.append(seq)
+        ints, sample_seqs, prompt_seqs = self._flatten_inputs(num_scheduled_tokens)
         tensors = upload(ints, torch.int64, self.config.device)
         # the blocks attention reads: those of the longest context (a table holds no more)
         max_num_blocks = cdiv(max(ints["context_lens"]), self.block_pool.block_size)
@@ -751,6 +723,55 @@ class Engine:
                      attn_metadata=attn_metadata, sample_rows=tensors["sample_rows"],
                      sample_seqs=sample_seqs, prompt_rows=tensors["prompt_rows"],
                      prompt_targets=tensors["prompt_targets"], prompt_seqs=prompt_seqs)
+
+    def _flatten_inputs(self, num_scheduled_tokens: dict[Sequence, int]
+                        ) -> tuple[dict[str, list[int]], list[Sequence], list[Sequence]]:
+        """_prepare_inputs' host half: its lists of ints by name (input_ids, positions, ...),
+        the sequences that sample and those whose prompt tokens are scored: one pass over the
+        scheduled sequences, the example above's lists built side by side."""
+        input_ids = []
+        positions = []
+        context_lens = []
+        query_start_loc = [0]
+        rows = []            # each sequence's row in the input batch
+        token_rows = []      # each token's sequence's row
+        new_block_rows = []  # (row, column, block id) of each block a table gained
+        new_block_columns = []
+        new_block_ids = []
+        sample_rows = []
+        sample_seqs = []     # the sequences that sample, in the order of sample_rows
+        prompt_rows = []
+        prompt_targets = []
+        prompt_seqs = []     # the sequence of each of prompt_rows
+        for seq, num_new in num_scheduled_tokens.items():
+            start = seq.num_computed_tokens
+            end = start + num_new
+            first_row = query_start_loc[-1]
+            row, first_column, gained = self.input_batch.new_blocks(seq)
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            context_lens.append(end)
+            query_start_loc.append(first_row + num_new)
+            rows.append(row)
+            token_rows += [row] * num_new
+            if gained:  # most decodes fill a block they hold
+                new_block_rows += [row] * len(gained)
+                new_block_columns += range(first_column, first_column + len(gained))
+                new_block_ids += gained
+            if end == len(seq.token_ids):  # no uncomputed token left: sample the next one
+                sample_rows.append(first_row + num_new - 1)
+                sample_seqs.append(seq)
+            if seq.params.prompt_logprobs is not None:
+                for position in self._prompt_positions_to_score(seq, start, end):
+                    prompt_rows.append(first_row + position - start)
+                    prompt_targets.append(seq.token_ids[position + 1])
+                    prompt_seqs.append(seq)
+        ints = dict(input_ids=input_ids, positions=positions, context_lens=context_lens,
+                    query_start_loc=query_start_loc, rows=rows, token_rows=token_rows,
+                    new_block_rows=new_block_rows, new_block_columns=new_block_columns,
+                    new_block_ids=new_block_ids, sample_rows=sample_rows,
+                    prompt_rows=prompt_rows, prompt_targets=prompt_targets)
+        return ints, sample_seqs, prompt_seqs
 
     @staticmethod
     def _prompt_positions_to_score(seq: Sequence, start: int, end: int) -> range:
