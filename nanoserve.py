@@ -159,7 +159,8 @@ class StepRecord:
     num_waiting: int
     num_kv_tokens: int              # tokens whose K/V the running sequences hold
     kv_blocks_used: int
-    # each scheduled sequence's phase this step (step_phase): "prefill", "decode", "recompute"
+    # each scheduled sequence's phase this step (scheduled_phase): "prefill", "decode",
+    # "recompute"
     phases: dict[str, str] = field(default_factory=dict)
 
 
@@ -193,23 +194,6 @@ def is_device_error(error: Exception) -> bool:
     reports it at the next wait for the GPU, whichever request caused it, and the CUDA context
     stays unusable, so running the requests again one at a time would only fail them all."""
     return isinstance(error, torch.AcceleratorError) or "CUDA error" in str(error)
-
-
-def step_phase(seq: Sequence, num_new: int, sampled: bool, failed: bool) -> str:
-    """What a step computed for seq (read after the update): "decode", its one newest token,
-    sampled at the step before; "recompute", tokens it had computed before a preemption
-    freed them; else "prefill", a chunk of its prompt. A failed sequence did not advance."""
-    start = seq.num_computed_tokens
-    if not failed:
-        start -= num_new
-    num_tokens_before = len(seq.token_ids)
-    if sampled:  # update() appended the sampled token
-        num_tokens_before -= 1
-    if num_new == 1 and start >= len(seq.prompt_token_ids) and start + 1 == num_tokens_before:
-        return "decode"
-    if seq.num_preemptions:
-        return "recompute"
-    return "prefill"
 
 
 def sample_id(request_id: str, index: int) -> str:
@@ -406,9 +390,7 @@ class Engine:
             num_waiting=len(self.scheduler.waiting),
             num_kv_tokens=sum(seq.num_computed_tokens for seq in self.scheduler.running),
             kv_blocks_used=self.block_pool.num_blocks - self.block_pool.num_free_blocks,
-            phases={seq.seq_id: step_phase(seq, num_new, seq in model_output.sampled_token_ids,
-                                           seq in model_output.failed)
-                    for seq, num_new in scheduled.items()})
+            phases={seq.seq_id: phase for seq, phase in scheduler_output.phases.items()})
         self.stats.record(self.last_step)
         if self.step_records is not None:
             self.step_records.append(self.last_step)

@@ -10,11 +10,11 @@ holds: its full blocks were registered there, so unless evicted meanwhile it tak
 on readmission and resumes from them. This is vLLM v1's rule, after Orca and Sarathi.
 
 In this file, in order: Sequence (one sample of a request), SchedulerOutput (what a step runs
-and what scheduling it changed), WaitingQueue (admission order: fcfs, sjf), Scheduler, whose
-schedule() is the policy and whose update() applies a step's results, and check_stop, the one
-place that says why a sequence finishes. The engine (nanoserve.py) calls schedule(), runs the
-model on its output, calls update(), then check_stop() on each new token. Blocks come from
-paged_cache.py.
+and what scheduling it changed) and scheduled_phase (what a sequence's new tokens are),
+WaitingQueue (admission order: fcfs, sjf), Scheduler, whose schedule() is the policy and whose
+update() applies a step's results, and check_stop, the one place that says why a sequence
+finishes. The engine (nanoserve.py) calls schedule(), runs the model on its output, calls
+update(), then check_stop() on each new token. Blocks come from paged_cache.py.
 
 Left out: swapping to CPU, priorities set by the client, lookahead slots.
 """
@@ -104,6 +104,33 @@ class SchedulerOutput:
     newly_admitted: dict[Sequence, int] = field(default_factory=dict)
     # sent back to the waiting queue this step, their blocks freed
     preempted: list[Sequence] = field(default_factory=list)
+    # each scheduled sequence -> what its new tokens are (scheduled_phase): "decode",
+    # "prefill" or "recompute"
+    phases: dict[Sequence, str] = field(default_factory=dict)
+
+    def schedule(self, seq: Sequence, num_new: int) -> None:
+        """seq runs num_new of its uncomputed tokens this step."""
+        self.num_scheduled_tokens[seq] = num_new
+        self.phases[seq] = scheduled_phase(seq, num_new)
+
+    def unschedule(self, seq: Sequence) -> int:
+        """seq, preempted, does not run after all: the tokens it had been given (0 if none)."""
+        self.phases.pop(seq, None)
+        return self.num_scheduled_tokens.pop(seq, 0)
+
+
+def scheduled_phase(seq: Sequence, num_new: int) -> str:
+    """What seq computes when it is given num_new tokens: "decode", its one newest token,
+    sampled at the step before; "recompute", tokens it had computed before a preemption
+    freed them; else "prefill", a chunk of its prompt. Decided when the step is scheduled,
+    where it is known, not worked out afterwards from how the sequence changed."""
+    start = seq.num_computed_tokens
+    is_newest_token = start + 1 == len(seq.token_ids)
+    if num_new == 1 and is_newest_token and start >= len(seq.prompt_token_ids):
+        return "decode"
+    if seq.num_preemptions:
+        return "recompute"
+    return "prefill"
 
 
 class WaitingQueue:
@@ -269,14 +296,14 @@ class Scheduler:
                 continue
             while not seq.block_table.ensure(seq.num_computed_tokens + num_new):
                 victim = self.running[-1]  # the newest: the least work to redo
-                budget += output.num_scheduled_tokens.pop(victim, 0)  # if it was scheduled
+                budget += output.unschedule(victim)  # if it was scheduled
                 self._preempt(victim)
                 output.preempted.append(victim)
                 if victim is seq:  # nothing newer was left to preempt
                     break
             if seq.status != SequenceStatus.RUNNING:
                 continue
-            output.num_scheduled_tokens[seq] = num_new
+            output.schedule(seq, num_new)
             budget -= num_new
         return budget
 
@@ -295,7 +322,7 @@ class Scheduler:
             self._admit(seq, output, cached_hashes, cached_block_ids)
             took_blocks = seq.block_table.ensure(num_cached + num_new)
             assert took_blocks, "_fits_beside_running counted these blocks as free"
-            output.num_scheduled_tokens[seq] = num_new
+            output.schedule(seq, num_new)
             budget -= num_new
 
     def _num_new_tokens(self, num_uncomputed: int, budget: int) -> int:

@@ -42,6 +42,30 @@ def test_newest_running_sequence_is_preempted_first():
     assert scheduler.num_preemptions == 1
 
 
+def test_scheduler_output_names_each_scheduled_sequences_phase():
+    """decode: the newest token, sampled at the step before; prefill: prompt tokens (the last
+    one too); recompute: tokens a preemption freed."""
+    scheduler, block_pool = make_scheduler()
+    decoding = running_seq(scheduler, block_pool, "d", 5, 5)
+    decoding.token_ids.append(7)  # sampled at the step before
+    last_prompt_token = running_seq(scheduler, block_pool, "p", 5, 4)
+    recomputed = running_seq(scheduler, block_pool, "r", 6, 0)
+    recomputed.num_preemptions = 1
+    assert scheduler.schedule().phases == {decoding: "decode", last_prompt_token: "prefill",
+                                           recomputed: "recompute"}
+
+
+def test_a_sequence_preempted_after_it_was_scheduled_leaves_the_step():
+    """The newer sequence, a decode, is scheduled first; the older one's prompt chunk then
+    needs its blocks: it is preempted, and leaves the step, its tokens and its phase both."""
+    scheduler, block_pool = make_scheduler(num_blocks=3)
+    older = running_seq(scheduler, block_pool, "o", 12, 4)  # 8 prompt tokens to go
+    newer = running_seq(scheduler, block_pool, "n", 5, 4)   # its last prompt token
+    output = scheduler.schedule()
+    assert output.preempted == [newer]
+    assert output.num_scheduled_tokens == {older: 8} and output.phases == {older: "prefill"}
+
+
 def test_chunks_never_exceed_the_token_budget():
     llm = tiny(max_num_batched_tokens=24)
     sizes = []
