@@ -279,10 +279,11 @@ def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[
                      device: str) -> SamplingTensors:
     """The sampling parameters of the sequences that sample (a row each), as device tensors;
     the penalties' state, kept from step to step, is the persistent batch's (input_batch.py)."""
-    greedy = [seq.params.temperature < GREEDY_BELOW for seq in seqs]
-    temperature = [1.0 if g else seq.params.temperature for g, seq in zip(greedy, seqs)]
-    top_k = [seq.params.top_k or vocab_size for seq in seqs]
-    top_p = [seq.params.top_p for seq in seqs]
+    params = [seq.params for seq in seqs]
+    greedy = [p.temperature < GREEDY_BELOW for p in params]
+    temperature = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
+    top_k = [p.top_k or vocab_size for p in params]
+    top_p = [p.top_p for p in params]
     floats = upload(dict(temperature=temperature, top_p=top_p), torch.float32, device)
     ints = upload(dict(top_k=top_k, greedy=greedy), torch.int64, device)
     any_top_k_top_p = any(k < vocab_size or p < 1 for k, p in zip(top_k, top_p))
@@ -291,8 +292,8 @@ def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[
         greedy=ints["greedy"].bool(), top_k=ints["top_k"],
         generators=[seq.generator for seq in seqs], all_greedy=all(greedy),
         any_top_k_top_p=any_top_k_top_p)
-    if any(seq.params.min_p > 0 for seq in seqs):
-        min_p = [seq.params.min_p for seq in seqs]
+    if any(p.min_p > 0 for p in params):
+        min_p = [p.min_p for p in params]
         tensors.min_p = upload(dict(min_p=min_p), torch.float32, device)["min_p"]
     tensors.logit_bias = logit_bias_rows(seqs, vocab_size, eos_token_ids, device)
     return tensors
@@ -308,9 +309,9 @@ def logit_bias_rows(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[i
     biases = []
     for row, seq in enumerate(seqs):
         params = seq.params
-        holds_back = seq.num_output_tokens < params.min_tokens
-        if not params.logit_bias and not holds_back:  # most rows: nothing to add
+        if not params.logit_bias and not params.min_tokens:  # most rows: nothing to add
             continue
+        holds_back = seq.num_output_tokens < params.min_tokens
         banned = []
         if holds_back:
             banned = list(params.stop_token_ids)
