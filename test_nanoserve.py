@@ -20,7 +20,7 @@ from conftest import (DEVICE, GREEDY, PROMPTS, CountSyncs, assert_no_leaks,
 from nanoserve import LLM, Engine, EngineConfig, accumulate
 from sampling import SamplingParams
 from server import Server, ServerConfig
-from tokenizer import EOT, Detokenizer, byte_tokenizer
+from tokenizer import EOT, RECENT_CHARS, Detokenizer, byte_tokenizer
 
 
 def whole_token_ids(deltas: list) -> list[int]:
@@ -227,6 +227,26 @@ def test_detokenizer_holds_back_a_possible_stop_string_and_split_utf8():
     assert "".join(pieces) + detok.new_text(finished=True) == "us in th\u00e9 the x"
 
 
+def test_detokenizer_adds_a_token_to_a_short_string_not_to_all_the_text():
+    """A token's text is added to the newest characters only (at most RECENT_CHARS past the
+    stop strings' overlap), however long the text grows unreturned, as a request that does
+    not stream lets it; the text comes back whole, and a stop string is still found across
+    the pieces it was kept in."""
+    enc = byte_tokenizer()
+    detok = Detokenizer(enc, ["the end"])
+    text = "and so on, " * 400 + "the end and after"
+    longest_recent = 0
+    found = None
+    for byte in text.encode():
+        found = detok.append(enc.token_id(bytes([byte])))
+        longest_recent = max(longest_recent, len(detok.recent))
+        if found is not None:
+            break
+    assert found == "the end"
+    assert longest_recent <= RECENT_CHARS + len("the end") - 1
+    assert detok.new_text(finished=True) == "and so on, " * 400
+
+
 def test_stop_string_ends_generation_and_is_cut():
     llm = LLM(device="cpu", dtype="float32")  # the shipped model writes ASCII
     full = llm.generate(["Hello"], GREEDY)[0].outputs[0]
@@ -267,7 +287,7 @@ def test_stop_string_earliest_in_the_text_wins_then_the_longest(stop, expected):
     detokenizer = Detokenizer(TextTokens(["x", "abc"]), stop)
     assert detokenizer.append(0) is None
     assert detokenizer.append(1) == expected
-    assert detokenizer.text == "x"
+    assert detokenizer.new_text(finished=True) == "x"
 
 
 def test_max_tokens_and_end_of_text_set_finish_reason():

