@@ -404,7 +404,9 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.stop = stop
         self.include_stop = include_stop  # the text ends after the stop string, not before
-        self.max_stop_len = max(map(len, stop), default=0)
+        longest_stop = max(map(len, stop), default=0)
+        # a stop string's overlap: the characters before a token's text where one may start
+        self.overlap = max(longest_stop - 1, 0)
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.settled: list[str] = []  # not returned yet, and out of every stop string's reach
         self.recent = ""              # not returned yet, the newest text
@@ -413,7 +415,7 @@ class Detokenizer:
         """Add a token's text (none for a special token, or an id past the tokenizer); return
         the stop string it completed (unless not check_stop: before min_tokens), the text cut
         before it (or after it, if include_stop)."""
-        search_from = max(0, len(self.recent) - self.max_stop_len + 1)  # a stop's overlap
+        search_from = max(0, len(self.recent) - self.overlap)
         self.recent += self.decoder.decode(self.tokenizer.token_bytes(token))
         found = None
         if check_stop and self.stop:
@@ -444,10 +446,9 @@ class Detokenizer:
 
     def _settle(self) -> None:
         """Move all of recent but a stop string's overlap into settled, once it is long."""
-        overlap = max(self.max_stop_len - 1, 0)
-        if len(self.recent) <= RECENT_CHARS + overlap:
+        if len(self.recent) <= RECENT_CHARS + self.overlap:
             return
-        split = len(self.recent) - overlap
+        split = len(self.recent) - self.overlap
         self.settled.append(self.recent[:split])
         self.recent = self.recent[split:]
 
@@ -458,7 +459,7 @@ class Detokenizer:
     def new_text(self, finished: bool) -> str:
         """Text not returned yet, less (unless finished) what could still become a stop string."""
         end = len(self.recent)
-        for n in range(0 if finished else min(self.max_stop_len - 1, end), 0, -1):
+        for n in range(0 if finished else min(self.overlap, end), 0, -1):
             if any(s.startswith(self.recent[-n:]) for s in self.stop):
                 end -= n
                 break
