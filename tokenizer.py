@@ -407,6 +407,7 @@ class Detokenizer:
         longest_stop = max(map(len, stop), default=0)
         # a stop string's overlap: the characters before a token's text where one may start
         self.overlap = max(longest_stop - 1, 0)
+        self.max_recent_chars = RECENT_CHARS + self.overlap  # then recent is settled
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.settled: list[str] = []  # not returned yet, and out of every stop string's reach
         self.recent = ""              # not returned yet, the newest text
@@ -420,7 +421,8 @@ class Detokenizer:
         found = None
         if check_stop and self.stop:
             found = self._find_stop(search_from)
-        self._settle()
+        if len(self.recent) > self.max_recent_chars:
+            self._settle()
         return found
 
     def _find_stop(self, search_from: int) -> str | None:
@@ -445,9 +447,7 @@ class Detokenizer:
         return found
 
     def _settle(self) -> None:
-        """Move all of recent but a stop string's overlap into settled, once it is long."""
-        if len(self.recent) <= RECENT_CHARS + self.overlap:
-            return
+        """Move all of recent but a stop string's overlap into settled."""
         split = len(self.recent) - self.overlap
         self.settled.append(self.recent[:split])
         self.recent = self.recent[split:]
