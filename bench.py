@@ -52,7 +52,7 @@ from nanoserve import Engine, EngineConfig, accumulate
 from options import check_fields, option
 from paged_cache import cdiv, kv_bytes_per_token
 from sampling import SamplingParams, sample, sampling_tensors
-from tokenizer import EOT, GPT2_PATTERN, Tokenizer, byte_ranks
+from tokenizer import EOT, GPT2_PATTERN, Detokenizer, Tokenizer, byte_ranks, byte_tokenizer
 
 MODES = {  # mode -> (what it is, EngineConfig overrides); naive does not use the engine
     "naive": ("naive: padded static batches, dense KV cache", None),
@@ -101,6 +101,8 @@ class BenchConfig:
                            "step, and the head alone at a 152k vocabulary")
     host_overhead: bool = option(False, "only the host's work per decode step, by phase: the "
                                  "real engine with the model's forward stubbed out")
+    detokenizer: bool = option(False, "only Detokenizer.append's cost a token, with 1k, 16k "
+                               "and 64k characters of a request's text not yet returned")
     host_batches: tuple = option((16, 64, 256), "host overhead: batch sizes")
     host_contexts: tuple = option((256, 4096), "host overhead: tokens of context a sequence")
     kernel: bool = option(False, "only the paged-attention kernel against torch's SDPA on the "
@@ -1122,6 +1124,37 @@ def host_step(cfg: BenchConfig, batch: int, context: int, penalty: bool, stream:
     return result
 
 
+DETOKENIZER_CHARS = (1000, 16000, 64000)  # a request's text not yet returned, in characters
+
+
+def detokenizer_cost(cfg: BenchConfig, tokens: int = 5000) -> list[dict]:
+    """Microseconds Detokenizer.append takes a token (the byte tokenizer's: a character each)
+    once a request holds `chars` characters it has not returned (one that does not stream
+    returns none until it ends), without a stop string and with one. A token should cost its
+    own text, whatever came before it."""
+    tokenizer = byte_tokenizer()
+    text = b"word " * (2 * max(DETOKENIZER_CHARS) // 5)
+    token_ids = [tokenizer.token_id(bytes([byte])) for byte in text]
+    rows = []
+    for stop in ([], ["the end"]):
+        for chars in DETOKENIZER_CHARS:
+            detokenizer = Detokenizer(tokenizer, stop)
+            for token in token_ids[:chars]:
+                detokenizer.append(token)
+            start = time.perf_counter()
+            for token in token_ids[chars:chars + tokens]:
+                detokenizer.append(token)
+            seconds = time.perf_counter() - start
+            rows.append(dict(chars=chars, stop_strings=len(stop),
+                             us_per_token=1e6 * seconds / tokens))
+    return rows
+
+
+def detokenizer_table(rows: list[dict]) -> str:
+    return table("Detokenizer.append, us a token, by characters not yet returned", rows,
+                 "chars stop_strings us_per_token")
+
+
 # ----------------------------------------------------------------------------- attention kernel
 
 # (query heads, K/V heads, head dim): GPT-2's (12 of 64, a K/V head each) and Llama 3 8B's
@@ -1275,10 +1308,12 @@ def versions(cfg: BenchConfig) -> dict:
 
 
 def run_single_measurement(cfg: BenchConfig) -> bool:
-    """The measurement a flag asks for alone (--lm-head, --host-overhead, --step-gemms,
-    --kernel): run it, print its table, write its figures to --out; False if none is asked."""
+    """The measurement a flag asks for alone (--lm-head, --host-overhead, --detokenizer,
+    --step-gemms, --kernel): run it, print its table, write its figures to --out; False if
+    none is asked."""
     modes = {"lm_head": (cfg.lm_head, lm_head_cost, lm_head_table),
              "host_overhead": (cfg.host_overhead, host_overhead, host_table),
+             "detokenizer": (cfg.detokenizer, detokenizer_cost, detokenizer_table),
              "step_gemms": (cfg.step_gemms, step_against_gemms, step_gemms_table),
              "kernel": (cfg.kernel, kernel_sweep, kernel_table)}
     for name, (asked, measure, draw) in modes.items():

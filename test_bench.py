@@ -464,6 +464,19 @@ def test_bench_host_overhead_times_each_phase_of_a_stubbed_decode_step(tmp_path)
     assert "| 4 | 16 | True | True |" in printed.getvalue()
 
 
+def test_bench_detokenizer_times_a_token_at_each_length_of_unreturned_text(tmp_path):
+    """--detokenizer: a row per length of text not yet returned, without and with a stop
+    string, each with the microseconds a token took."""
+    out = tmp_path / "detokenizer.json"
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        bench.main(["--detokenizer", "--out", str(out)])
+    rows = json.loads(out.read_text())["detokenizer"]
+    assert [(row["chars"], row["stop_strings"]) for row in rows] == [
+        (chars, stops) for stops in (0, 1) for chars in bench.DETOKENIZER_CHARS]
+    assert all(row["us_per_token"] > 0 for row in rows)
+    assert "| 64000 | 1 |" in printed.getvalue()
+
+
 def test_bench_step_gemms_times_a_decode_step_against_its_linears_alone(tmp_path):
     """--step-gemms: the step, every nn.Linear of the model (the LM head too) alone, and
     attention's share of the step, which the step's time bounds, and SDPA's within it."""
