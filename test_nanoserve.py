@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import io
 import math
+import random
 import re
 import sys
 import threading
@@ -245,6 +246,42 @@ def test_detokenizer_adds_a_token_to_a_short_string_not_to_all_the_text():
     assert found == "the end"
     assert longest_recent <= RECENT_CHARS + len("the end") - 1
     assert detok.new_text(finished=True) == "and so on, " * 400
+
+
+def text_before_first_stop(text: str, stop: list[str]) -> str:
+    """What a request that writes `text` a character a token returns: the text cut where the
+    first stop string to be completed starts (of those completed by the same character, the
+    one that starts first, then the longest)."""
+    for end in range(1, len(text) + 1):
+        found = [(text.find(s), -len(s)) for s in stop if s in text[:end]]
+        if found:
+            return text[:min(found)[0]]
+    return text
+
+
+def test_streamed_and_whole_text_are_the_text_before_the_first_stop_string():
+    """Random texts of up to 300 characters (past RECENT_CHARS, so recent is settled) and
+    random stop strings: the deltas of a request read every token, added up, and the text of
+    one read only at its end, both equal text_before_first_stop."""
+    rng = random.Random(0)
+    enc = byte_tokenizer()
+    for _ in range(300):
+        text = "".join(rng.choice("ab c") for _ in range(rng.randrange(1, 300)))
+        stop = ["".join(rng.choice("abc") for _ in range(rng.randrange(1, 6)))
+                for _ in range(rng.randrange(1, 3))]
+        streamed = Detokenizer(enc, stop)
+        whole = Detokenizer(enc, stop)
+        deltas = []
+        for char in text:
+            token = enc.token_id(char.encode())
+            found = streamed.append(token)
+            assert whole.append(token) == found
+            deltas.append(streamed.new_text(finished=found is not None))
+            if found is not None:
+                break
+        expected = text_before_first_stop(text, stop)
+        assert "".join(deltas) + streamed.new_text(finished=True) == expected, (text, stop)
+        assert whole.new_text(finished=True) == expected, (text, stop)
 
 
 def test_stop_string_ends_generation_and_is_cut():
