@@ -54,7 +54,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor      # (S,) int32: tokens with K/V per sequence, this step's included
     query_start_loc: torch.Tensor   # (S + 1,) int32: sequence s owns rows [start[s], start[s+1])
     max_query_len: int              # longest query run in the batch (1 for a decode-only batch)
-    decode_plan: object = None      # paged_attention_cpu's, made by its step's first layer
+    step_plan: object = None        # paged_attention_cpu's, made by its step's first layer
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -139,72 +139,86 @@ def _attend(q, k, v, scale):
 
 
 @dataclass
-class DecodePlan:
-    """How paged_attention_cpu attends a step's decodes, made by its first layer for all."""
-    batches: list   # by context length: rows (b,), flat block ids (b * nb,), mask (b, 1, 1, T)
-    buffers: tuple  # K and V gathered for one batch: (b * nb, BS, Hkv, D) each
+class StepPlan:
+    """How paged_attention_cpu attends a step, worked out by its first layer for all: which
+    sequences are prefill chunks and which decodes, and how the decodes go in batches."""
+    prefills: list             # (sequence, its rows of q as a slice), a chunk of many queries
+    decode_rows: torch.Tensor  # (d,) the decodes' rows of q, by context length
+    batches: list              # a run of decode_rows each: (start, end), flat block ids
+                               # (b * nb,), mask (b, 1, 1, T)
+    buffers: tuple             # K and V gathered for one batch: (b * nb, BS, Hkv, D) each
 
 
-def plan_decodes(meta: AttentionMetadata, decode: list, k_cache: torch.Tensor) -> DecodePlan:
-    """Decodes sorted by context length, so each pads only to its batch's longest context, in
-    batches of as few as keep their K/V under DECODE_BYTES, to stay in the CPU's caches while
-    attended."""
+def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
+    """The step's prefill chunks, and its decodes sorted by context length, so each batch pads
+    only to its longest context, in batches of as few as keep their K/V under DECODE_BYTES,
+    to stay in the CPU's caches while attended."""
+    starts = meta.query_start_loc.tolist()
+    prefills = []
+    decodes = []
+    for s, (start, end) in enumerate(zip(starts, starts[1:])):
+        if end - start == 1:
+            decodes.append(s)
+        else:
+            prefills.append((s, slice(start, end)))
+    if not decodes:
+        return StepPlan(prefills, None, [], ())
     lens = meta.context_lens.tolist()
     block_size = k_cache.shape[1]
-    decode = sorted(decode, key=lens.__getitem__)
-    longest = lens[decode[-1]]
+    decodes.sort(key=lens.__getitem__)
+    longest = lens[decodes[-1]]
     # its K and V at the longest context: k_cache[0, 0] is one token's (Hkv, D), the KV heads
     bytes_per_decode = 2 * longest * k_cache[0, 0].nbytes
     batch_size = max(1, min(DECODE_BATCH, DECODE_BYTES // bytes_per_decode))
     batches = []
-    for i in range(0, len(decode), batch_size):
-        batch = decode[i:i + batch_size]
+    for start in range(0, len(decodes), batch_size):
+        batch = decodes[start:start + batch_size]
         num_blocks = cdiv(lens[batch[-1]], block_size)
         positions = torch.arange(num_blocks * block_size, device=k_cache.device)
         past_end = positions >= meta.context_lens[batch, None]                   # (b, T)
         mask = k_cache.new_zeros(past_end.shape).masked_fill_(past_end, float("-inf"))
-        rows = meta.query_start_loc[batch].to(torch.int64)                       # (b,)
         blocks = meta.block_tables[batch, :num_blocks].flatten().to(torch.int64)  # (b * nb,)
-        batches.append((rows, blocks, mask[:, None, None]))                      # mask (b,1,1,T)
-    buffer_shape = (min(len(decode), batch_size) * cdiv(longest, block_size), *k_cache.shape[1:])
+        end = start + len(batch)
+        batches.append(((start, end), blocks, mask[:, None, None]))               # mask (b,1,1,T)
+    decode_rows = meta.query_start_loc[decodes].to(torch.int64)                  # (d,)
+    buffer_shape = (min(len(decodes), batch_size) * cdiv(longest, block_size), *k_cache.shape[1:])
     buffers = (k_cache.new_empty(buffer_shape), k_cache.new_empty(buffer_shape))
-    return DecodePlan(batches, buffers)
+    return StepPlan(prefills, decode_rows, batches, buffers)
 
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """paged_attention_ref's result, faster on a CPU: same arguments. Prefill chunks go one
-    sequence at a time, as there; decodes a batch at a time, by a DecodePlan made once a step,
+    sequence at a time, as there; decodes a batch at a time, by a StepPlan made once a step,
     not per layer. Every batch of every layer gathers K/V into the same two buffers, which stay
     in the CPU's caches while attention reads them: each K/V in the cache is read once from
     memory, where a fresh gather per batch wrote then re-read it (38% of a batch-32 decode
-    step, 2-core EPYC). With GQA each KV head is gathered once and serves its G query heads
-    as G query rows: K/V are never copied per query head."""
+    step, 2-core EPYC). The decodes' queries are gathered once a layer, in the plan's order,
+    and their outputs put back once, so that a batch is a slice of them, not an index. With
+    GQA each KV head is gathered once and serves its G query heads as G query rows: K/V are
+    never copied per query head."""
     _, num_heads, head_dim = q.shape
     group_size = group_size_of(q, k_cache)
+    if meta.step_plan is None:
+        meta.step_plan = plan_step(meta, k_cache)
+    plan = meta.step_plan
     out = torch.empty_like(q)
-    starts = meta.query_start_loc.tolist()
-    q_lens = [end - start for start, end in zip(starts, starts[1:])]
-    decodes = []
-    for s, q_len in enumerate(q_lens):
-        if q_len == 1:
-            decodes.append(s)
-            continue
-        chunk = slice(starts[s], starts[s + 1])  # a prefill chunk
+    for s, chunk in plan.prefills:
         k, v = _gather_sequence(k_cache, v_cache, meta, s)  # (T, Hkv, D) each
         out[chunk] = _attend(q[chunk], k, v, scale)
-    if not decodes:
+    if not plan.batches:
         return out
-    if meta.decode_plan is None:
-        meta.decode_plan = plan_decodes(meta, decodes, k_cache)
-    k_buffer, v_buffer = meta.decode_plan.buffers
-    for rows, blocks, mask in meta.decode_plan.batches:
-        k = _gather_blocks(k_cache, blocks, k_buffer, len(rows))  # (b, Hkv, T, D)
-        v = _gather_blocks(v_cache, blocks, v_buffer, len(rows))  # (b, Hkv, T, D)
-        # A KV head's G query heads (contiguous in q) are G query rows; the mask broadcasts.
-        q_rows = q[rows].view(len(rows), -1, group_size, head_dim)  # (b, Hkv, G, D)
-        out[rows] = torch.nn.functional.scaled_dot_product_attention(
-            q_rows, k, v, attn_mask=mask, scale=scale).view(len(rows), num_heads, head_dim)
+    num_decodes = len(plan.decode_rows)
+    # A KV head's G query heads (contiguous in q) are G query rows; the mask broadcasts.
+    q_decodes = q[plan.decode_rows].view(num_decodes, -1, group_size, head_dim)  # (d, Hkv, G, D)
+    out_decodes = torch.empty_like(q_decodes)
+    k_buffer, v_buffer = plan.buffers
+    for (start, end), blocks, mask in plan.batches:
+        k = _gather_blocks(k_cache, blocks, k_buffer, end - start)  # (b, Hkv, T, D)
+        v = _gather_blocks(v_cache, blocks, v_buffer, end - start)  # (b, Hkv, T, D)
+        out_decodes[start:end] = torch.nn.functional.scaled_dot_product_attention(
+            q_decodes[start:end], k, v, attn_mask=mask, scale=scale)
+    out[plan.decode_rows] = out_decodes.view(num_decodes, num_heads, head_dim)
     return out
 
 

@@ -156,8 +156,8 @@ def test_cpu_attention_matches_reference_in_every_layer(block_size, decode_bytes
         # fp32; the order of the sums differs (G query rows a GEMM): up to 2e-6 seen
         torch.testing.assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, 0.2),
                                    atol=1e-5, rtol=1e-5)
-    assert len(meta.decode_plan.batches) == num_batches
-    assert all(b.shape[1:] == k_cache.shape[1:] for b in meta.decode_plan.buffers)
+    assert len(meta.step_plan.batches) == num_batches
+    assert all(b.shape[1:] == k_cache.shape[1:] for b in meta.step_plan.buffers)
 
 
 # Tolerances: a few roundings of the type (p cast for the P @ V dot, the output), |out| < 4.
