@@ -162,7 +162,7 @@ def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
         else:
             prefills.append((s, slice(start, end)))
     if not decodes:
-        return StepPlan(prefills, None, [], ())
+        return StepPlan(prefills=prefills, decode_rows=None, batches=[], buffers=())
     lens = meta.context_lens.tolist()
     block_size = k_cache.shape[1]
     decodes.sort(key=lens.__getitem__)
@@ -183,7 +183,7 @@ def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
     decode_rows = meta.query_start_loc[decodes].to(torch.int64)                  # (d,)
     buffer_shape = (min(len(decodes), batch_size) * cdiv(longest, block_size), *k_cache.shape[1:])
     buffers = (k_cache.new_empty(buffer_shape), k_cache.new_empty(buffer_shape))
-    return StepPlan(prefills, decode_rows, batches, buffers)
+    return StepPlan(prefills=prefills, decode_rows=decode_rows, batches=batches, buffers=buffers)
 
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
