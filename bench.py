@@ -1133,7 +1133,8 @@ def detokenizer_cost(cfg: BenchConfig, tokens: int = 5000) -> list[dict]:
     returns none until it ends), without a stop string and with one. A token should cost its
     own text, whatever came before it."""
     tokenizer = byte_tokenizer()
-    text = b"word " * (2 * max(DETOKENIZER_CHARS) // 5)
+    num_chars = max(DETOKENIZER_CHARS) + tokens  # the longest text kept, then the timed tokens
+    text = (b"word " * num_chars)[:num_chars]
     token_ids = [tokenizer.token_id(bytes([byte])) for byte in text]
     rows = []
     for stop in ([], ["the end"]):
