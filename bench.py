@@ -838,6 +838,8 @@ def table_line(cells: list[str]) -> str:
 
 
 def table_cell(value) -> str:
+    if value is None:  # not measured in this row
+        return ""
     if isinstance(value, float):
         return f"{value:.2f}"
     return str(value)
@@ -1032,6 +1034,8 @@ class StubModel(torch.nn.Module):
         self.config = config
         generator = torch.Generator().manual_seed(0)
         self.logits = torch.randn(max_rows, config.vocab_size, generator=generator).to(device)
+        # what sample() makes of them for a greedy row without bias or penalties: its argmax
+        self.greedy_token_ids = self.logits.argmax(dim=-1)
 
     def forward(self, input_ids, positions, attn_metadata, k_caches, v_caches, attention):
         return torch.zeros(len(input_ids), 1, device=input_ids.device)
@@ -1063,6 +1067,13 @@ def stubbed_engine(cfg: BenchConfig, batch: int, context: int, max_tokens: int,
             or len(engine.scheduler.waiting):
         engine.step()
     return engine
+
+
+def stub_sample(stub: StubModel, logits: torch.Tensor, tensors, generator) -> torch.Tensor:
+    """sample()'s result on the stub's logits, without a pass over them: each row's argmax,
+    as the stubbed engine's rows are greedy, without bias or penalties."""
+    assert tensors.all_greedy and tensors.penalties is None and tensors.logit_bias is None
+    return stub.greedy_token_ids[:len(logits)]
 
 
 @contextlib.contextmanager
@@ -1117,11 +1128,30 @@ def host_step(cfg: BenchConfig, batch: int, context: int, penalty: bool, stream:
             step["device"] = step["sample"] + step["penalty_rows"] + step["count_sampled"]
             step["host"] = step["step"] - step["device"]
             by_step.append(step)
-    assert len(engine.scheduler.running) == batch, "a sequence ended while it was timed"
     result = dict(batch=batch, context=context, repetition_penalty=penalty, stream=stream)
     for phase in by_step[0]:
         result[f"{phase}_ms"] = 1e3 * float(np.median([step[phase] for step in by_step]))
+    result["host_warm_ms"] = None  # a penalty's (batch, vocab) work cannot be handed over
+    if not penalty:
+        result["host_warm_ms"] = warm_host_ms(engine, cfg.device, steps)
+    assert len(engine.scheduler.running) == batch, "a sequence ended while it was timed"
     return result
+
+
+def warm_host_ms(engine: Engine, device: str, steps: int) -> float:
+    """The median ms of `steps` decode steps with sample() handed its result (stub_sample):
+    the host's work alone, with no (batch, vocab) pass between steps to evict the host's data
+    from the CPU's caches, as a GPU runs that pass in its own memory. On a CPU, host_ms
+    carries those misses (at batch 256, 51 MB of logits read a step), the more of them the
+    more memory the sequences' tokens spread over: at a longer context."""
+    given = partial(stub_sample, engine.model)
+    times = []
+    with mock.patch.object(nanoserve, "sample", given):
+        for _ in range(steps):
+            start = synced_clock(device)
+            engine.step()
+            times.append(synced_clock(device) - start)
+    return 1e3 * float(np.median(times))
 
 
 DETOKENIZER_CHARS = (1000, 16000, 64000)  # a request's text not yet returned, in characters
@@ -1288,9 +1318,11 @@ def host_overhead(cfg: BenchConfig) -> list[dict]:
 def host_table(rows: list[dict]) -> str:
     keys = ("batch context repetition_penalty stream schedule_ms inputs_ms sampling_tensors_ms "
             "penalties_ms penalty_rows_ms count_sampled_ms update_ms record_ms host_ms "
-            "device_ms")
+            "device_ms host_warm_ms")
     return table("Host work per decode step, ms (medians; device: sample(), penalty_rows (the "
-                 "penalty state's gathers, within penalties) and count_sampled)", rows, keys)
+                 "penalty state's gathers, within penalties) and count_sampled; host_warm: "
+                 "the step with sample() handed its result, no (batch, vocab) pass evicting "
+                 "the host's caches, as on a GPU)", rows, keys)
 
 
 def hardware_big(cfg: BenchConfig) -> dict:

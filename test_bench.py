@@ -19,6 +19,7 @@ import bench
 import model as M
 from conftest import GREEDY, HERE, CountSyncs, start_server, tiny
 from nanoserve import LLM
+from sampling import sample, sampling_tensors
 
 
 # ----------------------------------------------------------------------------- bench.py
@@ -461,7 +462,21 @@ def test_bench_host_overhead_times_each_phase_of_a_stubbed_decode_step(tmp_path)
         phases = sum(row[f"{phase}_ms"] for phase in bench.HOST_PHASES if phase != "penalty_rows")
         assert 0 < phases <= row["step_ms"] * 1.01
         assert (row["penalties_ms"] > 0) == row["repetition_penalty"]
+        assert (row["host_warm_ms"] is None) == row["repetition_penalty"]
     assert "| 4 | 16 | True | True |" in printed.getvalue()
+
+
+def test_bench_stub_sample_gives_what_sample_gives_on_the_stubbed_engine():
+    """host_warm_ms hands sample() its result rather than computing it: the stub's greedy
+    tokens must be sample()'s, or the warm steps would run another engine's work."""
+    cfg = bench.parse_args(["--threads", "1"])
+    engine = bench.stubbed_engine(cfg, 3, 8, 4)
+    seqs = engine.scheduler.running
+    logits = engine.model.compute_logits(torch.zeros(len(seqs), 1))
+    tensors = sampling_tensors(seqs, engine.vocab_size, engine.eos_token_ids, "cpu")
+    given = bench.stub_sample(engine.model, logits, tensors, None)
+    assert torch.equal(given, sample(logits, tensors, engine.generator))
+    assert len(set(given.tolist())) == 3  # each row its own token: a real check
 
 
 def test_bench_detokenizer_times_a_token_at_each_length_of_unreturned_text(tmp_path):
