@@ -177,9 +177,9 @@ class BlockTable:
 
     def ensure(self, num_tokens: int) -> bool:
         """Grow to hold `num_tokens` tokens; False (and nothing taken) if blocks ran out."""
+        if num_tokens <= len(self.block_ids) * self.block_pool.block_size:
+            return True  # most steps: a decode within its last block
         missing = self.num_missing_blocks(num_tokens)
-        if missing == 0:  # most steps: a decode within its last block
-            return True
         if not self.block_pool.can_allocate(missing):
             return False
         self.block_ids += self.block_pool.allocate(missing)
@@ -202,6 +202,8 @@ class BlockTable:
             return
         block_size = self.block_pool.block_size
         num_full_blocks = num_computed_tokens // block_size
+        if num_full_blocks == len(self.block_hashes):
+            return  # most steps: a decode that did not fill its last block
         for i in range(len(self.block_hashes), num_full_blocks):
             parent_hash = self.block_hashes[-1] if self.block_hashes else NO_PARENT
             block_hash = hash_block(parent_hash, token_ids[i * block_size:(i + 1) * block_size])

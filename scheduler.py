@@ -39,6 +39,9 @@ class SequenceStatus(enum.Enum):
     FINISHED_ERROR = "error"        # failed: an error while running it (Sequence.error says)
 
 
+UNFINISHED = (SequenceStatus.WAITING, SequenceStatus.RUNNING)  # read once, not at every check
+
+
 @dataclass(eq=False)
 class Sequence:
     """One sample of a request as the engine sees it: its tokens, its progress and its cache
@@ -86,7 +89,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
+        return self.status not in UNFINISHED
 
     def estimated_remaining(self) -> int:
         """SJF's job size: tokens still to prefill plus tokens still to generate."""
