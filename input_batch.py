@@ -180,7 +180,7 @@ class InputBatch:
         for seq in seqs:
             row = self.rows[seq]
             self.holds_penalties[row] = True
-            output_ids = seq.token_ids[len(seq.prompt_token_ids):]
+            output_ids = seq.token_ids[seq.num_prompt_tokens:]
             ints["rows"].append(row)
             ints["seen_rows"] += [row] * len(seq.token_ids)
             ints["seen_ids"] += seq.token_ids

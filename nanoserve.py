@@ -630,7 +630,7 @@ class Engine:
         finished = seq.is_finished
         num_sent = seq.num_sent_tokens
         is_first_output = num_sent == 0
-        new_token_ids = seq.token_ids[len(seq.prompt_token_ids) + num_sent:]
+        new_token_ids = seq.token_ids[seq.num_prompt_tokens + num_sent:]
         seq.num_sent_tokens = seq.num_output_tokens
         new_logprobs = None
         if seq.params.logprobs is not None:
@@ -760,7 +760,7 @@ class Engine:
         """The positions among start..end-1 whose next token is a prompt token not scored yet
         (a recomputation after preemption scores nothing twice)."""
         first_unscored = len(seq.prompt_logprobs) - 1
-        last_prompt_position = len(seq.prompt_token_ids) - 1
+        last_prompt_position = seq.num_prompt_tokens - 1
         return range(max(start, first_unscored), min(end, last_prompt_position))
 
 

@@ -73,15 +73,19 @@ class Sequence:
                                               # the same as seq_id (n = 1)
     index: int = 0                            # which of the request's samples it is
     num_preemptions: int = 0                  # times it was preempted (then recomputed)
+    # len(prompt_token_ids), kept beside the sequence's other numbers: every step reads it,
+    # and a long prompt's list sits far from them in memory (a miss a read at batch 256)
+    num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
         if self.request_id is None:
             self.request_id = self.seq_id
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -129,7 +133,7 @@ def scheduled_phase(seq: Sequence, num_new: int) -> str:
     where it is known, not worked out afterwards from how the sequence changed."""
     start = seq.num_computed_tokens
     is_newest_token = start + 1 == len(seq.token_ids)
-    if num_new == 1 and is_newest_token and start >= len(seq.prompt_token_ids):
+    if num_new == 1 and is_newest_token and start >= seq.num_prompt_tokens:
         return "decode"
     if seq.num_preemptions:
         return "recompute"
@@ -346,7 +350,7 @@ class Scheduler:
         if not self.block_pool.enable_caching or seq.params.prompt_logprobs is not None:
             return False
         block_size = self.block_pool.block_size
-        shareable = (len(seq.prompt_token_ids) - 1) // block_size * block_size  # not the last
+        shareable = (seq.num_prompt_tokens - 1) // block_size * block_size  # not the last
         return any(other.request_id == seq.request_id and other.num_computed_tokens < shareable
                    for other in self.running)
 

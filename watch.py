@@ -52,7 +52,7 @@ def sequence(seq: Sequence) -> dict:
     """One sequence as a queue shows it: its tokens computed of all it has, its prompt's
     length, and its block table."""
     return {"id": seq.seq_id, "computed": seq.num_computed_tokens, "tokens": len(seq.token_ids),
-            "prompt": len(seq.prompt_token_ids), "blocks": list(seq.block_table.block_ids)}
+            "prompt": seq.num_prompt_tokens, "blocks": list(seq.block_table.block_ids)}
 
 
 def block_states(pool: BlockPool) -> str:
