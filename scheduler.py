@@ -74,7 +74,7 @@ class Sequence:
     index: int = 0                            # which of the request's samples it is
     num_preemptions: int = 0                  # times it was preempted (then recomputed)
     # len(prompt_token_ids), kept beside the sequence's other numbers: every step reads it,
-    # and a long prompt's list sits far from them in memory (a miss a read at batch 256)
+    # and a long prompt's list sits far from them in memory (BENCHMARKS.md, section 8)
     num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self):
