@@ -173,13 +173,17 @@ class BlockTable:
 
     def num_missing_blocks(self, num_tokens: int) -> int:
         """Blocks still to allocate before the table holds `num_tokens` tokens."""
-        return max(0, cdiv(num_tokens, self.block_pool.block_size) - len(self.block_ids))
+        block_size = self.block_pool.block_size
+        capacity = len(self.block_ids) * block_size
+        if num_tokens <= capacity:  # most calls: a decode within its last block
+            return 0
+        return cdiv(num_tokens - capacity, block_size)
 
     def ensure(self, num_tokens: int) -> bool:
         """Grow to hold `num_tokens` tokens; False (and nothing taken) if blocks ran out."""
-        if num_tokens <= len(self.block_ids) * self.block_pool.block_size:
-            return True  # most steps: a decode within its last block
         missing = self.num_missing_blocks(num_tokens)
+        if missing == 0:
+            return True
         if not self.block_pool.can_allocate(missing):
             return False
         self.block_ids += self.block_pool.allocate(missing)
@@ -202,8 +206,6 @@ class BlockTable:
             return
         block_size = self.block_pool.block_size
         num_full_blocks = num_computed_tokens // block_size
-        if num_full_blocks == len(self.block_hashes):
-            return  # most steps: a decode that did not fill its last block
         for i in range(len(self.block_hashes), num_full_blocks):
             parent_hash = self.block_hashes[-1] if self.block_hashes else NO_PARENT
             block_hash = hash_block(parent_hash, token_ids[i * block_size:(i + 1) * block_size])
