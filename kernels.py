@@ -139,13 +139,21 @@ def _attend(q, k, v, scale):
 
 
 @dataclass
+class DecodeBatch:
+    """Decodes attended together: the run decode_rows[start:end] of a StepPlan (b of them)."""
+    start: int
+    end: int
+    block_ids: torch.Tensor  # (b * nb,) int64: each one's first nb blocks, flat
+    mask: torch.Tensor       # (b, 1, 1, T): -inf past each one's context, T = nb * BS
+
+
+@dataclass
 class StepPlan:
     """How paged_attention_cpu attends a step, worked out by its first layer for all: which
     sequences are prefill chunks and which decodes, and how the decodes go in batches."""
     prefills: list             # (sequence, its rows of q as a slice), a chunk of many queries
     decode_rows: torch.Tensor  # (d,) the decodes' rows of q, by context length
-    batches: list              # a run of decode_rows each: (start, end), flat block ids
-                               # (b * nb,), mask (b, 1, 1, T)
+    batches: list              # DecodeBatch runs of decode_rows, in order
     buffers: tuple             # K and V gathered for one batch: (b * nb, BS, Hkv, D) each
 
 
@@ -177,9 +185,9 @@ def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
         positions = torch.arange(num_blocks * block_size, device=k_cache.device)
         past_end = positions >= meta.context_lens[batch, None]                   # (b, T)
         mask = k_cache.new_zeros(past_end.shape).masked_fill_(past_end, float("-inf"))
-        blocks = meta.block_tables[batch, :num_blocks].flatten().to(torch.int64)  # (b * nb,)
-        end = start + len(batch)
-        batches.append(((start, end), blocks, mask[:, None, None]))               # mask (b,1,1,T)
+        block_ids = meta.block_tables[batch, :num_blocks].flatten().to(torch.int64)
+        batches.append(DecodeBatch(start=start, end=start + len(batch), block_ids=block_ids,
+                                   mask=mask[:, None, None]))
     decode_rows = meta.query_start_loc[decodes].to(torch.int64)                  # (d,)
     buffer_shape = (min(len(decodes), batch_size) * cdiv(longest, block_size), *k_cache.shape[1:])
     buffers = (k_cache.new_empty(buffer_shape), k_cache.new_empty(buffer_shape))
@@ -213,11 +221,12 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     q_decodes = q[plan.decode_rows].view(num_decodes, -1, group_size, head_dim)  # (d, Hkv, G, D)
     out_decodes = torch.empty_like(q_decodes)
     k_buffer, v_buffer = plan.buffers
-    for (start, end), blocks, mask in plan.batches:
-        k = _gather_blocks(k_cache, blocks, k_buffer, end - start)  # (b, Hkv, T, D)
-        v = _gather_blocks(v_cache, blocks, v_buffer, end - start)  # (b, Hkv, T, D)
-        out_decodes[start:end] = torch.nn.functional.scaled_dot_product_attention(
-            q_decodes[start:end], k, v, attn_mask=mask, scale=scale)
+    for batch in plan.batches:
+        num_seqs = batch.end - batch.start
+        k = _gather_blocks(k_cache, batch.block_ids, k_buffer, num_seqs)  # (b, Hkv, T, D)
+        v = _gather_blocks(v_cache, batch.block_ids, v_buffer, num_seqs)  # (b, Hkv, T, D)
+        out_decodes[batch.start:batch.end] = torch.nn.functional.scaled_dot_product_attention(
+            q_decodes[batch.start:batch.end], k, v, attn_mask=batch.mask, scale=scale)
     out[plan.decode_rows] = out_decodes.view(num_decodes, num_heads, head_dim)
     return out
 
