@@ -16,6 +16,7 @@ from sampling import MAX_LOGPROBS, SamplingParams
 from tokenizer import ChatTemplate
 
 MAX_N = 64                # samples of one prompt in one request at most
+MAX_SEQUENCES = 256       # prompts x n of one request at most: what it may queue ahead of others
 CHAT_TURN_END = "\n\n"    # the chat template ends every turn with a blank line
 TRANSCRIPT_ROLES = ("system", "user", "assistant")  # the roles of render_chat's transcript
 TEMPLATE_ROLES = (*TRANSCRIPT_ROLES, "tool")        # a checkpoint's template may take tool results
@@ -62,6 +63,38 @@ def check_messages(messages, roles: tuple[str, ...]) -> None:
                     'a string}', "messages")
 
 
+def plain_messages(messages):
+    """Messages as the templates read them: a content given as parts ([{"type": "text", "text":
+    ...}], OpenAI's other form) becomes its texts joined by newlines, as vLLM joins them, and
+    OpenAI's "developer" role (its new name for instructions) is "system". Anything else is
+    left as it is, for check_messages to refuse."""
+    if not isinstance(messages, list):
+        return messages
+    plain = []
+    for message in messages:
+        if isinstance(message, dict):
+            message = dict(message, content=plain_content(message.get("content")))
+            if message.get("role") == "developer":
+                message["role"] = "system"
+        plain.append(message)
+    return plain
+
+
+def plain_content(content):
+    """A message's content as a string if it is one or a list of text parts; HTTPError 400
+    for a part that is not text (images, audio: no model here reads them)."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for part in content:
+        if not (isinstance(part, dict) and part.get("type") == "text"
+                and isinstance(part.get("text"), str)):
+            raise HTTPError(400, 'a message\'s content parts must be {"type": "text", "text": '
+                            f'a string}}, got {part!r:.80}', "messages")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def render_chat(messages) -> str:
     """The chat template for a base model: every turn is "ROLE:\\n" + content + a blank line,
     then "ASSISTANT:\\n" for the model to go on; its reply ends at its own blank line."""
@@ -75,7 +108,7 @@ def chat_prompt(body: dict, template: ChatTemplate | None) -> str:
     chat_template_kwargs, else render_chat's transcript (which takes no kwargs); HTTPError
     400 naming the field at fault."""
     kwargs = typed(body, "chat_template_kwargs", {}, dict)
-    messages = body.get("messages")
+    messages = plain_messages(body.get("messages"))
     if template is None:
         return render_chat(messages)
     check_messages(messages, TEMPLATE_ROLES)
@@ -98,14 +131,14 @@ def parse_request(body: dict, engine: Engine, model_name: str, chat: bool,
     fields["stop"] = typed(body, "stop", [], str, list)
     n = typed(body, "n", 1, int)
     echo = typed(body, "echo", False, bool)
+    stream = typed(body, "stream", False, bool)
+    typed(body, "user", None, str)  # OpenAI's end-user id: checked, not used
     if chat:  # as token ids, encoded once and as the engine encodes text (special tokens too)
-        prompts = [engine.tokenizer.encode(chat_prompt(body, template))]
+        prompts = [encode_text(engine, chat_prompt(body, template), "messages")]
         default_max_tokens = engine.max_tokens_within_context(defaults.get("max_tokens"),
                                                               len(prompts[0]))
         fields["max_tokens"] = chat_max_tokens(body, default_max_tokens)
-        fields["logprobs"] = None
-        if typed(body, "logprobs", False, bool):
-            fields["logprobs"] = typed(body, "top_logprobs", 0, int)
+        fields["logprobs"] = chat_logprobs(body)
     else:
         prompts = completion_prompts(body)
         fields["logprobs"] = typed(body, "logprobs", None, int)
@@ -113,15 +146,25 @@ def parse_request(body: dict, engine: Engine, model_name: str, chat: bool,
             raise HTTPError(400, f"logprobs must be at most 5, got {fields['logprobs']}",
                             "logprobs")
         fields["prompt_logprobs"] = fields["logprobs"] if echo else None
-    stream_options = typed(body, "stream_options", {}, dict)
-    options = dict(stream=typed(body, "stream", False, bool), chat=chat, n=n,
-                   k=fields["logprobs"] or 0, echo=echo,
-                   include_usage=typed(stream_options, "include_usage", False, bool))
+    options = dict(stream=stream, chat=chat, n=n, k=fields["logprobs"] or 0, echo=echo,
+                   include_usage=include_usage(body, stream))
     transcript = chat and template is None  # a reply there ends at its turn's blank line
     params = sample_params(fields, n, transcript, typed(body, "top_logprobs", 0, int))
+    if len(prompts) * n > MAX_SEQUENCES:
+        raise HTTPError(400, f"the request asks for {len(prompts)} prompts x n {n} samples; "
+                        f"at most {MAX_SEQUENCES} in all", "prompt")
     if chat or body.get("max_tokens") is not None or "max_tokens" not in defaults:
         return [(prompt, params) for prompt in prompts], options
     return [(prompt, within_context(engine, prompt, params)) for prompt in prompts], options
+
+
+def encode_text(engine: Engine, text: str, param: str) -> list[int]:
+    """A text's token ids, as the engine encodes a prompt; HTTPError 400 naming param if it
+    has none (a lone surrogate)."""
+    try:
+        return engine.tokenizer.encode(text)
+    except ValueError as e:
+        raise HTTPError(400, f"{param}: {e}", param) from None
 
 
 def within_context(engine: Engine, prompt, params: SamplingParams) -> SamplingParams:
@@ -149,12 +192,49 @@ def check_known_fields(body: dict, chat: bool) -> None:
 
 
 def chat_max_tokens(body: dict, default: int) -> int:
-    """max_completion_tokens, else max_tokens, else `default` (the checkpoint's, or what the
-    context has left, whichever is less: Engine.max_tokens_within_context)."""
-    for name in ("max_completion_tokens", "max_tokens"):
-        if body.get(name) is not None:
-            return body[name]
-    return default
+    """max_completion_tokens, else max_tokens (its older name), else `default` (the
+    checkpoint's, or what the context has left, whichever is less:
+    Engine.max_tokens_within_context); HTTPError 400 naming either unless an integer >= 1."""
+    max_tokens = default
+    for name in ("max_tokens", "max_completion_tokens"):  # the second, if given, wins
+        value = body.get(name)
+        if value is None:
+            continue
+        try:
+            check_int(name, value, 1)
+        except ValueError as e:
+            raise HTTPError(400, str(e), name) from None
+        max_tokens = value
+    return max_tokens
+
+
+def chat_logprobs(body: dict) -> int | None:
+    """A chat's SamplingParams.logprobs: top_logprobs (0 if absent) if logprobs is true, else
+    None; HTTPError 400 for a top_logprobs above 0 without logprobs, as vLLM answers it."""
+    top_logprobs = typed(body, "top_logprobs", None, int)
+    if typed(body, "logprobs", False, bool):
+        return top_logprobs or 0
+    if top_logprobs:
+        raise HTTPError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    return None
+
+
+def include_usage(body: dict, stream: bool) -> bool:
+    """stream_options' include_usage; HTTPError 400 naming stream_options unless it is
+    {"include_usage": a bool} on a streamed request (as vLLM and OpenAI refuse it)."""
+    stream_options = typed(body, "stream_options", None, dict)
+    if stream_options is None:
+        return False
+    if not stream:
+        raise HTTPError(400, "stream_options needs stream: true", "stream_options")
+    for name in stream_options:
+        if name != "include_usage":
+            raise HTTPError(400, f"stream_options.{name} is not supported", "stream_options")
+    value = stream_options.get("include_usage")
+    if value is not None and type(value) is not bool:
+        raise HTTPError(400, f"stream_options.include_usage must be of type bool, got "
+                        f"{value!r}", "stream_options")
+    return bool(value)
 
 
 def completion_prompts(body: dict) -> list:
@@ -224,7 +304,10 @@ def logprobs_json(tokenizer, token_ids: list[int], entries: list, k: int, chat: 
             top_logprobs.append(None)
         else:
             token_logprobs.append(entry[token_id])
-            top_logprobs.append({token_text(tokenizer, t): lp for t, lp in top})
+            # OpenAI's completions: the top k, then the token itself if not among them
+            with_token = dict(top)
+            with_token[token_id] = entry[token_id]
+            top_logprobs.append({token_text(tokenizer, t): lp for t, lp in with_token.items()})
     text_offset = [offset + len(tokenizer.decode(token_ids[:i], skip_special_tokens=False))
                    for i in range(len(entries))]  # as vLLM's: the lengths of the tokens' texts
     return dict(tokens=[token_text(tokenizer, t) for t in token_ids],

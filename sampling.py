@@ -26,6 +26,13 @@ from scheduler import Sequence
 
 GREEDY_BELOW = 1e-5       # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20         # top log-probabilities per token at most (vLLM's max_logprobs)
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # sampling computes in float32
+# A request's lists are read at every token it makes, on the step's path: caps keep one
+# request from slowing every other's steps (vLLM has none; OpenAI takes 4 stop strings).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 64
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 300      # token ids a request may bias
 NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32}  # upload's dtypes
 
 
@@ -39,7 +46,7 @@ class SamplingParams:
     top_p: float = option(1.0, "keep the fewest most likely tokens whose probability reaches "
                           "top_p", low=0, high=1, open_low=True)
     seed: int | None = option(None, "per-request RNG: the same tokens whatever the batch",
-                              low=0, type=int)
+                              low=-2**63, type=int)
     stop: list[str] | None = option(None, "stop before any of these strings", type=list)
     ignore_eos: bool = option(False, "keep going after an end-of-sequence token")
     logprobs: int | None = option(None, "each output token's log-probability and the top k",
@@ -50,9 +57,10 @@ class SamplingParams:
                                      "so far (OpenAI's)", low=-2, high=2)
     frequency_penalty: float = option(0.0, "minus this times its count from the logit of every "
                                       "token generated so far (OpenAI's)", low=-2, high=2)
+    # bounded, unlike vLLM's: a penalty of 1e-40 or 1e40 takes float32 logits to inf or 0
     repetition_penalty: float = option(1.0, "divide the positive logits (multiply the negative) "
                                        "of every token of the prompt and output by this",
-                                       low=0, open_low=True)
+                                       low=0.01, high=100)
     min_p: float = option(0.0, "drop tokens less likely than min_p times the most likely",
                           low=0, high=1)
     min_tokens: int = option(0, "no end-of-text, stop token or stop string before this many "
@@ -71,6 +79,11 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or strings, got {self.stop!r}") from None
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS}")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise ValueError(f"stop strings have at most {MAX_STOP_STRING_CHARS} characters, "
+                             f"got one of {max(map(len, self.stop))}")
         self.stop_token_ids = parse_token_ids("stop_token_ids", self.stop_token_ids)
         self.logit_bias = parse_logit_bias(self.logit_bias)
         check_fields(self)
@@ -95,7 +108,10 @@ def parse_token_ids(name: str, value) -> list[int]:
         raise ValueError(f"{name} must be a list of token ids, got {value!r}")
     for token_id in value:
         check_int(name, token_id, 0)
-    return list(value)
+    token_ids = list(dict.fromkeys(value))  # each once, in order
+    if len(token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"{name} has {len(token_ids)} token ids; at most {MAX_STOP_TOKEN_IDS}")
+    return token_ids
 
 
 def parse_logit_bias(value) -> dict[int, float]:
@@ -105,6 +121,8 @@ def parse_logit_bias(value) -> dict[int, float]:
         return {}
     if not isinstance(value, dict):
         raise ValueError(f"logit_bias must be a map of token id to bias, got {value!r}")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(value)} token ids; at most {MAX_LOGIT_BIAS}")
     bias = {}
     for key, number in value.items():
         token_id = key
@@ -281,8 +299,10 @@ def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[
     the penalties' state, kept from step to step, is the persistent batch's (input_batch.py)."""
     params = [seq.params for seq in seqs]
     greedy = [p.temperature < GREEDY_BELOW for p in params]
-    temperature = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
-    top_k = [p.top_k or vocab_size for p in params]
+    # past float32's largest a temperature is inf there, and a banned token's -inf / inf NaN
+    temperature = [1.0 if g else min(p.temperature, FLOAT32_MAX) for g, p in zip(greedy, params)]
+    # 0 (off) or past the vocabulary: every token (and 2**64 fits no int64)
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
     top_p = [p.top_p for p in params]
     floats = upload(dict(temperature=temperature, top_p=top_p), torch.float32, device)
     ints = upload(dict(top_k=top_k, greedy=greedy), torch.int64, device)

@@ -32,8 +32,8 @@ from http import HTTPStatus
 
 import watch
 from nanoserve import Engine, EngineDeadError, RequestOutput, __version__, accumulate
-from openai_protocol import (HTTPError, chat_prompt, check_model, choice, error_body,
-                             parse_request, typed, usage_of)
+from openai_protocol import (HTTPError, chat_prompt, check_model, choice, encode_text,
+                             error_body, parse_request, typed, usage_of)
 from options import check_fields, option
 from sampling import print_sampling_defaults
 
@@ -200,9 +200,11 @@ class EngineThread(threading.Thread):
             for (prompt, params), request_id in zip(requests, ids):
                 self.engine.add_request(prompt, params, request_id)
                 added.append(request_id)
-        except ValueError:  # another prompt of its HTTP request was refused
+        except ValueError as e:  # another prompt of its HTTP request was refused
             self.abort(added)
-            raise
+            if len(requests) == 1:
+                raise
+            raise ValueError(f"{e} (prompt[{len(added)}])") from None
 
     def abort(self, ids: list[str]) -> None:
         for request_id in ids:
@@ -244,6 +246,12 @@ def settle(future: asyncio.Future, result, error: Exception | None) -> None:
     future.set_result(result)
 
 
+# Headers read here that a request may send once: of two, which counts would be a guess. Two
+# Content-Lengths frame the body two ways, and a proxy that reads the other one lets a
+# request hide in another's body (smuggling; RFC 9112, 6.3).
+SINGLE_HEADERS = ("content-length", "authorization")
+
+
 @dataclass
 class HTTPRequest:
     """One request as read off its connection; header names in lower case."""
@@ -270,7 +278,10 @@ def parse_head(head: bytes) -> HTTPRequest:
         name, colon, value = line.partition(":")
         if not colon or not name or name != name.strip():
             raise HTTPError(400, f"malformed header line {line[:80]!r}")
-        headers[name.lower()] = value.strip()
+        name = name.lower()
+        if name in SINGLE_HEADERS and name in headers:  # which one counts is ambiguous
+            raise HTTPError(400, f"the {name} header is sent twice")
+        headers[name] = value.strip()
     connection = headers.get("connection", "").lower()
     keep_alive = connection == "keep-alive"
     if version == "HTTP/1.1":
@@ -676,13 +687,15 @@ class Server:
         """vLLM's /tokenize: a prompt's (or chat's) token ids, as the engine encodes them."""
         body = json_body(exchange.request)
         check_model(body, self.model_name)
+        param = "prompt"
         if "messages" in body:
+            param = "messages"
             text = chat_prompt(body, self.engine.chat_template)
         else:
             text = typed(body, "prompt", None, str)
         if text is None:
             raise HTTPError(400, "give a prompt (a string) or messages", "prompt")
-        tokens = self.engine.tokenizer.encode(text)
+        tokens = encode_text(self.engine, text, param)
         exchange.send(200, dict(count=len(tokens), max_model_len=self.engine.max_model_len,
                                 tokens=tokens))
 
@@ -885,6 +898,8 @@ def json_body(request: HTTPRequest) -> dict:
         body = json.loads(request.body)
     except ValueError as e:
         raise HTTPError(400, f"the body is not valid JSON: {e}") from None
+    except RecursionError:  # json's parser recurses once a nesting level
+        raise HTTPError(400, "the body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise HTTPError(400, "the body must be a JSON object")
     return body

@@ -393,17 +393,18 @@ BAD_PARAMS = {
     "top_p": [float("nan"), 0, 1.5, float("-inf")],
     "top_k": [True, 1.5, -2],
     "max_tokens": [True, 0, 2.0],
-    "seed": [-1, 2**64, 1.5, True],
-    "stop": [[""], [1], 5],
+    "seed": [-2**63 - 1, 2**64, 1.5, True],
+    "stop": [[""], [1], 5, ["x"] * 17, ["x" * 65]],
     "ignore_eos": ["yes"],
     "presence_penalty": [float("nan"), 2.5, True, "0.1"],
     "frequency_penalty": [-3, float("inf")],
-    "repetition_penalty": [0, -1, float("nan"), True],
+    "repetition_penalty": [0, -1, float("nan"), True, 1e-40, 1e40],
     "min_p": [-0.1, 1.5, float("nan")],
     "min_tokens": [-1, 1.5, True],
-    "stop_token_ids": [[-1], [True], 5, ["a"]],
+    "stop_token_ids": [[-1], [True], 5, ["a"], list(range(257))],
     "include_stop_str_in_output": ["yes"],
-    "logit_bias": [{1: 101}, {1: float("nan")}, {-1: 0}, {"a": 1}, [1], {True: 1}],
+    "logit_bias": [{1: 101}, {1: float("nan")}, {-1: 0}, {"a": 1}, [1], {True: 1},
+                   dict.fromkeys(range(301), 1.0)],
 }
 
 
@@ -414,6 +415,17 @@ def test_bad_sampling_param_is_rejected_by_name(name, value):
 
 
 # ----------------------------------------------------------------------------- n samples
+
+def test_a_negative_seed_is_its_64_bit_twos_complement():
+    """OpenAI's seeds are int64: -1 seeds as 2**64 - 1 does."""
+    llm = tiny()
+    negative = SamplingParams(max_tokens=8, seed=-1, ignore_eos=True)
+    unsigned = SamplingParams(max_tokens=8, seed=2**64 - 1, ignore_eos=True)
+    other = SamplingParams(max_tokens=8, seed=2**64 - 2, ignore_eos=True)
+    want = token_ids(llm.generate(["x"], unsigned))
+    assert token_ids(llm.generate(["x"], negative)) == want
+    assert token_ids(llm.generate(["x"], other)) != want
+
 
 def test_n_samples_are_one_request_each_equal_to_its_seed_alone():
     llm = tiny()

@@ -44,6 +44,29 @@ def test_tiny_temperature_is_greedy(alone, temperature):
     assert token_ids(tiny().generate(PROMPTS[:2], params)) == alone[:2]
 
 
+def test_top_k_past_the_vocabulary_keeps_every_token():
+    """A top_k larger than the vocabulary (here than an int64) samples as top_k off."""
+    off = SamplingParams(max_tokens=12, seed=3, ignore_eos=True)
+    huge = dataclasses.replace(off, top_k=2**64 - 1)
+    llm = tiny()
+    assert token_ids(llm.generate(PROMPTS[:2], huge)) == token_ids(llm.generate(PROMPTS[:2], off))
+
+
+def test_a_temperature_past_float32_samples_as_float32s_largest():
+    """1e308 is inf in float32, and a token banned before min_tokens (-inf) would turn NaN
+    there: every row would sample token 0. It samples as float32's largest temperature."""
+    hottest = SamplingParams(max_tokens=12, seed=3, min_tokens=12, temperature=sampling.FLOAT32_MAX)
+    past = dataclasses.replace(hottest, temperature=1e308)
+    llm = tiny()
+    want = token_ids(llm.generate(PROMPTS[:2], hottest))
+    assert token_ids(llm.generate(PROMPTS[:2], past)) == want
+    assert all(len(set(tokens)) > 1 for tokens in want)
+
+
+def test_repeated_stop_token_ids_are_kept_once():
+    assert SamplingParams(stop_token_ids=[5, 7] * 500).stop_token_ids == [5, 7]
+
+
 def test_top_p_too_small_to_round_keeps_the_most_likely_token(alone):
     params = SamplingParams(max_tokens=40, top_p=1e-45, seed=0, ignore_eos=True)
     assert token_ids(tiny().generate(PROMPTS[:2], params)) == alone[:2]
@@ -287,7 +310,7 @@ def test_the_repl_and_the_command_line_take_the_new_sampling_fields(capsys):
     assert reply == "logit_bias = {'65': 5}" and settings == {"logit_bias": {"65": 5}}
     reply = cli.repl_command("/set repetition_penalty 0", settings, engine,
                                    cli.parse_args([]))
-    assert reply.startswith("error: repetition_penalty must be a number in (0, inf]")
+    assert reply.startswith("error: repetition_penalty must be a number in [0.01, 100]")
 
 
 @pytest.mark.parametrize("field, value", [("stop_token_ids", [10**6]),

@@ -147,10 +147,14 @@ def test_http_logprobs_and_echo_equal_dense_log_softmax(server, offline):
     assert lp["tokens"] == [token_text(tokenizer, t) for t in ids]
     assert lp["token_logprobs"][0] is None
     assert lp["top_logprobs"][0] is None and len(lp["token_logprobs"]) == 8
-    for i in range(1, 8):
+    for i in range(1, 8):  # the top 3, and the token itself (OpenAI's completions: k + 1)
         assert lp["token_logprobs"][i] == pytest.approx(dense[i - 1, ids[i]].item(), abs=1e-4)
         top = dense[i - 1].topk(3)
-        assert list(lp["top_logprobs"][i].values()) == pytest.approx(top.values.tolist(), abs=1e-4)
+        want = dict(zip(top.indices.tolist(), top.values.tolist()))
+        want[ids[i]] = dense[i - 1, ids[i]].item()
+        want = {token_text(tokenizer, t): value for t, value in want.items()}
+        assert lp["top_logprobs"][i] == pytest.approx(want, abs=1e-4)
+    assert any(len(top) == 4 for top in lp["top_logprobs"][1:4])  # a prompt token not in top 3
     assert lp["text_offset"][:2] == [0, len(tokenizer.decode(ids[:1]))]
     events = sse(server, "/v1/completions", dict(prompt=[5, 80, 9, 200], max_tokens=4,
                                                  temperature=0, logprobs=3, echo=True, stream=True))
@@ -178,6 +182,21 @@ def test_http_chat_uses_the_documented_template(server, offline):
     special = dict(messages=[dict(role="user", content="<|endoftext|>")], max_tokens=2)
     assert http(server, "/v1/chat/completions", special)[0] == 200  # encoded as the engine does
     assert "".join(e["choices"][0]["delta"]["content"] for e in events[:-1]) == want.text
+
+
+def test_chat_content_parts_and_the_developer_role_read_as_text_and_system(server):
+    """OpenAI's other forms of a message: content as text parts (joined by newlines, as vLLM
+    joins them) and "developer", its newer name for "system"."""
+    plain = [dict(role="system", content="Be brief."), dict(role="user", content="Hi\nthere")]
+    parts = [dict(role="developer", content=[dict(type="text", text="Be brief.")]),
+             dict(role="user", content=[dict(type="text", text="Hi"),
+                                        dict(type="text", text="there")])]
+    answers = [http(server, "/v1/chat/completions",
+                    dict(messages=messages, max_tokens=6, seed=1))
+               for messages in (plain, parts)]
+    assert answers[0][0] == answers[1][0] == 200
+    assert answers[0][1]["choices"] == answers[1][1]["choices"]
+    assert answers[0][1]["usage"] == answers[1][1]["usage"]
 
 
 def test_http_penalties_and_vllm_sampling_fields_equal_offline(server, offline):
@@ -434,6 +453,33 @@ BAD_REQUESTS = [
     ("OPTIONS", "/v1/completions", None, 405, "takes POST"),
     ("POST", "/v1/chat/completions", dict(messages=[dict(role="user", content="x")],
                                           logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    ("POST", "/v1/completions", b"[" * 100000, 400, "nested too deeply"),
+    ("POST", "/v1/chat/completions", dict(messages=[dict(role="user", content="\ud800")]), 400,
+     "lone surrogate, U+D800"),
+    ("POST", "/tokenize", dict(prompt="a\udfff"), 400, "lone surrogate, U+DFFF"),
+    ("POST", "/v1/completions", dict(prompt="x", repetition_penalty=1e-308), 400,
+     "repetition_penalty must be a number in [0.01, 100]"),
+    ("POST", "/v1/completions", dict(prompt="x", stop=["a"] * 17), 400, "stop has 17 strings"),
+    ("POST", "/v1/completions", dict(prompt="x", stop_token_ids=list(range(257))), 400,
+     "stop_token_ids has 257 token ids"),
+    ("POST", "/v1/completions", dict(prompt=[[1]] * 5, n=64), 400, "at most 256 in all"),
+    ("POST", "/v1/completions", dict(prompt=["x", "x" * 1100]), 400, "(prompt[1])"),
+    ("POST", "/v1/completions", dict(prompt="x", user={"id": 1}), 400, "user must be"),
+    ("POST", "/v1/completions", dict(prompt="x", stream_options={"include_usage": True}), 400,
+     "stream_options needs stream: true"),
+    ("POST", "/v1/completions", dict(prompt="x", stream=True,
+                                     stream_options={"continuous_usage_stats": True}), 400,
+     "stream_options.continuous_usage_stats is not supported"),
+    ("POST", "/v1/chat/completions", dict(messages=[dict(role="user", content="x")],
+                                          top_logprobs=2), 400, "top_logprobs needs logprobs"),
+    ("POST", "/v1/chat/completions", dict(messages=[dict(role="user", content="x")],
+                                          max_completion_tokens=0), 400,
+     "max_completion_tokens must be"),
+    ("POST", "/v1/chat/completions", dict(messages=[dict(role="user", content="x")],
+                                          max_tokens="x", max_completion_tokens=5), 400,
+     "max_tokens must be"),
+    ("POST", "/v1/chat/completions", dict(messages=[dict(role="user", content=[
+        dict(type="image_url", image_url=dict(url="http://x"))])]), 400, "content parts"),
 ]
 
 
@@ -494,11 +540,14 @@ MALFORMED = [  # bytes sent, the status answered
     (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n", 411),
     (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
      b"Transfer-Encoding: chunked\r\n\r\n", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+     b"Content-Length: 34\r\n\r\n", 400),
 ]
 
 
 @pytest.mark.parametrize("raw, status", MALFORMED,
-                         ids=["garbage", "headers-over-64k", "chunked", "length-and-chunked"])
+                         ids=["garbage", "headers-over-64k", "chunked", "length-and-chunked",
+                              "two-lengths"])
 def test_malformed_http_gets_an_openai_error_then_the_close_and_the_server_goes_on(
         server, raw, status):
     with connect(server) as sock:

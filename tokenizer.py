@@ -86,7 +86,10 @@ class Tokenizer:
         """A text's token ids, as Hugging Face's tokenizer gives them: an added token the text
         writes is its id; the text between them is normalized (NFC, if declared), split by
         the regex and merged; the BOS comes first if the post-processor adds one, unless the
-        text starts with it already (a chat template writes it): never two."""
+        text starts with it already (a chat template writes it): never two. ValueError for
+        a text with a lone surrogate (JSON's escape \\ud800 makes one), which UTF-8 cannot
+        hold."""
+        check_utf8(text)
         pieces = [text] if self.added_pattern is None else self.added_pattern.split(text)
         ids = []
         for i, piece in enumerate(pieces):
@@ -468,6 +471,17 @@ class Detokenizer:
         self.settled = []
         self.recent = self.recent[end:]
         return new
+
+
+def check_utf8(text: str) -> None:
+    """ValueError unless the text can be written in UTF-8, naming the first character that
+    cannot (a lone surrogate, U+D800 to U+DFFF)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        bad = ord(text[e.start])
+        raise ValueError(f"the text holds a lone surrogate, U+{bad:04X} at character "
+                         f"{e.start}, which UTF-8 cannot encode") from None
 
 
 def read_json(path: str) -> dict:
