@@ -48,7 +48,7 @@ def token_ids(outputs) -> list[list[int]]:
 def assert_no_leaks(engine: Engine) -> None:
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
     assert not any(engine.block_pool.ref_counts)
-    assert not engine.has_unfinished() and not engine.seqs
+    assert not engine.has_unfinished() and not engine.seqs and not engine.requests
     assert not engine.input_batch.rows  # every row back, for the next sequences
     assert len(engine.input_batch.free_rows) == engine.config.max_num_seqs
 

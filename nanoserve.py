@@ -61,7 +61,8 @@ class EngineConfig:
     block_size: int = option(16, "tokens per KV block")
     kv_cache_tokens: int | None = option(None, "KV cache capacity in tokens; default: "
                                          "max-num-seqs full contexts, within 1 GiB", type=int)
-    max_num_seqs: int = option(64, "sequences in one step at most")
+    # bounded: the input batch holds a row for each, made up front (input_batch.py)
+    max_num_seqs: int = option(64, "sequences in one step at most", high=65536)
     max_num_batched_tokens: int = option(512, "tokens in one step at most (the token budget)")
     enable_chunked_prefill: bool = option(True, "split long prompts across steps")
     enable_prefix_caching: bool = option(True, "reuse the cached KV blocks of earlier requests' "
@@ -412,8 +413,8 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)  # a copy, validated again
-        if request_id is None:  # the next free number: never a caller's id
-            request_id = next(i for i in map(str, self._ids) if i not in self.requests)
+        if request_id is None:  # the next free number: never a caller's id, nor a sample's
+            request_id = next(i for i in map(str, self._ids) if not self._in_use(i, params.n))
         self._validate(token_ids, params, request_id)
         seqs = [self._sample_sequence(request_id, index, text, token_ids, params, stream)
                 for index in range(params.n)]
@@ -464,8 +465,8 @@ class Engine:
     def parse_prompt(self, prompt) -> tuple[str | None, list[int]]:
         """A prompt in any form add_request takes -> (its text, its token ids); the text is
         None for a prompt given as token ids, as in vLLM."""
-        if isinstance(prompt, dict) and set(prompt) in ({"prompt"}, {"prompt_token_ids"}):
-            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
+        if isinstance(prompt, dict):
+            prompt = unwrap_prompt(prompt)
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if not isinstance(prompt, list):
@@ -484,8 +485,7 @@ class Engine:
             raise ValueError(f"request_id must be a string, got {request_id!r}")
         if not token_ids:
             raise ValueError("prompt is empty: it needs at least one token")
-        sample_ids = [sample_id(request_id, index) for index in range(params.n)]
-        if request_id in self.requests or any(i in self.seqs for i in sample_ids):
+        if self._in_use(request_id, params.n):
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab_size = self.vocab_size
         for name, ids in (("stop_token_ids", params.stop_token_ids),
@@ -502,6 +502,14 @@ class Engine:
             raise ValueError(f"request may need to prefill {num_kv_tokens} tokens in one step, "
                              f"but max_num_batched_tokens is {budget} and chunked prefill is off")
 
+    def _in_use(self, request_id: str, n: int) -> bool:
+        """Whether request_id names a live request, or the id of one of its n samples a live
+        sequence (sample 1 of request "X" is "1_X", which a caller may also choose)."""
+        if request_id in self.requests:
+            return True
+        return any(sample_id(request_id, index) in self.seqs for index in range(n))
+
+    @torch.inference_mode()  # it writes the input batch's rows, made inside step()'s mode
     def abort(self, request_id: str) -> None:
         """Cancel a request and free its blocks now (after any step in flight); its last output
         (finish_reason "abort") comes from the next step()."""
@@ -659,7 +667,8 @@ class Engine:
         self.seqs.pop(seq.seq_id, None)
         self.input_batch.remove(seq)
         samples = self.requests.get(seq.request_id, [])
-        if any(sample.seq_id in self.seqs for sample in samples):
+        # by identity: a finished sample's id may name another request's sequence by now
+        if any(self.seqs.get(sample.seq_id) is sample for sample in samples):
             return False
         self.requests.pop(seq.request_id, None)
         return True
@@ -762,6 +771,17 @@ class Engine:
         first_unscored = len(seq.prompt_logprobs) - 1
         last_prompt_position = seq.num_prompt_tokens - 1
         return range(max(start, first_unscored), min(end, last_prompt_position))
+
+
+def unwrap_prompt(prompt: dict):
+    """{"prompt": a string} -> the string, {"prompt_token_ids": a list} -> the list (vLLM's
+    TextPrompt and TokensPrompt: each key takes its own kind); any other dict as it is, for
+    parse_prompt to refuse."""
+    if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if set(prompt) == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], list):
+        return prompt["prompt_token_ids"]
+    return prompt
 
 
 def as_prompt_list(prompts) -> list:

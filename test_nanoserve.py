@@ -508,7 +508,7 @@ def test_piped_lines_refuse_n_above_one(capsys, monkeypatch):
     assert status == 1 and "n is 2, but piped lines and the REPL print one completion" in out
 
 
-BAD_CONFIGS = [("max_num_seqs", 1.5), ("block_size", 16.0), ("max_num_batched_tokens", math.nan),
+BAD_CONFIGS = [("max_num_seqs", 1.5), ("max_num_seqs", 2**40), ("block_size", 16.0), ("max_num_batched_tokens", math.nan),
                ("kv_cache_tokens", True), ("max_model_len", 0), ("seed", -1),
                ("enable_chunked_prefill", 1), ("policy", "lifo"), ("dtype", "int8"),
                ("attention", "flash"), ("device", "foo"), ("preset", 3),
@@ -550,10 +550,13 @@ def test_kv_cache_too_big_for_memory_is_a_clear_error():
     (lambda e: e.add_request([0, True], SamplingParams()), "token ids"),
     (lambda e: e.add_request(b"hello", SamplingParams()), "got bytes"),
     (lambda e: e.add_request({"prompt_ids": [1]}, SamplingParams()), "got dict"),
+    (lambda e: e.add_request({"prompt_token_ids": "hi"}, SamplingParams()), "got dict"),
+    (lambda e: e.add_request({"prompt": [1, 2]}, SamplingParams()), "got dict"),
     (lambda e: e.add_request("hi", {"max_tokens": 5}), "SamplingParams"),
     (lambda e: e.add_request("hi", SamplingParams(), 7), "request_id"),
 ], ids=["empty", "too-long", "bad-token-id", "bool-token-id", "bytes",
-        "unknown-dict", "params-dict", "int-request-id"])
+        "unknown-dict", "text-as-token-ids", "token-ids-as-text", "params-dict",
+        "int-request-id"])
 def test_bad_request_is_rejected_and_engine_keeps_serving(alone, make, message):
     llm = tiny(kv_cache_tokens=512)
     with pytest.raises(ValueError, match=message):
@@ -658,10 +661,50 @@ def test_generate_rejects_a_use_tqdm_that_is_not_none_or_a_bool(use_tqdm):
 
 
 def test_automatic_request_ids_never_collide_with_chosen_ones():
+    """Nor with a chosen id that is an automatic request's sample's id ("1_4": sample 1 of
+    request "4")."""
     engine = tiny().engine
-    chosen = [engine.add_request("a", GREEDY, request_id=str(i)) for i in (0, 1, 3)]
-    automatic = [engine.add_request("b", GREEDY) for _ in range(3)]
-    assert len(set(chosen + automatic)) == 6
+    chosen = [engine.add_request("a", GREEDY, request_id=i) for i in ("0", "1", "3", "1_4")]
+    automatic = [engine.add_request("b", dataclasses.replace(GREEDY, n=2)) for _ in range(3)]
+    assert len(set(chosen + automatic)) == 7 and "4" not in automatic
+
+
+def test_a_request_ends_when_its_last_sample_does_though_a_finished_samples_id_is_reused():
+    """Sample 1 of request "X" is sequence "1_X"; once it finished, a caller may name a new
+    request "1_X". X still ends (finished, then gone) with its own last sample."""
+    engine = tiny().engine
+    short = SamplingParams(max_tokens=2, ignore_eos=True)
+    engine.add_request("x", dataclasses.replace(short, n=2), request_id="X")
+    engine.seqs["X"].params = dataclasses.replace(short, max_tokens=12)  # sample 0 runs longer
+    while "1_X" in engine.seqs:
+        engine.step()
+    engine.add_request("y", SamplingParams(max_tokens=20, ignore_eos=True), request_id="1_X")
+    finished = [out.request_id for out in run_to_end(engine, steps=12).get("X", [])
+                if out.finished]
+    assert finished == ["X"] and "X" not in engine.requests
+    run_to_end(engine)
+    assert_no_leaks(engine)
+
+
+def test_abort_of_a_running_request_with_penalties_frees_its_row_for_the_next():
+    """abort() clears a penalised row's penalty state (kept by the input batch, made inside
+    step()'s inference mode) from any thread; the row's next owner samples as on a fresh
+    engine."""
+    llm = tiny()
+    engine = llm.engine
+    penalised = SamplingParams(max_tokens=20, temperature=0, repetition_penalty=2.0)
+    engine.add_request("hello world", penalised, request_id="a")
+    engine.step()
+    engine.step()
+    engine.abort("a")
+    (aborted,) = engine.step()
+    assert aborted.outputs[0].finish_reason == "abort" and aborted.finished
+    assert_no_leaks(engine)
+    pair = [("hello world", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)),
+            ("other", dataclasses.replace(penalised, repetition_penalty=1.05))]
+    prompts = [prompt for prompt, _ in pair]
+    params = [params for _, params in pair]
+    assert token_ids(llm.generate(prompts, params)) == token_ids(tiny().generate(prompts, params))
 
 
 def test_outputs_and_params_are_copies(alone):
