@@ -10,7 +10,6 @@ through the checkpoint's template, if it has one); --serve starts the HTTP serve
 piped input. An error is one "error: ..." line, never a traceback.
 """
 import argparse
-import codecs
 import dataclasses
 import json
 import os
@@ -107,6 +106,7 @@ def argparse_error(parser: argparse.ArgumentParser, message: str) -> None:
 
 # Control characters (random weights emit any byte) print as visible escapes, not raw.
 VISIBLE = {c: f"\\x{c:02x}" for c in [*range(32), *range(127, 160)] if c not in (9, 10)}
+MAX_THREADS = 1024    # --threads at most: torch crashes far past this
 CLI_MAX_TOKENS = 200  # the command line's max_tokens, unless a flag, the checkpoint or the
                       # context says otherwise
                       # context says otherwise
@@ -139,14 +139,16 @@ def line_params(engine: Engine, args: argparse.Namespace, prompt, **fields) -> S
 
 
 def run_prompts(engine: Engine, args: argparse.Namespace,
-                frames: watch.FrameLog | None = None) -> None:
+                frames: watch.FrameLog | None = None) -> int:
     """Serve every --prompt as one batch; stream each one's samples in turn (--n: each under
-    its index); a summary, Ctrl-C or not. `frames` (--trace-html) gets each step's frame."""
+    its index); a summary, Ctrl-C or not. `frames` (--trace-html) gets each step's frame.
+    Returns how many samples failed."""
     ids = [engine.add_request(prompt, cli_params(engine, args, prompt)) for prompt in args.prompt]
     samples = [(k, request_id, index) for k, request_id in enumerate(ids)
                for index in range(args.n)]  # in the order they print
     later = {(request_id, index): [] for _, request_id, index in samples}  # deltas not printed
     current = 0  # the sample being printed
+    num_failed = 0
     start = time.perf_counter()
     if args.trace:
         engine.step_records = []
@@ -164,6 +166,8 @@ def run_prompts(engine: Engine, args: argparse.Namespace,
                 print_delta(completion)
                 if completion.finish_reason is None:
                     continue
+                if completion.finish_reason == "error":
+                    num_failed += 1
                 current += 1
                 if current < len(samples):  # the next sample, which prints next
                     prompt_number, _, index = samples[current]
@@ -173,6 +177,7 @@ def run_prompts(engine: Engine, args: argparse.Namespace,
         print_summary(engine, time.perf_counter() - start, ids if args.trace else None)
         raise
     print_summary(engine, time.perf_counter() - start, ids if args.trace else None)
+    return num_failed
 
 
 def sample_heading(args: argparse.Namespace, prompt_number: int, index: int) -> str:
@@ -216,10 +221,13 @@ def kv_cache_description(engine: Engine) -> str:
 
 
 def read_lines(stream, lines: queue.Queue) -> None:
-    """Put each line of stream into `lines`, then None for the end (a thread's target)."""
-    for line in stream:
-        lines.put(line)
-    lines.put(None)
+    """Put each line of stream into `lines`, then None for the end (a thread's target),
+    whatever ends the reading: the loop waits for that None."""
+    try:
+        for line in stream:
+            lines.put(line)
+    finally:
+        lines.put(None)
 
 
 def arrived_lines(lines: queue.Queue, wait: bool) -> list[str | None]:
@@ -395,17 +403,23 @@ def run_terminal(engine: Engine, args: argparse.Namespace) -> None:
 
 def stream_completion(engine: Engine, request_id: str) -> str | None:
     """Step until the request ends, printing its text as it comes: the whole text, or None if
-    Ctrl-C stopped it (its blocks freed; back to the prompt)."""
+    Ctrl-C stopped it (its blocks freed; back to the prompt) or it failed (why, printed)."""
     text = ""
+    error = None
     try:
         while engine.has_unfinished():
             for out in engine.step():
-                text += out.outputs[0].text
-                print(out.outputs[0].text.translate(VISIBLE), end="", flush=True)
+                completion = out.outputs[0]
+                text += completion.text
+                print(completion.text.translate(VISIBLE), end="", flush=True)
+                error = completion.error
     except KeyboardInterrupt:
         engine.abort(request_id)
         engine.step()
         print("\n[interrupted]")
+        return None
+    if error is not None:
+        print(f"\n[error: {error}]")
         return None
     print()
     return text
@@ -426,7 +440,7 @@ def repl_command(line: str, settings: dict, engine: Engine, args: argparse.Names
         settings.pop(name, None)
         return f"{name} reset"
     try:
-        parsed = [codecs.decode(value, "unicode_escape")] if name == "stop" else json.loads(value)
+        parsed = parse_setting(name, value)
         line_params(engine, args, "", **settings | {name: parsed})  # validates
     except ValueError as e:
         return f"error: {e}"
@@ -434,11 +448,32 @@ def repl_command(line: str, settings: dict, engine: Engine, args: argparse.Names
     return f"{name} = {parsed!r}"
 
 
+def parse_setting(name: str, value: str):
+    """A /set value: JSON, but for stop, a string whose backslash escapes are read (\\n, \\t,
+    \\x41, \\u00e9; any other character is itself); ValueError naming the field."""
+    if name == "stop":
+        try:  # unicode_escape reads bytes: a character past Latin-1 goes in as its \\u escape
+            return [value.encode("latin-1", "backslashreplace").decode("unicode_escape")]
+        except UnicodeDecodeError as e:
+            raise ValueError(f"stop: a bad escape in {value!r} ({e.reason})") from None
+    try:
+        return json.loads(value)
+    except ValueError:
+        raise ValueError(f"{name}: {value!r} is not a JSON value (0.7, 5, true, null, "
+                         '"text", [1, 2])') from None
+
+
 def run_front_end(engine: Engine, args: argparse.Namespace,
                   frames: watch.FrameLog | None) -> None:
     """--prompt, the REPL at a terminal, or piped lines (status 1 if any failed)."""
+    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 reach the engine, which
+        sys.stdin.reconfigure(errors="surrogateescape")  # names them, rather than end the run
     if args.prompt:
-        run_prompts(engine, args, frames)
+        num_failed = run_prompts(engine, args, frames)
+        if num_failed:
+            print(f"error: {num_failed} of {len(args.prompt) * args.n} samples failed",
+                  file=sys.stderr)
+            sys.exit(1)
     elif sys.stdin.isatty() and not args.jsonl:
         run_terminal(engine, args)
     else:
@@ -456,16 +491,29 @@ def write_trace_page(path: str, frames: list[dict]) -> None:
         raise ValueError(f"cannot write --trace-html {path}: {e.strerror or e}") from None
 
 
+def check_front_end_flags(args: argparse.Namespace) -> None:
+    """ValueError for flags that the chosen front end would ignore."""
+    if args.trace and not args.prompt:
+        raise ValueError("--trace needs --prompt")
+    if args.jsonl and args.prompt:
+        raise ValueError("--jsonl reads prompts from stdin; it takes no --prompt")
+    if not args.serve:
+        return
+    if args.prompt or args.jsonl:
+        raise ValueError("--serve takes no --prompt or --jsonl")
+    if args.sampling_given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in args.sampling_given)
+        raise ValueError(f"--serve takes sampling per request, not {flags} (the checkpoint's "
+                         "generation_config.json gives the defaults)")
+
+
 def main(argv=None) -> None:
     """Errors: one "error: ..." line, status 2; piped lines that failed: status 1. Ctrl-C:
     status 130. A closed stdout: quiet."""
     args = parse_args(argv)
     try:
-        check_int("--threads", args.threads, 1)
-        if args.trace and not args.prompt:
-            raise ValueError("--trace needs --prompt")
-        if args.serve and args.prompt:
-            raise ValueError("--serve takes no --prompt")
+        check_int("--threads", args.threads, 1, MAX_THREADS)
+        check_front_end_flags(args)
         runs_a_batch = args.prompt or args.jsonl or not sys.stdin.isatty()  # not the REPL
         if args.trace_html is not None and (args.serve or not runs_a_batch):
             raise ValueError("--trace-html needs --prompt, piped input or --jsonl (a server's "

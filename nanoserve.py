@@ -76,6 +76,9 @@ class EngineConfig:
 
     def __post_init__(self):
         check_fields(self)
+        if self.model == "":
+            raise ValueError("model is empty: give a checkpoint or leave it out (the shipped "
+                             "model)")
         if self.model is not None and self.preset is not None:
             raise ValueError("give a model or a preset, not both")
         try:

@@ -15,7 +15,6 @@ from options import check_int
 from sampling import MAX_LOGPROBS, SamplingParams
 from tokenizer import ChatTemplate
 
-MAX_N = 64                # samples of one prompt in one request at most
 MAX_SEQUENCES = 256       # prompts x n of one request at most: what it may queue ahead of others
 CHAT_TURN_END = "\n\n"    # the chat template ends every turn with a blank line
 TRANSCRIPT_ROLES = ("system", "user", "assistant")  # the roles of render_chat's transcript
@@ -253,7 +252,6 @@ def sample_params(fields: dict, n: int, transcript: bool, top_logprobs: int) -> 
     seeded request uses seed + i); a reply in render_chat's transcript also stops at the end
     of its turn. HTTPError 400 naming a bad field."""
     try:
-        check_int("n", n, 1, MAX_N)
         check_int("top_logprobs", top_logprobs, 0, MAX_LOGPROBS)
         params = SamplingParams(n=n, **fields)
     except ValueError as e:

@@ -33,13 +33,15 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 64
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 300      # token ids a request may bias
+MAX_N = 128               # samples of one request at most (OpenAI's limit)
 NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32}  # upload's dtypes
 
 
 @dataclass
 class SamplingParams:
     """Per-request sampling, as vLLM and the OpenAI API name it."""
-    n: int = option(1, "samples of the prompt, one request (a seeded sample i uses seed + i)")
+    n: int = option(1, "samples of the prompt, one request (a seeded sample i uses seed + i)",
+                    high=MAX_N)
     max_tokens: int = option(16, "tokens to generate at most")
     temperature: float = option(1.0, "0 (or below 1e-5): greedy", low=0)
     top_k: int = option(0, "keep the k most likely tokens; 0 or -1: all", low=-1)
@@ -73,10 +75,18 @@ class SamplingParams:
                                                  "added to its logit (OpenAI's)", type=dict)
 
     def __post_init__(self):
-        try:  # a string, or any iterable of strings, read once here (a generator is used up)
-            self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        except TypeError:
-            raise ValueError(f"stop must be a string or strings, got {self.stop!r}") from None
+        bad_stop = ValueError(f"stop must be a string or strings, got {self.stop!r}")
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, dict):  # its keys would pass for the strings
+            raise bad_stop
+        else:
+            try:  # any iterable of strings, read once here (a generator is used up)
+                self.stop = list(self.stop)
+            except TypeError:
+                raise bad_stop from None
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if len(self.stop) > MAX_STOP_STRINGS:

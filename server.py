@@ -65,6 +65,10 @@ class ServerConfig:
         if self.api_key is None:
             self.api_key = os.environ.get("NANOSERVE_API_KEY") or None
         check_fields(self)
+        if not self.host:
+            raise ValueError("host is empty: give an address to bind (0.0.0.0 for every one)")
+        if self.api_key == "":
+            raise ValueError("api_key is empty: no request could match it")
         if not all(isinstance(origin, str) and origin for origin in self.allowed_origins):
             raise ValueError(f"allowed_origins must be strings, got {self.allowed_origins!r}")
 

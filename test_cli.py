@@ -52,13 +52,33 @@ def test_cli_runs_are_reproducible_and_seeded(capsys):
     (["--device", "foo"], "unknown device 'foo'"),
     (["--block-size", "32", "--kv-cache-tokens", "16"], "block_size (32 tokens) is larger"),
     (["--model", "/nonexistent"], "neither a checkpoint directory"),
-    (["--threads", "0"], "--threads must be an integer >= 1"),
+    (["--threads", "0"], "--threads must be an integer in [1, 1024]"),
+    (["--threads", "100000"], "--threads must be an integer in [1, 1024]"),
+    (["--max-num-seqs", "100000000"], "max_num_seqs must be an integer in [1, 65536]"),
+    (["--n", "1000000"], "n must be an integer in [1, 128]"),
     (["--prompt", "x" * 1100], "the model's context is 1024"),
+    (["--prompt", "x\udcff"], "the text is not UTF-8: character 1 is a lone surrogate"),
+    (["--model", ""], "model is empty"),
+    (["--prompt", "x", "--jsonl"], "--jsonl reads prompts from stdin"),
 ], ids=["top-p", "nan", "max-tokens", "float-int", "device", "block-size", "model", "threads",
-        "too-long"])
+        "threads-past-1024", "max-num-seqs-huge", "n-huge", "too-long", "not-utf-8",
+        "empty-model", "prompt-and-jsonl"])
 def test_cli_reports_bad_input_in_one_line(capsys, args, message):
     status, out, err = nanoserve_main(capsys, *(["--prompt", "x"] if args and "--prompt" not in
                                                 args else []), *args)
+    assert (status, out) == (2, "")
+    assert err == f"error: {err[7:].strip()}\n" and message in err, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--jsonl"], "--serve takes no --prompt or --jsonl"),
+    (["--max-tokens", "3", "--stop", "e"],
+     "--serve takes sampling per request, not --stop, --max-tokens"),
+    (["--api-key", ""], "api_key is empty"),
+    (["--host", ""], "host is empty"),
+], ids=["jsonl", "sampling", "empty-api-key", "empty-host"])
+def test_serve_refuses_flags_it_would_ignore_or_cannot_serve(capsys, args, message):
+    status, out, err = nanoserve_main(capsys, "--serve", *args)
     assert (status, out) == (2, "")
     assert err == f"error: {err[7:].strip()}\n" and message in err, err
 
@@ -92,6 +112,31 @@ def test_closed_stdout_ends_a_run_quietly():
     proc.stdout.close()
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and err == b""
+
+
+def failing_forward(*args):
+    raise ValueError("the model failed")
+
+
+def test_a_prompt_that_fails_says_why_and_exits_1(capsys, monkeypatch):
+    monkeypatch.setattr("model.GPT.forward", failing_forward)
+    status, out, err = nanoserve_main(capsys, "--prompt", "ROMEO:", "--max-tokens", "3")
+    assert status == 1 and out == "ROMEO:"
+    assert "[error: ValueError: the model failed]" in err
+    assert err.endswith("error: 1 of 1 samples failed\n")
+
+
+def test_piped_bytes_that_are_not_utf8_fail_their_line_alone():
+    """Under a strict UTF-8 locale too: the bad line gets its error, the others their
+    completions, and the run ends (status 1), not waits for a line that never comes."""
+    env = dict(os.environ, PYTHONIOENCODING="utf-8:strict")
+    run = subprocess.run([sys.executable, "nanoserve.py", "--max-tokens", "3"], cwd=HERE,
+                         input=b"ROMEO:\nJU\xffLIET:\nKING:\n", capture_output=True, env=env,
+                         timeout=120)
+    out = run.stdout.decode()
+    assert run.returncode == 1 and out.startswith("ROMEO:") and "\n\nKING:" in out
+    assert ("line 2: the text is not UTF-8: character 2 is a lone surrogate, U+DCFF"
+            in run.stderr.decode())
 
 
 def test_help_shows_every_default(capsys):
@@ -244,6 +289,31 @@ def test_repl_at_a_terminal_streams_sets_and_stops_on_ctrl_c():
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
         os.close(fd)
+
+
+def test_repl_set_reads_stop_escapes_and_names_a_value_that_is_not_json():
+    import cli
+    engine = tiny().engine
+    args = cli.parse_args([])
+    settings = {}
+    assert cli.repl_command("/set stop \\n\u00e9\u65e5", settings, engine, args) == \
+        "stop = ['\\né日']"
+    assert settings == {"stop": ["\né日"]}
+    reply = cli.repl_command("/set stop \\x", settings, engine, args)
+    assert reply.startswith("error: stop: a bad escape in '\\\\x'")
+    reply = cli.repl_command("/set temperature nan", settings, engine, args)
+    assert reply.startswith("error: temperature: 'nan' is not a JSON value")
+    assert settings == {"stop": ["\né日"]}
+
+
+def test_a_repl_completion_that_fails_prints_why_and_joins_no_conversation(capsys,
+                                                                          monkeypatch):
+    import cli
+    engine = tiny().engine
+    monkeypatch.setattr(engine.model, "forward", failing_forward)
+    request_id = engine.add_request("Hi", SamplingParams(max_tokens=3))
+    assert cli.stream_completion(engine, request_id) is None
+    assert "[error: ValueError: the model failed]" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- trace

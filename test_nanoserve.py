@@ -394,7 +394,7 @@ BAD_PARAMS = {
     "top_k": [True, 1.5, -2],
     "max_tokens": [True, 0, 2.0],
     "seed": [-2**63 - 1, 2**64, 1.5, True],
-    "stop": [[""], [1], 5, ["x"] * 17, ["x" * 65]],
+    "stop": [[""], [1], 5, ["x"] * 17, ["x" * 65], {"a": 1}, 0, False],
     "ignore_eos": ["yes"],
     "presence_penalty": [float("nan"), 2.5, True, "0.1"],
     "frequency_penalty": [-3, float("inf")],

@@ -475,13 +475,14 @@ class Detokenizer:
 
 def check_utf8(text: str) -> None:
     """ValueError unless the text can be written in UTF-8, naming the first character that
-    cannot (a lone surrogate, U+D800 to U+DFFF)."""
+    cannot: a lone surrogate, U+D800 to U+DFFF (JSON's escapes make them, and Python's
+    surrogateescape makes U+DC80 to U+DCFF of bytes that are not UTF-8)."""
     try:
         text.encode()
     except UnicodeEncodeError as e:
         bad = ord(text[e.start])
-        raise ValueError(f"the text holds a lone surrogate, U+{bad:04X} at character "
-                         f"{e.start}, which UTF-8 cannot encode") from None
+        raise ValueError(f"the text is not UTF-8: character {e.start} is a lone surrogate, "
+                         f"U+{bad:04X}") from None
 
 
 def read_json(path: str) -> dict:
