@@ -14,6 +14,7 @@ import json
 import math
 import mmap
 import os
+import re
 import sys
 import urllib.request
 from dataclasses import dataclass, field
@@ -83,6 +84,16 @@ LLAMA_KEYS = {"vocab_size", "max_position_embeddings", "hidden_size", "num_hidde
               "use_sliding_window", "layer_types"} | set(LLAMA_VALUES)
 LLAMA3_SCALING_KEYS = {"factor", "low_freq_factor", "high_freq_factor",
                        "original_max_position_embeddings"}
+# What the keys read here must hold, checked before any is used (null: the key's default): a
+# string for a bool, a NaN or a negative epsilon would build a model that prints garbage.
+POSITIVE_INTS = {"vocab_size", "n_positions", "n_ctx", "n_embd", "n_layer", "n_head", "n_inner",
+                 "max_position_embeddings", "hidden_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                 "sliding_window", "original_max_position_embeddings"}
+POSITIVE_NUMBERS = {"layer_norm_epsilon", "rms_norm_eps", "rope_theta", "factor",
+                    "low_freq_factor", "high_freq_factor"}
+BOOLS = {"attention_bias", "mlp_bias", "tie_word_embeddings", "use_sliding_window"}
+MAPS = {"rope_scaling", "rope_parameters"}
 
 
 def config_from_hf(hf: dict, path: str) -> GPTConfig:
@@ -90,7 +101,7 @@ def config_from_hf(hf: dict, path: str) -> GPTConfig:
     know is refused by name, since serving a model while ignoring what a key changes (another
     RoPE scaling, a sliding window, experts) would give wrong text without a word."""
     model_type = hf.get("model_type")
-    if model_type not in SERVED_ARCHITECTURES:
+    if not isinstance(model_type, str) or model_type not in SERVED_ARCHITECTURES:
         raise ValueError(f"{path}: model_type {model_type!r} is not served; nanoserve serves "
                          f"{', '.join(SERVED_ARCHITECTURES)}")
     architecture = SERVED_ARCHITECTURES[model_type]
@@ -104,12 +115,33 @@ def config_from_hf(hf: dict, path: str) -> GPTConfig:
         raise ValueError(f"{path}: config.json key {unknown[0]!r} is not served: it may change "
                          "what the model computes, and nanoserve would ignore it")
     require(hf, NEUTRAL_VALUES, path)
+    check_kinds(hf, "config.json", path)
     try:
         if model_type == "gpt2":
             return gpt2_config(hf, path)
         return llama_config(hf, path)
     except KeyError as e:  # a size every config of the family has
         raise ValueError(f"{path}: config.json lacks {e.args[0]!r}") from None
+
+
+def check_kinds(values: dict, where: str, path: str) -> None:
+    """ValueError naming the first key of `values` that holds the wrong kind of value for
+    what it is read as (POSITIVE_INTS, POSITIVE_NUMBERS, BOOLS, MAPS); null passes."""
+    for key, value in values.items():
+        if value is None:
+            continue
+        if key in POSITIVE_INTS and not (type(value) is int and value >= 1):
+            wanted = "a positive integer"
+        elif key in POSITIVE_NUMBERS and not (type(value) in (int, float)
+                                              and math.isfinite(value) and value > 0):
+            wanted = "a positive finite number"
+        elif key in BOOLS and type(value) is not bool:
+            wanted = "true or false"
+        elif key in MAPS and not isinstance(value, dict):
+            wanted = "an object"
+        else:
+            continue
+        raise ValueError(f"{path}: {where} {key} must be {wanted}, got {value!r}")
 
 
 def require(hf: dict, values: dict, path: str) -> None:
@@ -174,11 +206,14 @@ def rope_settings(hf: dict, path: str) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from published configs' rope_theta and rope_scaling keys, or
     transformers 5's rope_parameters; a scaling other than Llama 3's is refused by name."""
     parameters = hf.get("rope_parameters")
-    if parameters is None:
-        theta = hf.get("rope_theta", 10000.0)
-        scaling = hf.get("rope_scaling")
-    else:
-        theta = parameters.get("rope_theta", 10000.0)
+    theta = hf.get("rope_theta") or 10000.0
+    scaling = hf.get("rope_scaling")
+    if parameters is not None and scaling is not None:
+        raise ValueError(f"{path}: config.json has both rope_scaling and rope_parameters: "
+                         "which one holds is ambiguous")
+    if parameters is not None:  # transformers 5: the top-level rope_theta, if any, under it
+        check_kinds(parameters, "rope_parameters", path)
+        theta = parameters.get("rope_theta") or theta
         scaling = parameters
     if scaling is None:
         return theta, None
@@ -191,6 +226,10 @@ def rope_settings(hf: dict, path: str) -> tuple[float, dict | None]:
         raise ValueError(f"{path}: llama3 rope_scaling lacks {missing[0]!r}")
     if unknown := sorted(set(scaling) - LLAMA3_SCALING_KEYS - {"rope_type", "type", "rope_theta"}):
         raise ValueError(f"{path}: rope_scaling key {unknown[0]!r} is not served")
+    check_kinds(scaling, "rope_scaling", path)
+    if not scaling["low_freq_factor"] < scaling["high_freq_factor"]:  # their gap divides
+        raise ValueError(f"{path}: rope_scaling's low_freq_factor must be below its "
+                         "high_freq_factor")
     return theta, {key: scaling[key] for key in sorted(LLAMA3_SCALING_KEYS)}
 
 
@@ -215,20 +254,56 @@ def read_safetensors(path: str) -> dict[str, torch.Tensor]:
     if 8 + n > len(data):
         raise ValueError(f"{path}: corrupt safetensors header (length {n}, file {len(data)} bytes)")
     try:
-        header = json.loads(data[8:8 + n])
+        header = json.loads(data[8:8 + n], object_pairs_hook=without_repeated_keys)
     except ValueError as e:
         raise ValueError(f"{path}: corrupt safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: corrupt safetensors header: not a JSON object")
     header.pop("__metadata__", None)
     tensors = {}
+    spans = []  # (start, end, name) of each tensor's bytes, after the header
     for name, info in header.items():
-        dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
-        start, end = info["data_offsets"]
-        numel = math.prod(info["shape"])
-        if dtype is None or end - start != numel * dtype.itemsize or 8 + n + end > len(data):
-            raise ValueError(f"{path}: corrupt safetensors entry for {name}: {info}")
-        tensors[name] = torch.frombuffer(data, dtype=dtype, count=numel,
-                                         offset=8 + n + start).reshape(info["shape"])
+        layout = entry_layout(info)
+        if layout is None or 8 + n + layout[2] > len(data):
+            raise ValueError(f"{path}: corrupt safetensors entry for {name}: {info!r:.200}")
+        dtype, start, end, shape = layout
+        spans.append((start, end, name))
+        tensors[name] = torch.frombuffer(data, dtype=dtype, count=math.prod(shape),
+                                         offset=8 + n + start).reshape(shape)
+    spans.sort()
+    for (_, end, name), (start, _, next_name) in zip(spans, spans[1:]):
+        if start < end:  # two tensors reading the same bytes: the file is damaged
+            raise ValueError(f"{path}: tensors {name} and {next_name} overlap")
     return tensors
+
+
+def without_repeated_keys(pairs: list) -> dict:
+    """json's object hook: a dict of the pairs; ValueError if a key comes twice (which tensor
+    a name means would be a guess)."""
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) < len(keys):
+        raise ValueError("a key comes twice")
+    return dict(pairs)
+
+
+def entry_layout(info) -> tuple[torch.dtype, int, int, list[int]] | None:
+    """A safetensors header entry's (dtype, start, end, shape), or None unless it is well
+    formed: a known dtype, offsets 0 <= start <= end, and a shape of non-negative integers
+    whose elements fill start..end exactly."""
+    if not isinstance(info, dict) or not isinstance(info.get("dtype"), str):
+        return None
+    dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+    offsets = info.get("data_offsets")
+    shape = info.get("shape")
+    if dtype is None or not (isinstance(offsets, list) and len(offsets) == 2
+                             and all(type(offset) is int for offset in offsets)):
+        return None
+    if not (isinstance(shape, list) and all(type(size) is int and size >= 0 for size in shape)):
+        return None
+    start, end = offsets
+    if not 0 <= start <= end or end - start != math.prod(shape) * dtype.itemsize:
+        return None
+    return dtype, start, end, shape
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], path: str) -> None:
@@ -259,9 +334,11 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: str =
     if not os.path.exists(config_file):
         raise ValueError(f"{path} is not a checkpoint directory: no config.json")
     hf = read_json(config_file)
-    with torch.device("meta"):
-        model = GPT(config_from_hf(hf, path))
+    config = config_from_hf(hf, path)
     tensors = read_weights(path)
+    check_sizes(config, tensors, path)
+    with torch.device("meta"):
+        model = GPT(config)
     if hf["model_type"] == "gpt2":
         tensors = from_gpt2_state(checked_state(gpt2_tensors(tensors),
                                                 to_gpt2_state(model.state_dict()), path))
@@ -279,6 +356,24 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: str =
     return model.to(device)  # the buffers: RoPE's frequencies, on the CPU until now
 
 
+LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")  # Llama's and GPT-2's layer names
+
+
+def check_sizes(config: GPTConfig, tensors: dict, path: str) -> None:
+    """Before the model is built, config.json's layer count and query width against the
+    weights': a wrong number then fails at once, not after building a model of its size (a
+    million layers take minutes; a head_dim of 2e9, gigabytes of RoPE tables)."""
+    layers = {int(match.group(1)) for name in tensors if (match := LAYER_INDEX.search(name))}
+    if len(layers) != config.n_layer:
+        raise ValueError(f"{path}: config.json has {config.n_layer} layers; the weights hold "
+                         f"{len(layers)}")
+    query = tensors.get("model.layers.0.self_attn.q_proj.weight")
+    query_width = config.n_head * config.head_dim
+    if query is not None and query.shape[0] != query_width:
+        raise ValueError(f"{path}: config.json's heads make queries {query_width} wide; the "
+                         f"weights' are {query.shape[0]}")
+
+
 def read_weights(path: str) -> dict[str, torch.Tensor]:
     """The tensors of model.safetensors, else of the shards model.safetensors.index.json
     lists, else of pytorch_model.bin, in `path`."""
@@ -290,9 +385,23 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
     if os.path.exists(index_file):
         return read_shards(index_file)
     if os.path.exists(pickle_file):
-        return torch.load(pickle_file, map_location="cpu", weights_only=True)  # read whole
+        return read_pickle(pickle_file)
     raise ValueError(f"{path} has no model.safetensors, model.safetensors.index.json or "
                      "pytorch_model.bin")
+
+
+def read_pickle(path: str) -> dict[str, torch.Tensor]:
+    """pytorch_model.bin, read whole (weights only: no code of the file's runs); ValueError
+    unless it holds a state dict of tensors."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 (torch raises whatever its unpickler meets)
+        raise ValueError(f"{path} is not a PyTorch state dict: {type(e).__name__}: "
+                         f"{str(e).strip().splitlines()[0][:200]}") from None
+    if not isinstance(state, dict) or not all(isinstance(name, str) and torch.is_tensor(t)
+                                              for name, t in state.items()):
+        raise ValueError(f"{path} is not a state dict of tensors")
+    return state
 
 
 def read_shards(index_file: str) -> dict[str, torch.Tensor]:
@@ -301,13 +410,20 @@ def read_shards(index_file: str) -> dict[str, torch.Tensor]:
     weight_map = read_json(index_file).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise ValueError(f"{index_file} has no weight_map")
+    for shard in weight_map.values():  # a file beside the index, nowhere else
+        if not isinstance(shard, str) or not shard or os.path.basename(shard) != shard:
+            raise ValueError(f"{index_file}: weight_map names {shard!r}, not a file beside it")
     directory = os.path.dirname(index_file)
     tensors = {}
     for shard in sorted(set(weight_map.values())):
         shard_file = os.path.join(directory, shard)
-        if not os.path.exists(shard_file):
+        if not os.path.isfile(shard_file):
             raise ValueError(f"{index_file} lists shard {shard}, which is missing")
-        tensors |= read_safetensors(shard_file)
+        for name, tensor in read_safetensors(shard_file).items():
+            if weight_map.get(name) != shard:  # a second copy, or one the index does not know
+                raise ValueError(f"{shard_file} holds {name}, which {index_file} places in "
+                                 f"{weight_map.get(name)}")
+            tensors[name] = tensor
     if missing := sorted(set(weight_map) - set(tensors)):
         raise ValueError(f"{index_file}: tensor {missing[0]} is not in its shard "
                          f"{weight_map[missing[0]]}")
@@ -322,6 +438,8 @@ def checked_state(state: dict, expected: dict, path: str) -> dict:
         if state[key].shape != want.shape:
             raise ValueError(f"{path}: tensor {key} has shape {tuple(state[key].shape)}; "
                              f"config.json implies {tuple(want.shape)}")
+        if not state[key].is_floating_point():
+            raise ValueError(f"{path}: tensor {key} holds {state[key].dtype}, not weights")
     if unexpected := sorted(set(state) - set(expected)):
         raise ValueError(f"{path}: unexpected tensors {unexpected[:5]}")
     return state
@@ -437,14 +555,16 @@ def load_model(model: str | None = None, preset: str | None = None, seed: int = 
         torch.manual_seed(seed)  # the weights are drawn on the CPU: the same on any device
         gpt = GPT(PRESETS[preset]).to(device, dtype)
         tokenizer = byte_tokenizer()
-        return Checkpoint(gpt, tokenizer, eos_token_ids(tokenizer, {}, {}), dtype)
+        return Checkpoint(gpt, tokenizer, eos_token_ids(tokenizer, {}, {}, gpt.config, ""),
+                          dtype)
     path = checkpoint_path(model or DEFAULT_MODEL)
     hf = read_json(os.path.join(path, "config.json"))
     dtype = run_dtype(dtype, DTYPES.get(hf.get("torch_dtype", hf.get("dtype"))))
     gpt = load_checkpoint(path, dtype, device)  # first: a directory that is no checkpoint says so
     generation_config = read_json(os.path.join(path, "generation_config.json"))
     tokenizer = load_tokenizer(path)
-    return Checkpoint(gpt, tokenizer, eos_token_ids(tokenizer, hf, generation_config), dtype,
+    eos_ids = eos_token_ids(tokenizer, hf, generation_config, gpt.config, path)
+    return Checkpoint(gpt, tokenizer, eos_ids, dtype,
                       generation_config=generation_config, path=path,
                       chat_template=load_chat_template(path))
 
@@ -460,18 +580,21 @@ def run_dtype(asked: torch.dtype | None, stored: torch.dtype | None) -> torch.dt
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def eos_token_ids(tokenizer: Tokenizer, hf: dict, generation_config: dict) -> list[int]:
+def eos_token_ids(tokenizer: Tokenizer, hf: dict, generation_config: dict, config: GPTConfig,
+                  path: str) -> list[int]:
     """Every id that ends a request: generation_config.json's eos_token_id, then config.json's
     (each an int or a list: Llama 3 Instruct ends at <|end_of_text|>, <|eom_id|> and
-    <|eot_id|>); with neither, the tokenizer's <|endoftext|>, if it has one."""
+    <|eot_id|>); with neither, the tokenizer's <|endoftext|>, if it has one. ValueError
+    naming the file for an id the model does not embed."""
     ids = []
-    for source in (generation_config, hf):
+    for file, source in (("generation_config.json", generation_config), ("config.json", hf)):
         value = source.get("eos_token_id")
         if value is None:
             continue
         for token_id in value if isinstance(value, list) else [value]:
-            if type(token_id) is not int or token_id < 0:
-                raise ValueError(f"eos_token_id {value!r} is not a token id or a list of them")
+            if type(token_id) is not int or not 0 <= token_id < config.vocab_size:
+                raise ValueError(f"{path}: {file} eos_token_id {value!r} is not a token id of "
+                                 f"the model (0 to {config.vocab_size - 1}) or a list of them")
             if token_id not in ids:
                 ids.append(token_id)
     if not ids and EOT in tokenizer.added_tokens:

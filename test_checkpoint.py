@@ -147,6 +147,80 @@ def test_corrupt_safetensors_header_is_reported(tmp_path, header):
         checkpoint.load_checkpoint(str(tmp_path))
 
 
+def rewrite_header(path, change) -> None:
+    """Rewrite model.safetensors' header in directory path with change(header), its tensor
+    bytes kept (the header padded to its old length, so that offsets still hold)."""
+    file = os.path.join(path, "model.safetensors")
+    data = open(file, "rb").read()
+    length = struct.unpack("<Q", data[:8])[0]
+    header = change(json.loads(data[8:8 + length]))
+    head = header
+    if not isinstance(header, bytes):
+        head = json.dumps(header, separators=(",", ":")).encode()
+    assert len(head) <= length, "the changed header must fit in the old one"
+    with open(file, "wb") as f:
+        f.write(data[:8] + head.ljust(length) + data[8 + length:])
+
+
+def first_entry(header: dict) -> str:
+    return next(name for name in header if name != "__metadata__")
+
+
+def overlap_first_two(header: dict) -> dict:
+    first, second = [name for name in header if name != "__metadata__"][:2]
+    start, end = header[first]["data_offsets"]
+    size = end - start
+    second_start = header[second]["data_offsets"][0]
+    header[first]["data_offsets"] = [second_start, second_start + size]
+    return header
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda h: b"[1, 2]", "not a JSON object"),
+    (lambda h: h | {first_entry(h): 5}, "corrupt safetensors entry"),
+    (lambda h: h | {first_entry(h): h[first_entry(h)] | {"data_offsets": [-8, 0]}},
+     "corrupt safetensors entry"),
+    (lambda h: h | {first_entry(h): h[first_entry(h)] | {"shape": [-1]}},
+     "corrupt safetensors entry"),
+    (overlap_first_two, "overlap"),
+    (lambda h: json.dumps(h, separators=(",", ":")).replace(
+        '"__metadata__"', f'"{first_entry(h)}"', 1).encode(), "a key comes twice"),
+], ids=["not-an-object", "entry-not-an-object", "negative-offset", "negative-shape",
+        "overlapping-tensors", "repeated-name"])
+def test_a_damaged_safetensors_entry_is_refused_not_read(tmp_path, change, message):
+    """A damaged header is an error naming the file, never a tensor read from the wrong
+    bytes: a negative offset would read the header as weights, an overlap another tensor."""
+    write_hf_checkpoint(tmp_path, hf_gpt2_state(SMALL), SMALL, "safetensors")
+    rewrite_header(tmp_path, change)
+    with pytest.raises(ValueError, match=message):
+        checkpoint.load_checkpoint(str(tmp_path))
+
+
+def test_integer_tensors_are_not_weights(tmp_path):
+    state = hf_gpt2_state(SMALL)
+    state["transformer.ln_f.weight"] = state["transformer.ln_f.weight"].to(torch.int64)
+    checkpoint.write_safetensors(state, str(tmp_path / "model.safetensors"))
+    write_hf_checkpoint(tmp_path / "x", state, SMALL, "bin")  # its config.json, beside
+    shutil.copy(tmp_path / "x" / "config.json", tmp_path)
+    with pytest.raises(ValueError, match="ln_f.weight holds torch.int64, not weights"):
+        checkpoint.load_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"not a pickle", "is not a PyTorch state dict"),
+    (None, "is not a state dict of tensors"),
+], ids=["garbage", "a-list"])
+def test_a_pytorch_model_bin_that_is_no_state_dict_is_refused(tmp_path, content, message):
+    write_hf_checkpoint(tmp_path, hf_gpt2_state(SMALL), SMALL, "bin")
+    file = tmp_path / "pytorch_model.bin"
+    if content is None:
+        torch.save([torch.zeros(2)], file)
+    else:
+        file.write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        checkpoint.load_checkpoint(str(tmp_path))
+
+
 # ----------------------------------------------------------------------------- checkpoints as published
 
 def test_sharded_checkpoint_loads_as_the_whole_one(tmp_path):
@@ -165,7 +239,17 @@ def test_sharded_checkpoint_loads_as_the_whole_one(tmp_path):
     whole = checkpoint.load_checkpoint(source).state_dict()
     sharded = checkpoint.load_checkpoint(str(tmp_path)).state_dict()
     assert all(torch.equal(whole[name], sharded[name]) for name in whole)
-    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    first_shard, second_shard = shards
+    copy = {names[0]: tensors[names[0]] * 0} | {name: tensors[name] for name in names[10:]}
+    checkpoint.write_safetensors(copy, str(tmp_path / second_shard))
+    with pytest.raises(ValueError, match=f"holds {names[0]}, which .* places in {first_shard}"):
+        checkpoint.load_checkpoint(str(tmp_path))  # a second copy would win without a word
+    outside = weight_map | {names[0]: "../" + first_shard}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": outside}))
+    with pytest.raises(ValueError, match="weight_map names '../model-00001-of-00002"):
+        checkpoint.load_checkpoint(str(tmp_path))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (tmp_path / second_shard).unlink()
     with pytest.raises(ValueError, match="lists shard model-00002-of-00002.safetensors, which is "
                                          "missing"):
         checkpoint.load_checkpoint(str(tmp_path))
@@ -187,6 +271,14 @@ def test_every_eos_id_of_the_checkpoint_ends_a_request(tmp_path):
     assert out.token_ids == [first] and out.finish_reason == "stop"
     out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, min_tokens=3))[0]
     assert not {first, second} & set(out.outputs[0].token_ids[:3])
+
+
+def test_an_eos_id_past_the_vocabulary_is_refused_naming_the_file(tmp_path):
+    fixture_llm("qwen3", tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 5000]}))
+    with pytest.raises(ValueError, match="generation_config.json eos_token_id \\[5, 5000\\] is "
+                                         "not a token id of the model \\(0 to 256\\)"):
+        checkpoint_llm(tmp_path)
 
 
 def test_checkpoint_without_eos_ids_ends_at_the_tokenizers_end_of_text(tmp_path):

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -183,14 +184,42 @@ def test_config_that_changes_the_computation_is_refused_by_name(tmp_path, name, 
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(hidden_size="64"), "n_embd must be a positive integer, got '64'"),
-    (dict(num_hidden_layers=True), "n_layer must be a positive integer, got True"),
+    (dict(hidden_size="64"), "config.json hidden_size must be a positive integer, got '64'"),
+    (dict(num_hidden_layers=True),
+     "config.json num_hidden_layers must be a positive integer, got True"),
     (dict(num_key_value_heads=3), "n_head 4 is not a multiple of n_kv_head 3"),
     (dict(head_dim=33), "head_dim 33 is odd"),
     (dict(hidden_size=None), "config.json lacks 'hidden_size'"),
-], ids=["string-size", "bool-size", "heads-not-grouped", "odd-head-dim", "missing-size"])
+    (dict(rope_theta=float("nan")), "config.json rope_theta must be a positive finite number"),
+    (dict(rms_norm_eps=-1), "config.json rms_norm_eps must be a positive finite number"),
+    (dict(tie_word_embeddings="false"), "config.json tie_word_embeddings must be true or false"),
+    (dict(rope_scaling="llama3"), "config.json rope_scaling must be an object"),
+    (dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=4.0,
+                            high_freq_factor=4.0, original_max_position_embeddings=64)),
+     "low_freq_factor must be below its high_freq_factor"),
+    (dict(rope_scaling=dict(rope_type="llama3", factor=0, low_freq_factor=1.0,
+                            high_freq_factor=4.0, original_max_position_embeddings=64)),
+     "rope_scaling factor must be a positive finite number, got 0"),
+    (dict(rope_scaling=dict(rope_type="default"), rope_parameters=dict(rope_type="default")),
+     "both rope_scaling and rope_parameters"),
+], ids=["string-size", "bool-size", "heads-not-grouped", "odd-head-dim", "missing-size",
+        "nan-theta", "negative-eps", "string-bool", "string-scaling", "equal-freq-factors",
+        "zero-factor", "two-rope-keys"])
 def test_malformed_config_is_a_clear_error(tmp_path, changes, message):
     write_fixture_config(tmp_path, "qwen3", **changes)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        checkpoint.load_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(num_hidden_layers=20000), "config.json has 20000 layers; the weights hold 2"),
+    (dict(head_dim=2 * 10**9), "config.json's heads make queries 8000000000 wide"),
+], ids=["layers", "head-dim"])
+def test_sizes_unlike_the_weights_fail_before_the_model_is_built(tmp_path, changes, message):
+    """Checked against the weights first: built, 20,000 layers take 20 s, and a head_dim of
+    2e9 allocates 8 GB of RoPE table."""
+    write_fixture_config(tmp_path, "qwen3", **changes)
+    shutil.copy(os.path.join(MODEL_FIXTURES, "qwen3", "model.safetensors"), tmp_path)
     with pytest.raises(ValueError, match=re.escape(message)):
         checkpoint.load_checkpoint(str(tmp_path))
 

@@ -509,7 +509,8 @@ def test_piped_lines_refuse_n_above_one(capsys, monkeypatch):
 
 
 BAD_CONFIGS = [("max_num_seqs", 1.5), ("max_num_seqs", 2**40), ("block_size", 16.0),
-               ("max_num_batched_tokens", math.nan), ("kv_cache_tokens", True), ("max_model_len", 0), ("seed", -1),
+               ("max_num_batched_tokens", math.nan), ("kv_cache_tokens", True),
+               ("max_model_len", 0), ("seed", -1),
                ("enable_chunked_prefill", 1), ("policy", "lifo"), ("dtype", "int8"),
                ("attention", "flash"), ("device", "foo"), ("preset", 3),
                ("device", f"cuda:{torch.cuda.device_count()}")]  # one past the last GPU

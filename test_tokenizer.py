@@ -119,6 +119,18 @@ def test_a_template_refusal_carries_the_message_transformers_gives():
 
 
 @pytest.mark.parametrize("template, message", [
+    ("{{ 1 / 0 }}", "the chat template failed: ZeroDivisionError"),
+    ("{{ 1 + 'a' }}", "the chat template failed: TypeError"),
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "the chat template failed: RecursionError"),
+], ids=["division", "type", "recursion"])
+def test_a_template_that_fails_as_code_is_a_value_error(template, message):
+    """A template is code: whatever it raises is the request's error (a 400 over HTTP, a line
+    in the REPL), not a crash."""
+    with pytest.raises(ValueError, match=message):
+        fixture_template(template).render([dict(role="user", content="hi")], {})
+
+
+@pytest.mark.parametrize("template, message", [
     ("{% for %}", "tokenizer_config.json: the chat template does not compile"),
     ([dict(name="tool_use", template="x")], "no chat template is named default"),
 ], ids=["syntax", "no-default"])
@@ -311,10 +323,33 @@ def test_sentencepiece_style_tokenizer_is_refused_by_name(tmp_path):
     ("decoder", {"type": "WordPiece"}, "decoder WordPiece is not served"),
     ("added_tokens.1.lstrip", True, "added token '<|end_of_text|>' takes the spaces beside it"),
     ("model.vocab", {}, "the vocabulary has no token"),
+    ("added_tokens.0.content", "", "is empty"),
 ])
 def test_tokenizer_json_not_served_is_refused_by_name(tmp_path, where, value, message):
     """Llama 3's tokenizer.json with one thing changed to what is not served: a ValueError
     naming the file and that thing, at load time."""
+    write_changed_llama3_tokenizer(tmp_path, where, value)
+    with pytest.raises(ValueError, match=re.escape(message)) as refused:
+        load_tokenizer(str(tmp_path))
+    assert str(refused.value).startswith(str(tmp_path / "tokenizer.json") + ": ")
+
+
+@pytest.mark.parametrize("where, value", [
+    ("model", "BPE"), ("pre_tokenizer", "ByteLevel"), ("added_tokens.0", {"id": 5}),
+    ("pre_tokenizer.pretokenizers.0.pattern.Regex", ""),
+], ids=["model-a-string", "pre-tokenizer-a-string", "added-token-without-content",
+        "regex-matching-nothing"])
+def test_a_malformed_tokenizer_json_is_an_error_at_load_time(tmp_path, where, value):
+    """Not a crash, and not at every request: an empty Split regex loaded before, and then
+    made tiktoken panic at every encode."""
+    write_changed_llama3_tokenizer(tmp_path, where, value)
+    with pytest.raises(ValueError, match=f"{re.escape(str(tmp_path))}: malformed tokenizer"):
+        load_tokenizer(str(tmp_path))
+
+
+def write_changed_llama3_tokenizer(path, where: str, value) -> None:
+    """Llama 3's tokenizer.json, the value at `where` (dotted keys, list indices as numbers)
+    changed to `value`, written in directory path."""
     with open(os.path.join(TOKENIZER_FIXTURES, "llama3", "tokenizer.json"), encoding="utf-8") as f:
         spec = json.load(f)
     *parents, last = where.split(".")
@@ -322,10 +357,7 @@ def test_tokenizer_json_not_served_is_refused_by_name(tmp_path, where, value, me
     for key in parents:
         part = part[int(key)] if isinstance(part, list) else part[key]
     part[int(last) if isinstance(part, list) else last] = value
-    (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
-    with pytest.raises(ValueError, match=re.escape(message)) as refused:
-        load_tokenizer(str(tmp_path))
-    assert str(refused.value).startswith(str(tmp_path / "tokenizer.json") + ": ")
+    (path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
 
 
 def test_engine_encodes_a_text_prompt_with_the_checkpoints_tokenizer_json(tmp_path):

@@ -154,11 +154,24 @@ def byte_tokenizer() -> Tokenizer:
 
 def load_tokenizer(path: str) -> Tokenizer:
     """The tokenizer of checkpoint directory `path`: its tokenizer.json (Llama 3, Qwen2/2.5/3,
-    SmolLM2) if it has one, else GPT-2's BPE files."""
+    SmolLM2) if it has one, else GPT-2's BPE files. Files it cannot read as a tokenizer are a
+    ValueError naming the directory, here, not at the first request: a text is encoded once
+    to see that the files work."""
     hf_file = os.path.join(path, "tokenizer.json")
-    if os.path.exists(hf_file):
-        return load_hf_tokenizer(hf_file)
-    return load_gpt2_tokenizer(path)
+    try:
+        if os.path.exists(hf_file):
+            tokenizer = load_hf_tokenizer(hf_file)
+        else:
+            tokenizer = load_gpt2_tokenizer(path)
+        tokenizer.encode("Hello, world! 123")
+        return tokenizer
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 (tiktoken's Rust panics are BaseExceptions)
+        if isinstance(e, ValueError) and path in str(e):  # ours: it names the file and why
+            raise
+        raise ValueError(f"{path}: malformed tokenizer files: {type(e).__name__}: "
+                         f"{str(e)[:200]}") from None
 
 
 def tokenizer_files(path: str) -> tuple[str, str]:
@@ -184,8 +197,7 @@ def load_gpt2_tokenizer(path: str) -> Tokenizer:
         merges = [line.split() for line in f.read().split("\n")[1:] if line]  # line 0: #version
     ranks |= {byte_level_bytes(a) + byte_level_bytes(b): rank
               for rank, (a, b) in enumerate(merges, start=256)}
-    with open(vocab_file, encoding="utf-8") as f:
-        vocab = json.load(f)
+    vocab = read_json(vocab_file)
     if EOT not in vocab:
         raise ValueError(f"{vocab_file} has no {EOT} token")
     eot_id = vocab.pop(EOT)
@@ -270,6 +282,8 @@ def read_added_tokens(entries: list, file: str) -> tuple[dict[str, int], set[int
             raise ValueError(f"{file}: added token {entry['content']!r} takes the spaces beside "
                              "it or matches whole words only (lstrip, rstrip, single_word), "
                              "which is not served")
+        if not entry["content"]:  # it would match between every two characters
+            raise ValueError(f"{file}: added token {entry['id']} is empty")
         added[entry["content"]] = entry["id"]
         if entry.get("special"):
             special.add(entry["id"])
@@ -564,6 +578,8 @@ class ChatTemplate:
             return self.template.render(context | dict(messages=messages))
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template refused the messages: {e}") from None
+        except Exception as e:  # noqa: BLE001 (a template is code: it fails as code does)
+            raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from None
 
 
 def load_chat_template(path: str | None) -> ChatTemplate | None:
