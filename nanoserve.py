@@ -416,17 +416,19 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)  # a copy, validated again
-        if request_id is None:  # the next free number: never a caller's id, nor a sample's
-            request_id = next(i for i in map(str, self._ids) if not self._in_use(i, params.n))
-        self._validate(token_ids, params, request_id)
-        seqs = [self._sample_sequence(request_id, index, text, token_ids, params, stream)
-                for index in range(params.n)]
-        with self._lock:  # abort() may run on another thread
+        # Under the lock from the id's check to its request's insertion: two threads adding
+        # one id would both pass the check, and the second would hide the first from abort().
+        with self._lock:
+            if request_id is None:  # the next free number: never a caller's id, nor a sample's
+                request_id = next(i for i in map(str, self._ids) if not self._in_use(i, params.n))
+            self._validate(token_ids, params, request_id)
+            seqs = [self._sample_sequence(request_id, index, text, token_ids, params, stream)
+                    for index in range(params.n)]
             self.requests[request_id] = seqs
             for seq in seqs:
                 self.seqs[seq.seq_id] = seq
                 self.scheduler.add(seq)
-        self.stats.num_prompt_tokens += len(token_ids)
+            self.stats.num_prompt_tokens += len(token_ids)
         return request_id
 
     def default_params(self, num_prompt_tokens: int) -> SamplingParams:
@@ -529,7 +531,8 @@ class Engine:
         return self._output(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted_outputs)
+        with self._lock:  # not between an abort's finish and its output's queueing
+            return self.scheduler.has_unfinished() or bool(self._aborted_outputs)
 
     def run_batch(self, num_scheduled_tokens: dict[Sequence, int]) -> ModelOutput:
         """Build the inputs, run the model over every scheduled token, sample a token for each

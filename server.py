@@ -471,9 +471,15 @@ class Server:
             self.engine_thread.inbox.put(partial(self.engine_thread.abort, served.ids))
         with contextlib.suppress(asyncio.TimeoutError):  # the next step ends them all
             await asyncio.wait_for(self.idle.wait(), DRAIN_ANSWER_TIMEOUT)
-        for writer in list(self.connections):
+        writers = list(self.connections)
+        for writer in writers:
             writer.close()
-        await asyncio.sleep(0)  # the connections' coroutines see the close and end
+        # An answer is whole once written; closing sends what a slow reader left in the
+        # buffers first, for as long as a client that reads needs (one that does not: cut).
+        closed = asyncio.gather(*(writer.wait_closed() for writer in writers),
+                                return_exceptions=True)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(closed, DRAIN_ANSWER_TIMEOUT)
 
     def engine_died(self, error: EngineDeadError) -> None:
         """On the loop: every open request gets the error now; then the server stops."""
@@ -541,6 +547,8 @@ class Server:
             return False
         if request is None:
             return False
+        if self.draining:  # the answer says the connection closes, so no client reuses it
+            request.keep_alive = False
         exchange = Exchange(request, writer, client, self.cors_headers(request))
         await self.answer(exchange)
         client.waiting = None  # answered, or abandoned early: nothing of it to wake any more
@@ -765,6 +773,7 @@ class Server:
         """The request is answered (or its client gone): the loop lets go of it."""
         for request_id in served.ids:
             self.requests.pop(request_id, None)
+            self.times.pop(request_id, None)  # a refused one never finishes to drop its own
         self.in_flight.discard(served)
         if not self.in_flight:
             self.idle.set()

@@ -10,6 +10,7 @@ import random
 import re
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -685,6 +686,58 @@ def test_a_request_ends_when_its_last_sample_does_though_a_finished_samples_id_i
     assert finished == ["X"] and "X" not in engine.requests
     run_to_end(engine)
     assert_no_leaks(engine)
+
+
+def test_two_threads_adding_one_request_id_get_one_request_and_one_error():
+    """The id's check and its request's insertion are one step under the engine's lock: the
+    window between them, widened here, lets no second request of the same id in."""
+    engine = tiny().engine
+    validate = engine._validate
+
+    def slow_validate(*args):
+        validate(*args)
+        time.sleep(0.05)
+
+    engine._validate = slow_validate
+    errors = []
+
+    def add():
+        try:
+            engine.add_request("x", GREEDY, request_id="same")
+        except ValueError as e:
+            errors.append(str(e))
+    threads = [threading.Thread(target=add) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == ["request id 'same' is already in use"]
+    run_to_end(engine)
+    assert_no_leaks(engine)
+
+
+def test_has_unfinished_never_misses_an_abort_under_way():
+    """An abort on another thread finishes its request, then queues its last output: a loop
+    over has_unfinished() that asks in between (the gap widened here) still gets it."""
+    engine = tiny().engine
+    engine.add_request("x", SamplingParams(max_tokens=100, ignore_eos=True), request_id="a")
+    engine.step()
+    output = engine._output
+
+    def slow_output(seq):
+        made = output(seq)
+        time.sleep(0.2)
+        return made
+
+    engine._output = slow_output
+    aborting = threading.Thread(target=engine.abort, args=("a",))
+    aborting.start()
+    time.sleep(0.05)  # the abort is in its gap: the request finished, its output not queued
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    aborting.join()
+    assert [out.outputs[0].finish_reason for out in outputs] == ["abort"]
 
 
 def test_abort_of_a_running_request_with_penalties_frees_its_row_for_the_next():

@@ -4,6 +4,7 @@ the API key, shutdown.
 import contextlib
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -18,7 +19,8 @@ import torch
 
 import nanoserve
 from conftest import (HERE, address, assert_no_leaks, connection, http, json_or_text,
-                      parse_events, request, server_in_process, start_server, stop, tiny)
+                      parse_events, request, server_in_process, server_thread, start_server,
+                      stop, tiny)
 from nanoserve import LLM
 from openai_protocol import SAMPLING_FIELDS, render_chat, token_text
 from sampling import SamplingParams
@@ -695,9 +697,39 @@ def refuses_connections(url: str) -> bool:
     return False
 
 
+def test_an_answer_written_before_sigterm_reaches_a_slow_reader_whole():
+    """A client that reads slowly (a 4 KiB receive buffer) has 3 MB of answer waiting in the
+    server's buffers when SIGTERM comes: the server sends it all before it exits."""
+    proc, url = start_server("--shutdown-timeout", "30")
+    try:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(address(url))
+        body = json.dumps(dict(prompt="ROMEO:", max_tokens=200, n=100, logprobs=5, seed=1,
+                               ignore_eos=True)).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        deadline = time.time() + 60
+        while metric(url, "e2e_request_latency_seconds_count") < 1 and time.time() < deadline:
+            time.sleep(0.05)  # answered: all of it written, most of it unread
+        proc.send_signal(signal.SIGTERM)
+        sock.settimeout(30)
+        received = b""
+        while chunk := sock.recv(1 << 16):
+            received += chunk
+        head, _, answer = received.partition(b"\r\n\r\n")
+        length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
+        assert length > 3_000_000 and len(answer) == length
+        assert proc.wait(timeout=30) == 0
+    finally:
+        sock.close()
+        stop(proc)
+
+
 def test_health_is_503_on_an_open_connection_while_the_server_drains():
     """After SIGTERM, while a request in flight may still finish, the server takes no new
-    connection, and /health on one opened before says 503 (a load balancer stops sending)."""
+    connection, and /health on one opened before says 503 (a load balancer stops sending)
+    and that the connection closes (no client reuses it, to be cut off at the drain's end)."""
     proc, url = start_server()
     probe = connection(url)
     try:
@@ -712,12 +744,23 @@ def test_health_is_503_on_an_open_connection_while_the_server_drains():
         deadline = time.time() + 30
         while not refuses_connections(url) and time.time() < deadline:
             time.sleep(0.01)
-        assert request(probe, "GET", "/health")[0] == 503
+        status, response, _ = request(probe, "GET", "/health")
+        assert status == 503 and response.getheader("Connection") == "close"
         thread.join(60)
         assert proc.wait(timeout=30) == 0
     finally:
         probe.close()
         stop(proc)
+
+
+def test_refused_requests_leave_nothing_behind_in_the_server():
+    """A request the engine refuses ends with its 400, its bookkeeping too: many of them
+    (one batched, its first prompt added, then taken back) leave no record to grow on."""
+    with server_thread(tiny().engine) as server:
+        for _ in range(5):
+            assert http(server.url, "/v1/completions", dict(prompt="x" * 1100))[0] == 400
+        assert http(server.url, "/v1/completions", dict(prompt=["x", "x" * 1100]))[0] == 400
+        assert not server.times and not server.requests and not server.in_flight
 
 
 def test_tokenize_and_detokenize_equal_the_engines_tokenizer(server, offline):
