@@ -678,19 +678,23 @@ def _download(url: str, path: str) -> None:
 
 def save_checkpoint(model: GPT, path: str, dtype=torch.float16) -> None:
     """Write a GPT-2-shaped `model` (the trainer's) as a Hugging Face GPT-2 directory, with the
-    byte-level tokenizer files."""
+    byte-level tokenizer files: the model embeds their 257 ids, <|endoftext|> (256) its EOS."""
     c = model.config
     if c != GPTConfig(vocab_size=c.vocab_size, n_positions=c.n_positions, n_embd=c.n_embd,
                       n_layer=c.n_layer, n_head=c.n_head, norm_eps=c.norm_eps):
         raise ValueError("save_checkpoint writes GPT-2's layout only")
+    eot_id = byte_tokenizer().added_tokens[EOT]
+    if c.vocab_size <= eot_id:
+        raise ValueError(f"save_checkpoint writes the byte-level tokenizer's {eot_id + 1} ids; "
+                         f"the model embeds {c.vocab_size}")
     os.makedirs(path, exist_ok=True)
     state = {key: t.to(dtype).contiguous() for key, t in to_gpt2_state(model.state_dict()).items()}
     write_safetensors(state, os.path.join(path, "model.safetensors"))
     hf = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_ctx=c.n_positions,
-              bos_token_id=c.vocab_size - 1, eos_token_id=c.vocab_size - 1,
+              bos_token_id=eot_id, eos_token_id=eot_id,
               vocab_size=c.vocab_size, n_positions=c.n_positions, n_embd=c.n_embd,
               n_layer=c.n_layer, n_head=c.n_head, layer_norm_epsilon=c.norm_eps)
-    vocab = {ch: i for i, (_, ch) in enumerate(gpt2_byte_chars())} | {EOT: 256}
+    vocab = {ch: i for i, (_, ch) in enumerate(gpt2_byte_chars())} | {EOT: eot_id}
     for name, text in [("config.json", json.dumps(hf, indent=2)), ("vocab.json", json.dumps(vocab)),
                        ("merges.txt", "#version: 0.2\n")]:  # bytes only: no merges
         with open(os.path.join(path, name), "w", encoding="utf-8") as f:

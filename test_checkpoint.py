@@ -113,6 +113,18 @@ def test_hf_checkpoint_loads_with_identical_logits(tmp_path, fmt):
                                    hf_gpt2_logits(state, SMALL, idx), rtol=1e-4, atol=1e-4)
 
 
+def test_a_saved_checkpoint_ends_at_its_tokenizers_end_of_text(tmp_path):
+    """save_checkpoint writes the byte-level tokenizer: its <|endoftext|> (256) is the EOS
+    whatever the model's vocab_size (it was vocab_size - 1); a model too narrow to embed the
+    tokenizer's ids is refused."""
+    wide = M.GPT(M.GPTConfig(vocab_size=300, n_positions=64, n_embd=32, n_layer=1, n_head=2))
+    checkpoint.save_checkpoint(wide, str(tmp_path))
+    assert checkpoint.load_model(str(tmp_path)).eos_token_ids == [256]
+    narrow = M.GPT(M.GPTConfig(vocab_size=100, n_positions=64, n_embd=32, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match="tokenizer's 257 ids; the model embeds 100"):
+        checkpoint.save_checkpoint(narrow, str(tmp_path / "narrow"))
+
+
 def test_gpt2_checkpoint_round_trips_through_our_llama_names(tmp_path):
     """The shipped GPT-2 checkpoint, loaded (renamed to our Llama-style names, q, k, v split
     out of c_attn, Conv1D weights transposed) and saved again, is the same file's tensors."""
