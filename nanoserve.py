@@ -500,9 +500,11 @@ class Engine:
                 raise ValueError(f"{name}: token id {unknown[0]} is not in the vocabulary "
                                  f"(0 to {vocab_size - 1})")
         if num_tokens > self.max_model_len:
+            limit = f"the model's context is {self.max_model_len}"
+            if self.max_model_len < self.model.config.n_positions:  # the cache's or the user's
+                limit = f"max_model_len is {self.max_model_len}"
             raise ValueError(f"prompt has {len(token_ids)} tokens and max_tokens is "
-                             f"{params.max_tokens}: {num_tokens} tokens; the model's context "
-                             f"is {self.max_model_len}")
+                             f"{params.max_tokens}: {num_tokens} tokens; {limit}")
         if not self.config.enable_chunked_prefill and num_kv_tokens > budget:
             raise ValueError(f"request may need to prefill {num_kv_tokens} tokens in one step, "
                              f"but max_num_batched_tokens is {budget} and chunked prefill is off")

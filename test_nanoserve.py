@@ -547,7 +547,7 @@ def test_kv_cache_too_big_for_memory_is_a_clear_error():
 
 @pytest.mark.parametrize("make, message", [
     (lambda e: e.add_request("", SamplingParams()), "prompt is empty"),
-    (lambda e: e.add_request("x" * 1000, SamplingParams(max_tokens=100)), "context is 512"),
+    (lambda e: e.add_request("x" * 1000, SamplingParams(max_tokens=100)), "max_model_len is 512"),
     (lambda e: e.add_request([0, 300], SamplingParams()), "token ids"),
     (lambda e: e.add_request([0, True], SamplingParams()), "token ids"),
     (lambda e: e.add_request(b"hello", SamplingParams()), "got bytes"),
@@ -576,7 +576,7 @@ def test_request_that_exactly_fills_the_context_runs_and_one_token_more_is_refus
     out = llm.generate([prompt], exact)[0].outputs[0]
     assert (len(out.token_ids), out.finish_reason) == (4, "length")
     with pytest.raises(ValueError, match="prompt has 60 tokens and max_tokens is 5: 65 tokens; "
-                                         "the model's context is 64"):
+                                         "max_model_len is 64"):
         llm.engine.add_request(prompt, SamplingParams(max_tokens=5))
     assert_no_leaks(llm.engine)
 
