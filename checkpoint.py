@@ -124,6 +124,14 @@ def config_from_hf(hf: dict, path: str) -> GPTConfig:
         raise ValueError(f"{path}: config.json lacks {e.args[0]!r}") from None
 
 
+def setting(values: dict, key: str, default):
+    """values[key], or default where the key is absent or null (transformers' reading)."""
+    value = values.get(key)
+    if value is None:
+        return default
+    return value
+
+
 def check_kinds(values: dict, where: str, path: str) -> None:
     """ValueError naming the first key of `values` that holds the wrong kind of value for
     what it is read as (POSITIVE_INTS, POSITIVE_NUMBERS, BOOLS, MAPS); null passes."""
@@ -159,7 +167,7 @@ def gpt2_config(hf: dict, path: str) -> GPTConfig:
     return GPTConfig(vocab_size=hf["vocab_size"], n_positions=hf["n_positions"],
                      n_embd=hf["n_embd"], n_layer=hf["n_layer"], n_head=hf["n_head"],
                      intermediate_size=hf.get("n_inner"),
-                     norm_eps=hf.get("layer_norm_epsilon", 1e-5))
+                     norm_eps=setting(hf, "layer_norm_epsilon", 1e-5))
 
 
 def llama_config(hf: dict, path: str) -> GPTConfig:
@@ -168,7 +176,7 @@ def llama_config(hf: dict, path: str) -> GPTConfig:
     require(hf, LLAMA_VALUES, path)
     check_full_attention(hf, path)
     rope_theta, rope_scaling = rope_settings(hf, path)
-    attention_bias = hf.get("attention_bias", False)
+    attention_bias = setting(hf, "attention_bias", False)
     # Biases as transformers builds each family: Qwen2 has them on q, k, v always; Mistral and
     # Qwen2 have no attention_bias key (transformers ignores one), Llama and Qwen3 do.
     qkv_bias = {"llama": attention_bias, "qwen2": True, "qwen3": attention_bias}
@@ -178,12 +186,12 @@ def llama_config(hf: dict, path: str) -> GPTConfig:
                      n_head=hf["num_attention_heads"],
                      n_kv_head=hf.get("num_key_value_heads"), head_dim=hf.get("head_dim"),
                      intermediate_size=hf["intermediate_size"], norm="rmsnorm",
-                     norm_eps=hf.get("rms_norm_eps", 1e-6), position_encoding="rope",
+                     norm_eps=setting(hf, "rms_norm_eps", 1e-6), position_encoding="rope",
                      mlp="swiglu", qkv_bias=qkv_bias.get(model_type, False),
                      o_bias=o_bias.get(model_type, False),
-                     mlp_bias=model_type == "llama" and hf.get("mlp_bias", False),
+                     mlp_bias=model_type == "llama" and setting(hf, "mlp_bias", False),
                      qk_norm=model_type == "qwen3",
-                     tie_word_embeddings=hf.get("tie_word_embeddings", False),
+                     tie_word_embeddings=setting(hf, "tie_word_embeddings", False),
                      rope_theta=rope_theta, rope_scaling=rope_scaling)
 
 
@@ -191,7 +199,7 @@ def check_full_attention(hf: dict, path: str) -> None:
     """Refuse sliding-window attention where it would apply: a window shorter than the context
     (Mistral's whenever set; Qwen's only with use_sliding_window), or sliding layer_types."""
     window = hf.get("sliding_window")
-    applies = hf.get("use_sliding_window", hf["model_type"] == "mistral")
+    applies = setting(hf, "use_sliding_window", hf["model_type"] == "mistral")
     if applies and window is not None and window < hf["max_position_embeddings"]:
         raise ValueError(f"{path}: sliding_window {window} is shorter than the context "
                          f"{hf['max_position_embeddings']}: sliding-window attention is not "
@@ -206,14 +214,15 @@ def rope_settings(hf: dict, path: str) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from published configs' rope_theta and rope_scaling keys, or
     transformers 5's rope_parameters; a scaling other than Llama 3's is refused by name."""
     parameters = hf.get("rope_parameters")
-    theta = hf.get("rope_theta") or 10000.0
+    theta = setting(hf, "rope_theta", 10000.0)
     scaling = hf.get("rope_scaling")
-    if parameters is not None and scaling is not None:
-        raise ValueError(f"{path}: config.json has both rope_scaling and rope_parameters: "
-                         "which one holds is ambiguous")
     if parameters is not None:  # transformers 5: the top-level rope_theta, if any, under it
         check_kinds(parameters, "rope_parameters", path)
-        theta = parameters.get("rope_theta") or theta
+        without_theta = {key: value for key, value in parameters.items() if key != "rope_theta"}
+        if scaling is not None and scaling != without_theta:
+            raise ValueError(f"{path}: config.json's rope_scaling and rope_parameters differ: "
+                             "which one holds is ambiguous")
+        theta = setting(parameters, "rope_theta", theta)
         scaling = parameters
     if scaling is None:
         return theta, None
@@ -264,9 +273,11 @@ def read_safetensors(path: str) -> dict[str, torch.Tensor]:
     spans = []  # (start, end, name) of each tensor's bytes, after the header
     for name, info in header.items():
         layout = entry_layout(info)
-        if layout is None or 8 + n + layout[2] > len(data):
+        if layout is None:
             raise ValueError(f"{path}: corrupt safetensors entry for {name}: {info!r:.200}")
         dtype, start, end, shape = layout
+        if 8 + n + end > len(data):
+            raise ValueError(f"{path}: safetensors entry {name} ends past the file")
         spans.append((start, end, name))
         tensors[name] = torch.frombuffer(data, dtype=dtype, count=math.prod(shape),
                                          offset=8 + n + start).reshape(shape)
@@ -396,8 +407,9 @@ def read_pickle(path: str) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 (torch raises whatever its unpickler meets)
+        first_line = (str(e).strip().splitlines() or [""])[0]
         raise ValueError(f"{path} is not a PyTorch state dict: {type(e).__name__}: "
-                         f"{str(e).strip().splitlines()[0][:200]}") from None
+                         f"{first_line[:200]}") from None
     if not isinstance(state, dict) or not all(isinstance(name, str) and torch.is_tensor(t)
                                               for name, t in state.items()):
         raise ValueError(f"{path} is not a state dict of tensors")
@@ -420,9 +432,10 @@ def read_shards(index_file: str) -> dict[str, torch.Tensor]:
         if not os.path.isfile(shard_file):
             raise ValueError(f"{index_file} lists shard {shard}, which is missing")
         for name, tensor in read_safetensors(shard_file).items():
-            if weight_map.get(name) != shard:  # a second copy, or one the index does not know
+            placed = weight_map.get(name)  # None: one the index omits (a RoPE buffer, say)
+            if placed is not None and placed != shard:  # a second copy would win unseen
                 raise ValueError(f"{shard_file} holds {name}, which {index_file} places in "
-                                 f"{weight_map.get(name)}")
+                                 f"{placed}")
             tensors[name] = tensor
     if missing := sorted(set(weight_map) - set(tensors)):
         raise ValueError(f"{index_file}: tensor {missing[0]} is not in its shard "

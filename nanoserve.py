@@ -217,7 +217,8 @@ def to_host(tensor: torch.Tensor) -> list:
 
 class Engine:
     """Continuous batching over a paged KV cache: add requests any time, call step().
-    abort() may be called from any thread; everything else from the thread that steps."""
+    add_request(), abort() and has_unfinished() may be called from any thread (each waits for
+    the step in flight, under the engine's lock); everything else from the thread that steps."""
 
     def __init__(self, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()

@@ -213,7 +213,7 @@ def chat_logprobs(body: dict) -> int | None:
     top_logprobs = typed(body, "top_logprobs", None, int)
     if typed(body, "logprobs", False, bool):
         return top_logprobs or 0
-    if top_logprobs:
+    if top_logprobs is not None and top_logprobs > 0:  # a negative one: sample_params' error
         raise HTTPError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     return None
 
@@ -254,11 +254,11 @@ def sample_params(fields: dict, n: int, transcript: bool, top_logprobs: int) -> 
     try:
         check_int("top_logprobs", top_logprobs, 0, MAX_LOGPROBS)
         params = SamplingParams(n=n, **fields)
+        if transcript:  # within the stop strings' cap too
+            params = dataclasses.replace(params, stop=params.stop + [CHAT_TURN_END])
     except ValueError as e:
         bad_field = next((f for f in [*fields, "n", "top_logprobs"] if str(e).startswith(f)), None)
         raise HTTPError(400, str(e), bad_field) from None
-    if transcript:
-        params = dataclasses.replace(params, stop=params.stop + [CHAT_TURN_END])
     return params
 
 

@@ -75,18 +75,7 @@ class SamplingParams:
                                                  "added to its logit (OpenAI's)", type=dict)
 
     def __post_init__(self):
-        bad_stop = ValueError(f"stop must be a string or strings, got {self.stop!r}")
-        if self.stop is None:
-            self.stop = []
-        elif isinstance(self.stop, str):
-            self.stop = [self.stop]
-        elif isinstance(self.stop, dict):  # its keys would pass for the strings
-            raise bad_stop
-        else:
-            try:  # any iterable of strings, read once here (a generator is used up)
-                self.stop = list(self.stop)
-            except TypeError:
-                raise bad_stop from None
+        self.stop = parse_stop(self.stop)
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -95,6 +84,9 @@ class SamplingParams:
             raise ValueError(f"stop strings have at most {MAX_STOP_STRING_CHARS} characters, "
                              f"got one of {max(map(len, self.stop))}")
         self.stop_token_ids = parse_token_ids("stop_token_ids", self.stop_token_ids)
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} token ids; at most "
+                             f"{MAX_STOP_TOKEN_IDS}")
         self.logit_bias = parse_logit_bias(self.logit_bias)
         check_fields(self)
         self.top_k = max(self.top_k, 0)  # vLLM's -1 and 0 both mean off
@@ -109,6 +101,22 @@ class SamplingParams:
             or self.repetition_penalty != 1
 
 
+def parse_stop(value) -> list:
+    """None, a string, or any iterable of them (read once here: a generator is used up) -> a
+    new list; ValueError for a map (its keys would pass for the strings) or a non-iterable."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    refusal = f"stop must be a string or strings, got {value!r}"
+    if isinstance(value, dict):
+        raise ValueError(refusal)
+    try:
+        return list(value)
+    except TypeError:
+        raise ValueError(refusal) from None
+
+
 def parse_token_ids(name: str, value) -> list[int]:
     """None or token ids -> a new list; ValueError naming `name` unless ints >= 0 (a bool is
     not; the vocabulary's bound is the engine's to check)."""
@@ -118,10 +126,7 @@ def parse_token_ids(name: str, value) -> list[int]:
         raise ValueError(f"{name} must be a list of token ids, got {value!r}")
     for token_id in value:
         check_int(name, token_id, 0)
-    token_ids = list(dict.fromkeys(value))  # each once, in order
-    if len(token_ids) > MAX_STOP_TOKEN_IDS:
-        raise ValueError(f"{name} has {len(token_ids)} token ids; at most {MAX_STOP_TOKEN_IDS}")
-    return token_ids
+    return list(dict.fromkeys(value))  # each once, in order
 
 
 def parse_logit_bias(value) -> dict[int, float]:

@@ -476,10 +476,12 @@ class Server:
             writer.close()
         # An answer is whole once written; closing sends what a slow reader left in the
         # buffers first, for as long as a client that reads needs (one that does not: cut).
-        closed = asyncio.gather(*(writer.wait_closed() for writer in writers),
-                                return_exceptions=True)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(closed, DRAIN_ANSWER_TIMEOUT)
+        closing = [asyncio.ensure_future(writer.wait_closed()) for writer in writers]
+        if closing:
+            await asyncio.wait(closing, timeout=DRAIN_ANSWER_TIMEOUT)
+        for writer, closed in zip(writers, closing):
+            if not closed.done():  # its client stopped reading: dropped
+                writer.transport.abort()
 
     def engine_died(self, error: EngineDeadError) -> None:
         """On the loop: every open request gets the error now; then the server stops."""

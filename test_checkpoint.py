@@ -178,6 +178,12 @@ def first_entry(header: dict) -> str:
     return next(name for name in header if name != "__metadata__")
 
 
+def size(header: dict) -> int:
+    """The first entry's bytes: a negative offset that keeps it is wrong by its sign alone."""
+    start, end = header[first_entry(header)]["data_offsets"]
+    return end - start
+
+
 def overlap_first_two(header: dict) -> dict:
     first, second = [name for name in header if name != "__metadata__"][:2]
     start, end = header[first]["data_offsets"]
@@ -190,9 +196,9 @@ def overlap_first_two(header: dict) -> dict:
 @pytest.mark.parametrize("change, message", [
     (lambda h: b"[1, 2]", "not a JSON object"),
     (lambda h: h | {first_entry(h): 5}, "corrupt safetensors entry"),
-    (lambda h: h | {first_entry(h): h[first_entry(h)] | {"data_offsets": [-8, 0]}},
+    (lambda h: h | {first_entry(h): h[first_entry(h)] | {"data_offsets": [-size(h), 0]}},
      "corrupt safetensors entry"),
-    (lambda h: h | {first_entry(h): h[first_entry(h)] | {"shape": [-1]}},
+    (lambda h: h | {first_entry(h): h[first_entry(h)] | {"shape": [-257, -48]}},
      "corrupt safetensors entry"),
     (overlap_first_two, "overlap"),
     (lambda h: json.dumps(h, separators=(",", ":")).replace(
@@ -220,8 +226,9 @@ def test_integer_tensors_are_not_weights(tmp_path):
 
 @pytest.mark.parametrize("content, message", [
     (b"not a pickle", "is not a PyTorch state dict"),
+    (b"", "is not a PyTorch state dict"),
     (None, "is not a state dict of tensors"),
-], ids=["garbage", "a-list"])
+], ids=["garbage", "empty", "a-list"])
 def test_a_pytorch_model_bin_that_is_no_state_dict_is_refused(tmp_path, content, message):
     write_hf_checkpoint(tmp_path, hf_gpt2_state(SMALL), SMALL, "bin")
     file = tmp_path / "pytorch_model.bin"

@@ -200,8 +200,9 @@ def test_config_that_changes_the_computation_is_refused_by_name(tmp_path, name, 
     (dict(rope_scaling=dict(rope_type="llama3", factor=0, low_freq_factor=1.0,
                             high_freq_factor=4.0, original_max_position_embeddings=64)),
      "rope_scaling factor must be a positive finite number, got 0"),
-    (dict(rope_scaling=dict(rope_type="default"), rope_parameters=dict(rope_type="default")),
-     "both rope_scaling and rope_parameters"),
+    (dict(rope_scaling=dict(rope_type="default"),
+          rope_parameters=dict(rope_type="llama3", factor=8.0)),
+     "rope_scaling and rope_parameters differ"),
 ], ids=["string-size", "bool-size", "heads-not-grouped", "odd-head-dim", "missing-size",
         "nan-theta", "negative-eps", "string-bool", "string-scaling", "equal-freq-factors",
         "zero-factor", "two-rope-keys"])
@@ -209,6 +210,18 @@ def test_malformed_config_is_a_clear_error(tmp_path, changes, message):
     write_fixture_config(tmp_path, "qwen3", **changes)
     with pytest.raises(ValueError, match=re.escape(message)):
         checkpoint.load_checkpoint(str(tmp_path))
+
+
+def test_a_null_value_reads_as_its_keys_default(tmp_path):
+    """As transformers reads one: "rms_norm_eps": null is the default epsilon, not None (which
+    loaded, then failed every request)."""
+    with open(os.path.join(MODEL_FIXTURES, "qwen3", "config.json")) as f:
+        hf = json.load(f)
+    hf |= dict(rms_norm_eps=None, attention_bias=None, rope_theta=None)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    shutil.copy(os.path.join(MODEL_FIXTURES, "qwen3", "model.safetensors"), tmp_path)
+    config = checkpoint.load_checkpoint(str(tmp_path)).config
+    assert (config.norm_eps, config.o_bias, config.rope_theta) == (1e-6, False, 10000.0)
 
 
 @pytest.mark.parametrize("changes, message", [

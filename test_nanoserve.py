@@ -723,21 +723,23 @@ def test_has_unfinished_never_misses_an_abort_under_way():
     engine.add_request("x", SamplingParams(max_tokens=100, ignore_eos=True), request_id="a")
     engine.step()
     output = engine._output
+    in_the_gap = threading.Event()
 
     def slow_output(seq):
         made = output(seq)
+        in_the_gap.set()
         time.sleep(0.2)
         return made
 
     engine._output = slow_output
     aborting = threading.Thread(target=engine.abort, args=("a",))
     aborting.start()
-    time.sleep(0.05)  # the abort is in its gap: the request finished, its output not queued
+    assert in_the_gap.wait(30)  # the request finished, its output not queued yet
     outputs = []
     while engine.has_unfinished():
         outputs += engine.step()
     aborting.join()
-    assert [out.outputs[0].finish_reason for out in outputs] == ["abort"]
+    assert [out.outputs[0].finish_reason for out in outputs if out.finished] == ["abort"]
 
 
 def test_abort_of_a_running_request_with_penalties_frees_its_row_for_the_next():

@@ -418,7 +418,7 @@ def test_a_default_max_tokens_past_the_context_is_cut_to_what_each_prompt_leaves
         assert [c["finish_reason"] for c in reply["choices"]] == ["length", "length"]
         assert reply["usage"]["completion_tokens"] == (32 - 6) + (32 - 16)
         status, reply = http(url, "/v1/completions", dict(prompt="ROMEO:", max_tokens=100))
-        assert status == 400 and "context is 32" in reply["error"]["message"]
+        assert status == 400 and "max_model_len is 32" in reply["error"]["message"]
     outputs = llm.generate(["ROMEO:", "JULIET, my love:"])  # generate() without params, the same
     lengths = [len(out.outputs[0].token_ids) for out in outputs]
     assert lengths[0] <= 32 - 6 and lengths[1] <= 32 - 16

@@ -463,6 +463,11 @@ BAD_REQUESTS = [
     ("POST", "/v1/completions", dict(prompt="x", repetition_penalty=1e-308), 400,
      "repetition_penalty must be a number in [0.01, 100]"),
     ("POST", "/v1/completions", dict(prompt="x", stop=["a"] * 17), 400, "stop has 17 strings"),
+    # a chat without a template stops at its turn's end too: a 17th string, within the cap
+    ("POST", "/v1/chat/completions", dict(messages=[dict(role="user", content="x")],
+                                          stop=["a"] * 16), 400, "stop has 17 strings"),
+    ("POST", "/v1/chat/completions", dict(messages=[dict(role="user", content="x")],
+                                          top_logprobs=-1), 400, "top_logprobs must be"),
     ("POST", "/v1/completions", dict(prompt="x", stop_token_ids=list(range(257))), 400,
      "stop_token_ids has 257 token ids"),
     ("POST", "/v1/completions", dict(prompt=[[1]] * 5, n=64), 400, "at most 256 in all"),
@@ -720,7 +725,7 @@ def test_an_answer_written_before_sigterm_reaches_a_slow_reader_whole():
         head, _, answer = received.partition(b"\r\n\r\n")
         length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
         assert length > 3_000_000 and len(answer) == length
-        assert proc.wait(timeout=30) == 0
+        assert proc.wait(timeout=30) == 0, proc.log.whole()
     finally:
         sock.close()
         stop(proc)

@@ -168,7 +168,7 @@ def load_tokenizer(path: str) -> Tokenizer:
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001 (tiktoken's Rust panics are BaseExceptions)
-        if isinstance(e, ValueError) and path in str(e):  # ours: it names the file and why
+        if isinstance(e, ValueError) and str(e).startswith(path):  # ours: names file and why
             raise
         raise ValueError(f"{path}: malformed tokenizer files: {type(e).__name__}: "
                          f"{str(e)[:200]}") from None
