@@ -59,7 +59,7 @@ def check_messages(messages, roles: tuple[str, ...]) -> None:
         return
     names = ", ".join(f'"{role}"' for role in roles[:-1]) + f' or "{roles[-1]}"'
     raise HTTPError(400, f'messages must be a non-empty list of {{"role": {names}, "content": '
-                    'a string}', "messages")
+                    'a string or text parts} ("developer" reads as "system")', "messages")
 
 
 def plain_messages(messages):

@@ -324,6 +324,7 @@ def test_sentencepiece_style_tokenizer_is_refused_by_name(tmp_path):
     ("added_tokens.1.lstrip", True, "added token '<|end_of_text|>' takes the spaces beside it"),
     ("model.vocab", {}, "the vocabulary has no token"),
     ("added_tokens.0.content", "", "is empty"),
+    ("added_tokens.1.id", 800, "two added tokens have id 800"),
 ])
 def test_tokenizer_json_not_served_is_refused_by_name(tmp_path, where, value, message):
     """Llama 3's tokenizer.json with one thing changed to what is not served: a ValueError

@@ -284,6 +284,8 @@ def read_added_tokens(entries: list, file: str) -> tuple[dict[str, int], set[int
                              "which is not served")
         if not entry["content"]:  # it would match between every two characters
             raise ValueError(f"{file}: added token {entry['id']} is empty")
+        if entry["id"] in added.values():  # decoding the id could give either text
+            raise ValueError(f"{file}: two added tokens have id {entry['id']}")
         added[entry["content"]] = entry["id"]
         if entry.get("special"):
             special.add(entry["id"])
