@@ -568,15 +568,15 @@ def load_model(model: str | None = None, preset: str | None = None, seed: int = 
         torch.manual_seed(seed)  # the weights are drawn on the CPU: the same on any device
         gpt = GPT(PRESETS[preset]).to(device, dtype)
         tokenizer = byte_tokenizer()
-        return Checkpoint(gpt, tokenizer, eos_token_ids(tokenizer, {}, {}, gpt.config, ""),
-                          dtype)
+        eos_ids = eos_token_ids(tokenizer, {}, {}, gpt.config.vocab_size, preset)
+        return Checkpoint(gpt, tokenizer, eos_ids, dtype)
     path = checkpoint_path(model or DEFAULT_MODEL)
     hf = read_json(os.path.join(path, "config.json"))
     dtype = run_dtype(dtype, DTYPES.get(hf.get("torch_dtype", hf.get("dtype"))))
     gpt = load_checkpoint(path, dtype, device)  # first: a directory that is no checkpoint says so
     generation_config = read_json(os.path.join(path, "generation_config.json"))
     tokenizer = load_tokenizer(path)
-    eos_ids = eos_token_ids(tokenizer, hf, generation_config, gpt.config, path)
+    eos_ids = eos_token_ids(tokenizer, hf, generation_config, gpt.config.vocab_size, path)
     return Checkpoint(gpt, tokenizer, eos_ids, dtype,
                       generation_config=generation_config, path=path,
                       chat_template=load_chat_template(path))
@@ -593,7 +593,7 @@ def run_dtype(asked: torch.dtype | None, stored: torch.dtype | None) -> torch.dt
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def eos_token_ids(tokenizer: Tokenizer, hf: dict, generation_config: dict, config: GPTConfig,
+def eos_token_ids(tokenizer: Tokenizer, hf: dict, generation_config: dict, vocab_size: int,
                   path: str) -> list[int]:
     """Every id that ends a request: generation_config.json's eos_token_id, then config.json's
     (each an int or a list: Llama 3 Instruct ends at <|end_of_text|>, <|eom_id|> and
@@ -605,9 +605,9 @@ def eos_token_ids(tokenizer: Tokenizer, hf: dict, generation_config: dict, confi
         if value is None:
             continue
         for token_id in value if isinstance(value, list) else [value]:
-            if type(token_id) is not int or not 0 <= token_id < config.vocab_size:
+            if type(token_id) is not int or not 0 <= token_id < vocab_size:
                 raise ValueError(f"{path}: {file} eos_token_id {value!r} is not a token id of "
-                                 f"the model (0 to {config.vocab_size - 1}) or a list of them")
+                                 f"the model (0 to {vocab_size - 1}) or a list of them")
             if token_id not in ids:
                 ids.append(token_id)
     if not ids and EOT in tokenizer.added_tokens:

@@ -109,7 +109,6 @@ VISIBLE = {c: f"\\x{c:02x}" for c in [*range(32), *range(127, 160)] if c not in 
 MAX_THREADS = 1024    # --threads at most: torch crashes far past this
 CLI_MAX_TOKENS = 200  # the command line's max_tokens, unless a flag, the checkpoint or the
                       # context says otherwise
-                      # context says otherwise
 CLI_SAMPLING = ("n", "temperature", "top_k", "top_p", "stop", "ignore_eos", "presence_penalty",
                 "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
                 "stop_token_ids", "include_stop_str_in_output")  # the flags cli_params reads

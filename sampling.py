@@ -90,6 +90,9 @@ class SamplingParams:
         self.logit_bias = parse_logit_bias(self.logit_bias)
         check_fields(self)
         self.top_k = max(self.top_k, 0)  # vLLM's -1 and 0 both mean off
+        # past float32's largest a temperature is inf there, and a banned token's -inf / inf
+        # NaN: it samples as the largest, set once here rather than at every step
+        self.temperature = min(self.temperature, FLOAT32_MAX)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens "
                              f"({self.max_tokens})")
@@ -314,8 +317,7 @@ def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[
     the penalties' state, kept from step to step, is the persistent batch's (input_batch.py)."""
     params = [seq.params for seq in seqs]
     greedy = [p.temperature < GREEDY_BELOW for p in params]
-    # past float32's largest a temperature is inf there, and a banned token's -inf / inf NaN
-    temperature = [1.0 if g else min(p.temperature, FLOAT32_MAX) for g, p in zip(greedy, params)]
+    temperature = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
     # 0 (off) or past the vocabulary: every token (and 2**64 fits no int64)
     top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
     top_p = [p.top_p for p in params]
