@@ -272,7 +272,7 @@ def run_offline_engine(cfg: BenchConfig, mode: str, prompts, lengths, limit: int
            for r in engine.step_records]
     outputs = [whole[str(k)].outputs[0].token_ids for k in range(len(prompts) * cfg.turns)]
     preemptions = sum(len(r.preempted) for r in engine.step_records)
-    hit_rate = engine.stats.num_cached_tokens / engine.stats.num_prompt_tokens  # prefix cache
+    hit_rate = engine.stats.prefix_cache_hit_rate
     return offline_figures(outputs, log, wall, preemptions, hit_rate), outputs
 
 

@@ -17,6 +17,7 @@ import os
 import re
 import sys
 import urllib.request
+import zipfile
 from dataclasses import dataclass, field
 
 import torch
@@ -402,10 +403,14 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
 
 
 def read_pickle(path: str) -> dict[str, torch.Tensor]:
-    """pytorch_model.bin, read whole (weights only: no code of the file's runs); ValueError
-    unless it holds a state dict of tensors."""
+    """pytorch_model.bin, memory-mapped as a safetensors file is (its tensors views of the
+    file's pages, not a copy of a whole file read first), weights only: no code of the file's
+    runs. ValueError unless it holds a state dict of tensors."""
+    # torch maps only its zip format; the legacy one (torch.save before 1.6, or with
+    # _use_new_zipfile_serialization=False) makes mmap=True raise: read such a file whole
+    mappable = zipfile.is_zipfile(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mappable)
     except Exception as e:  # noqa: BLE001 (torch raises whatever its unpickler meets)
         first_line = (str(e).strip().splitlines() or [""])[0]
         raise ValueError(f"{path} is not a PyTorch state dict: {type(e).__name__}: "

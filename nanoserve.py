@@ -159,6 +159,8 @@ class StepRecord:
     finished: list[str]             # ended in this step, or were aborted since the last one
     preempted: list[str]            # sent back to waiting, their blocks freed
     num_cached_tokens: dict[str, int]  # first admitted, with this many prefix-cache hits (> 0)
+    num_queried_tokens: int         # the prompt tokens of the sequences first admitted: each
+                                    # sample looks its prompt up in the prefix cache once
     num_running: int
     num_waiting: int
     num_kv_tokens: int              # tokens whose K/V the running sequences hold
@@ -172,16 +174,26 @@ class StepRecord:
 class EngineStats:
     num_steps: int = 0
     num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0      # prompt tokens the prefix cache supplied
+    num_queried_tokens: int = 0     # prompt tokens looked up in the prefix cache, a sample's
+                                    # once (n = 3: three times the prompt)
+    num_cached_tokens: int = 0      # of those, the tokens the prefix cache supplied
     num_generated_tokens: int = 0
     num_batched_seqs: int = 0       # summed over steps: divide by num_steps for the mean
     num_batched_tokens: int = 0     # tokens computed, recomputation after preemption included
     peak_batch_size: int = 0
 
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """The share of the prompt tokens looked up that the prefix cache supplied."""
+        if self.num_queried_tokens == 0:
+            return 0.0
+        return self.num_cached_tokens / self.num_queried_tokens
+
     def record(self, step: StepRecord) -> None:
         if not step.scheduled:  # only aborts since the last step
             return
         self.num_steps += 1
+        self.num_queried_tokens += step.num_queried_tokens
         self.num_cached_tokens += sum(step.num_cached_tokens.values())
         self.num_generated_tokens += len(step.sampled)
         self.num_batched_seqs += len(step.scheduled)
@@ -207,6 +219,12 @@ def sample_id(request_id: str, index: int) -> str:
     if index == 0:
         return request_id
     return f"{index}_{request_id}"
+
+
+def seeded_generator_states(seqs) -> list[tuple[torch.Generator, torch.Tensor]]:
+    """(generator, its state) of each seeded sequence among seqs, to be set back."""
+    return [(seq.generator, seq.generator.get_state()) for seq in seqs
+            if seq.generator is not None]
 
 
 def to_host(tensor: torch.Tensor) -> list:
@@ -337,12 +355,17 @@ class Engine:
         num_scheduled_tokens = scheduler_output.num_scheduled_tokens
         if not num_scheduled_tokens:
             return ModelOutput()
+        # A batch may fail after sampling: its seeded sequences' generators have then drawn,
+        # and alone they must draw the same again, as if the batch had never run.
+        generator_states = seeded_generator_states(num_scheduled_tokens)
         try:
             return self.run_batch(num_scheduled_tokens)
         except Exception as e:  # noqa: BLE001 (find the request that fails; it alone fails)
             self._fail_fast_on_device_error(e)
             for seq in num_scheduled_tokens:  # whatever the failed batch wrote of their rows
                 self.input_batch.remove(seq)
+            for generator, state in generator_states:
+                generator.set_state(state)
             return self._run_one_at_a_time(num_scheduled_tokens)
 
     def _fail_fast_on_device_error(self, error: Exception) -> None:
@@ -391,6 +414,8 @@ class Engine:
             preempted=[seq.seq_id for seq in scheduler_output.preempted],
             num_cached_tokens={seq.seq_id: num_cached for seq, num_cached
                                in scheduler_output.newly_admitted.items() if num_cached > 0},
+            num_queried_tokens=sum(seq.num_prompt_tokens
+                                   for seq in scheduler_output.newly_admitted),
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_kv_tokens=sum(seq.num_computed_tokens for seq in self.scheduler.running),

@@ -230,7 +230,7 @@ class EngineThread(threading.Thread):
                   ("kv_cache_tokens_per_gib", "gauge", engine.kv_tokens_per_gib),
                   ("prompt_tokens_total", "counter", engine.stats.num_prompt_tokens),
                   ("generation_tokens_total", "counter", engine.stats.num_generated_tokens),
-                  ("prefix_cache_queries_total", "counter", engine.stats.num_prompt_tokens),
+                  ("prefix_cache_queries_total", "counter", engine.stats.num_queried_tokens),
                   ("prefix_cache_hits_total", "counter", engine.stats.num_cached_tokens),
                   ("num_preemptions_total", "counter", engine.scheduler.num_preemptions)]
         lines = []

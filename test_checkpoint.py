@@ -81,8 +81,9 @@ def write_hf_checkpoint(path, state: dict, config: M.GPTConfig, fmt: str) -> Non
         json.dump({"model_type": "gpt2", "n_layer": config.n_layer, "n_head": config.n_head,
                    "n_embd": config.n_embd, "n_positions": config.n_positions,
                    "vocab_size": config.vocab_size, "layer_norm_epsilon": 1e-5}, f)
-    if fmt == "bin":
-        torch.save(state, os.path.join(path, "pytorch_model.bin"))
+    if fmt in ("bin", "legacy-bin"):  # legacy: torch.save's format before the zip one
+        torch.save(state, os.path.join(path, "pytorch_model.bin"),
+                   _use_new_zipfile_serialization=fmt == "bin")
         return
     header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0  # safetensors, by hand
     for name, t in state.items():
@@ -99,7 +100,7 @@ def write_hf_checkpoint(path, state: dict, config: M.GPTConfig, fmt: str) -> Non
 SMALL = M.GPTConfig(vocab_size=257, n_positions=64, n_embd=48, n_layer=2, n_head=3)
 
 
-@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+@pytest.mark.parametrize("fmt", ["safetensors", "bin", "legacy-bin"])
 def test_hf_checkpoint_loads_with_identical_logits(tmp_path, fmt):
     state = saved = hf_gpt2_state(SMALL)
     if fmt == "safetensors":  # HF's safetensors files drop the tied head and the prefix
@@ -240,6 +241,29 @@ def test_a_pytorch_model_bin_that_is_no_state_dict_is_refused(tmp_path, content,
         checkpoint.load_checkpoint(str(tmp_path))
 
 
+def mapped_ranges(file) -> list[tuple[int, int]]:
+    """The address ranges at which this process maps `file` (Linux's /proc/self/maps)."""
+    ranges = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].rstrip("\n") == os.path.realpath(file):
+                start, end = (int(address, 16) for address in fields[0].split("-"))
+                ranges.append((start, end))
+    return ranges
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_a_pytorch_model_bin_is_memory_mapped_not_read_whole(tmp_path):
+    """As a safetensors file is: loaded on a CPU in the file's dtype, a parameter is a view of
+    the mapped file (host memory: its pages), not of a copy torch.load read whole."""
+    write_hf_checkpoint(tmp_path, hf_gpt2_state(SMALL), SMALL, "bin")  # fp32, as loaded
+    model = checkpoint.load_checkpoint(str(tmp_path))
+    embedding = model.model.embed_tokens.weight.data_ptr()  # wte: stored as used, no transpose
+    ranges = mapped_ranges(tmp_path / "pytorch_model.bin")
+    assert any(start <= embedding < end for start, end in ranges)
+
+
 # ----------------------------------------------------------------------------- checkpoints as published
 
 def test_sharded_checkpoint_loads_as_the_whole_one(tmp_path):
@@ -272,6 +296,28 @@ def test_sharded_checkpoint_loads_as_the_whole_one(tmp_path):
     with pytest.raises(ValueError, match="lists shard model-00002-of-00002.safetensors, which is "
                                          "missing"):
         checkpoint.load_checkpoint(str(tmp_path))
+
+
+def test_a_shard_may_hold_a_tensor_its_index_omits(tmp_path):
+    """Some transformers versions write Llama's RoPE buffer (rotary_emb.inv_freq) into a shard
+    but not into the index's weight_map: such a checkpoint loads as the whole one (the buffer
+    dropped, RoPE's frequencies computed). Only a tensor the index places in another shard is
+    refused (test_sharded_checkpoint_loads_as_the_whole_one)."""
+    source = os.path.join(MODEL_FIXTURES, "mistral")
+    whole = checkpoint.load_checkpoint(source)
+    tensors = checkpoint.read_safetensors(os.path.join(source, "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[:10],
+              "model-00002-of-00002.safetensors": names[10:]}
+    weight_map = {name: shard for shard, shard_names in shards.items() for name in shard_names}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    buffer = {"model.layers.0.self_attn.rotary_emb.inv_freq": whole.rotary.inv_freq}
+    for i, (shard, shard_names) in enumerate(shards.items()):
+        shard_tensors = {name: tensors[name] for name in shard_names} | (buffer if i else {})
+        checkpoint.write_safetensors(shard_tensors, str(tmp_path / shard))
+    shutil.copy(os.path.join(source, "config.json"), tmp_path)
+    sharded = checkpoint.load_checkpoint(str(tmp_path)).state_dict()
+    assert all(torch.equal(t, sharded[name]) for name, t in whole.state_dict().items())
 
 
 def test_every_eos_id_of_the_checkpoint_ends_a_request(tmp_path):
@@ -412,6 +458,34 @@ def test_an_engine_in_bfloat16_runs_the_checkpoint_in_bfloat16(tmp_path):
     cast.engine.v_caches = cast.engine.v_caches.to(torch.bfloat16)
     want = cast.generate([[1, 2, 3, 4, 5]], params)[0].outputs[0].token_ids
     assert got == want
+
+
+@pytest.mark.parametrize("key", ["torch_dtype", "dtype"])
+def test_a_checkpoint_runs_in_the_dtype_its_config_names(tmp_path, key):
+    """Asked for no dtype (--dtype auto on CUDA), a checkpoint runs in config.json's
+    torch_dtype, or transformers 5's dtype key: float16 here, since the fixtures' bfloat16 is
+    also what a checkpoint that names none runs in."""
+    shutil.copytree(os.path.join(MODEL_FIXTURES, "qwen3"), tmp_path, dirs_exist_ok=True)
+    write_byte_tokenizer(tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    del hf["torch_dtype"]
+    (tmp_path / "config.json").write_text(json.dumps(hf | {key: "float16"}))
+    loaded = checkpoint.load_model(str(tmp_path))
+    assert loaded.dtype == torch.float16
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.float16}
+
+
+def test_a_tied_checkpoint_that_stores_its_heads_copy_loads_tied(tmp_path):
+    """Some tied checkpoints store lm_head.weight, a copy of the embedding, as well (the
+    fixtures and published files in these tests do not): the copy is dropped, and the head
+    is the embedding, one parameter."""
+    source = os.path.join(MODEL_FIXTURES, "qwen3")  # tied
+    tensors = checkpoint.read_safetensors(os.path.join(source, "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    checkpoint.write_safetensors(tensors, str(tmp_path / "model.safetensors"))
+    shutil.copy(os.path.join(source, "config.json"), tmp_path)
+    model = checkpoint.load_checkpoint(str(tmp_path))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def write_published_qwen(path) -> Tokenizer:
@@ -751,6 +825,18 @@ def test_a_flag_away_from_its_neutral_value_is_refused_by_name(family, key, valu
     with pytest.raises(ValueError) as error:
         checkpoint.config_from_hf(hf, "x")
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize("family, flag, want", [
+    ("llama", "attention_bias", dict(qkv_bias=True, o_bias=True, mlp_bias=False)),
+    ("llama", "mlp_bias", dict(qkv_bias=False, o_bias=False, mlp_bias=True)),
+    ("qwen3", "attention_bias", dict(qkv_bias=True, o_bias=True, mlp_bias=False)),
+], ids=["llama-attention", "llama-mlp", "qwen3-attention"])
+def test_a_bias_flag_set_gives_its_biases(family, flag, want):
+    """attention_bias true gives Llama and Qwen3 biases on q, k, v and o; mlp_bias true gives
+    Llama its MLP's. Every fixture and published config here has them false."""
+    hf = read_config(f"transformers5/{family}") | {flag: True}
+    assert fields(checkpoint.config_from_hf(hf, "x"), want) == want
 
 
 @pytest.mark.parametrize("family, key, value", [

@@ -81,6 +81,24 @@ def test_the_lm_head_gives_fp32_logits_without_converting_its_weight_each_step()
     assert not [op for op in log.ops if op[0].startswith("_to_copy") and op[2] == weight.numel()]
 
 
+def test_rmsnorm_takes_its_mean_square_in_fp32_under_bf16():
+    """RMSNorm in bf16 squares and averages in fp32, as transformers' Llama does: a bf16
+    mean square over 512 values rounds the sum at every step (an error that reached 0.35 in
+    a checkpoint's logits, against 0.04). The output is the fp32 statistics' bit for bit, and
+    bf16 statistics would differ (the test checks the difference is there to be made)."""
+    norm = M.RMSNorm(512, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 2.0, 512))
+    x = (torch.randn(8, 512, generator=torch.Generator().manual_seed(0)) * 30).to(torch.bfloat16)
+    x32 = x.float()
+    fp32_stats = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+    bf16_stats = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    got = norm(x)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, norm.weight * fp32_stats)
+    assert not torch.equal(got, norm.weight * bf16_stats)
+
+
 def test_the_lm_heads_fp32_copy_follows_its_weight():
     """The CPU's fp32 copy of the head is made again when the weight changes: written in
     place, or given new data (the model cast to fp16): the logits are always the current

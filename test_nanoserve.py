@@ -2,10 +2,12 @@
 preemption or attention backend; streaming outputs; bad input refused; n samples; failures
 and aborts. Run every test file: python -m pytest -q
 """
+import ast
 import asyncio
 import dataclasses
 import io
 import math
+import os
 import random
 import re
 import sys
@@ -440,12 +442,16 @@ def test_n_samples_are_one_request_each_equal_to_its_seed_alone():
     assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
 
 
-@pytest.mark.parametrize("prefix_caching, computed", [(True, 40 + 8 + 8), (False, 3 * 40)])
-def test_the_samples_of_a_request_compute_their_prompt_once(prefix_caching, computed):
+@pytest.mark.parametrize("prefix_caching, budget, computed",
+                         [(True, 512, 40 + 8 + 8), (True, 24, 40 + 8 + 8), (False, 512, 3 * 40)],
+                         ids=["cached", "cached-in-chunks", "uncached"])
+def test_the_samples_of_a_request_compute_their_prompt_once(prefix_caching, budget, computed):
     """n = 3 on a 40-token prompt, blocks of 16: the first sample computes the prompt, the
     others take its two full blocks from the prefix cache and compute the last 8 tokens each;
-    without the prefix cache each computes all 40. Each sample's tokens stay its seed's."""
-    llm = tiny(enable_prefix_caching=prefix_caching)
+    without the prefix cache each computes all 40. Each sample's tokens stay its seed's. At a
+    budget of 24 the first sample's prompt takes two steps, and the others wait until its 32
+    shareable tokens are computed, not merely its first 24."""
+    llm = tiny(enable_prefix_caching=prefix_caching, max_num_batched_tokens=budget)
     prompt = list(range(65, 105))  # 40 byte tokens
     params = SamplingParams(n=3, seed=5, max_tokens=1, ignore_eos=True)
     together = llm.generate([prompt], params)[0]
@@ -476,6 +482,27 @@ def test_abort_ends_every_sample_of_a_request():
     assert sorted(c.index for d in last for c in d.outputs) == [0, 1, 2]
     assert all(c.finish_reason == "abort" for d in last for c in d.outputs)
     assert [d.finished for d in last].count(True) == 1 and not engine.has_unfinished()
+    assert_no_leaks(engine)
+
+
+def test_abort_leaves_the_samples_that_already_finished_as_they_ended():
+    """n = 3, one sample at a time (max_num_seqs 1): sample 0 finishes ("length") before
+    the request is aborted; the abort ends samples 1 and 2 only, and sample 0 keeps its one
+    final output."""
+    engine = tiny(max_num_seqs=1).engine
+    request_id = engine.add_request("ab", SamplingParams(n=3, max_tokens=2, ignore_eos=True))
+    deltas = []
+    while not any(c.finish_reason for d in deltas for c in d.outputs):
+        deltas += engine.step()
+    engine.abort(request_id)
+    last = engine.step()
+    assert sorted((c.index, c.finish_reason) for d in last for c in d.outputs) == [
+        (1, "abort"), (2, "abort")]
+    whole = {}
+    for delta in deltas + last:
+        accumulate(whole, delta)
+    assert [c.finish_reason for c in whole[request_id].outputs] == ["length", "abort", "abort"]
+    assert [d.finished for d in deltas + last].count(True) == 1 and last[-1].finished
     assert_no_leaks(engine)
 
 
@@ -805,6 +832,28 @@ def test_a_failing_request_fails_alone(alone, monkeypatch):
     assert_no_leaks(engine)
 
 
+def test_a_seeded_request_in_a_batch_that_failed_after_sampling_samples_as_alone(monkeypatch):
+    """The batch fails after sampling (gathering a poisoned request's log-probabilities), so
+    each sequence runs again alone: the seeded request's generator, which drew for the failed
+    batch, is set back first, and its tokens are those it makes alone."""
+    seeded = SamplingParams(max_tokens=8, seed=11, temperature=1.5, ignore_eos=True)
+    want = tiny().generate(["ab"], seeded)[0].outputs[0].token_ids
+    engine = tiny().engine
+    real_gather = engine._gather_logprobs
+
+    def gather(batch, *args):
+        if any(seq.request_id == "bad" for seq in batch.sample_seqs):
+            raise RuntimeError("poisoned log-probabilities")
+        return real_gather(batch, *args)
+    monkeypatch.setattr(engine, "_gather_logprobs", gather)
+    engine.add_request("ab", seeded, "seeded")
+    engine.add_request("cd", SamplingParams(max_tokens=8, logprobs=1), "bad")
+    deltas = run_to_end(engine)
+    assert deltas["bad"][-1].outputs[0].finish_reason == "error"
+    assert whole_token_ids(deltas["seeded"]) == want
+    assert_no_leaks(engine)
+
+
 @pytest.mark.parametrize("method", ["append", "new_text"])
 def test_a_request_failing_in_update_fails_alone(alone, method):
     engine = tiny().engine
@@ -958,3 +1007,39 @@ def test_abort_from_another_thread_waits_for_the_step_in_flight(alone, monkeypat
     assert all(deltas[i][-1].outputs[0].finish_reason == "abort" for i in ids[1::2])
     assert [whole_token_ids(deltas[i]) for i in ids[::2]] == alone[::2]
     assert_no_leaks(engine)
+
+
+# ----------------------------------------------------------------------------- packaging
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def third_party_imports() -> set[str]:
+    """The top-level names of the modules the project's files import that are neither the
+    standard library's nor the project's own."""
+    paths = [name for name in os.listdir(ROOT) if name.endswith(".py")]
+    local = {name[:-3] for name in paths}
+    found = set()
+    for name in paths:
+        with open(os.path.join(ROOT, name)) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                found.add(node.module.split(".")[0])
+    return found - set(sys.stdlib_module_names) - local
+
+
+def test_every_module_imported_is_a_declared_dependency():
+    """What a file imports is in requirements.txt, and (pytest aside, which only the tests
+    use) in pyproject.toml's dependencies: nothing arrives only through another package."""
+    with open(os.path.join(ROOT, "requirements.txt")) as f:
+        required = {re.split(r"[=<>\s]", line)[0] for line in f if line.strip()}
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        declared = re.search(r"^dependencies = \[(.*)\]$", f.read(), re.M).group(1)
+    dependencies = re.findall(r'"([^"]+)"', declared)
+    installed = {re.split(r"[=<>]", dependency)[0] for dependency in dependencies}
+    imported = third_party_imports()
+    assert imported <= required, imported - required
+    assert imported - {"pytest"} <= installed, imported - installed

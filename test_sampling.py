@@ -105,6 +105,27 @@ def test_sampling_draws_from_the_top_p_nucleus_of_the_tempered_distribution():
     assert (freq - expected).abs().max() < 0.025, (freq, expected)
 
 
+def test_min_p_applies_to_the_tempered_distribution():
+    """min_p after temperature, as vLLM: tempered by T = 2, [0.5, 0.3, 0.15, 0.05] becomes
+    about [0.38, 0.29, 0.21, 0.12]; min_p 0.35 drops what is below 0.35 x 0.38 = 0.13 (token
+    3 alone), and the draws follow about [0.43, 0.33, 0.24, 0]. Applied before temperature
+    it would drop tokens 2 and 3 (below 0.35 x 0.5), drawing about [0.55, 0.45, 0, 0]."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    temperature = 2.0
+    min_p = 0.35
+    tempered = (probs.log() / temperature).softmax(-1)
+    kept = torch.where(tempered >= min_p * tempered.max(), tempered, 0)
+    expected = kept / kept.sum()
+    n = 4000
+    t = SamplingTensors(temperature=torch.full((n,), temperature), top_k=torch.full((n,), 4),
+                        top_p=torch.ones(n), greedy=torch.zeros(n, dtype=torch.bool),
+                        generators=[None] * n, all_greedy=False, any_top_k_top_p=False,
+                        min_p=torch.full((n,), min_p))
+    tokens = sample(probs.log().expand(n, 4), t, torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=4) / n
+    assert (freq - expected).abs().max() < 0.025, (freq, expected)
+
+
 # ----------------------------------------------------------------------------- penalties and stops
 
 PENALTIES = dict(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.6)

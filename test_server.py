@@ -412,6 +412,13 @@ def test_metrics_count_tokens_and_latencies(server):
         http(server, "/v1/completions", dict(prompt="metrics " * 5, max_tokens=1))
     assert (metric(server, "prefix_cache_hits_total") - hits,
             metric(server, "prefix_cache_queries_total") - queries) == (32, 80)
+    # n = 3 queries once a sample, as it hits: the first computes the 40-token prompt, the
+    # others find its 2 whole blocks
+    hits, queries = metric(server, "prefix_cache_hits_total"), metric(
+        server, "prefix_cache_queries_total")
+    http(server, "/v1/completions", dict(prompt="samples " * 5, max_tokens=1, n=3))
+    assert (metric(server, "prefix_cache_hits_total") - hits,
+            metric(server, "prefix_cache_queries_total") - queries) == (64, 120)
     text = http(server, "/metrics")[1]
     for name in LATENCIES:
         assert f"# TYPE nanoserve:{name} histogram" in text
