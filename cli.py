@@ -4,10 +4,12 @@ main() parses the flags, which are generated from the option() fields of EngineC
 SamplingParams and ServerConfig (add_config_args: one place maps argparse onto the configs),
 builds the Engine and hands it to one front end: --prompt serves every prompt as one batch
 and streams its text (--trace draws the steps after); piped lines are submitted as they arrive
-and printed whole, in order (--jsonl: a JSON object a line); at a terminal, a REPL (a chat
-through the checkpoint's template, if it has one); --serve starts the HTTP server
-(server.py). --trace-html writes the watch page (watch.py) replaying the run of --prompt or
-piped input. An error is one "error: ..." line, never a traceback.
+and printed whole, in order (--jsonl: a JSON object a line); at a terminal, a REPL; --serve
+starts the HTTP server (server.py). With a checkpoint that has a chat template, a --prompt, a
+piped line and a REPL line are the user's turn through it (the REPL: one conversation), unless
+--ignore-chat-template; a --jsonl "prompt" is a completion's, always raw. --trace-html writes
+the watch page (watch.py) replaying the run of --prompt or piped input. An error is one
+"error: ..." line, never a traceback.
 """
 import argparse
 import dataclasses
@@ -28,6 +30,7 @@ from nanoserve import (CompletionOutput, Engine, EngineConfig, EngineDeadError, 
 from options import check_int
 from sampling import SamplingParams, print_sampling_defaults
 from server import ServerConfig, serve
+from tokenizer import ChatTemplate
 
 
 def add_config_args(parser, cls, skip=()) -> None:
@@ -53,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "together as one batch; none: prompts from stdin (at a terminal, a REPL)")
     p.add_argument("--jsonl", action="store_true", help="stdin and stdout: a JSON object a "
                    "line; prompt and SamplingParams fields in; text, token ids, finish out")
+    p.add_argument("--ignore-chat-template", action="store_true", help="send --prompt's text, "
+                   "piped lines and REPL lines as they are, not as a user turn of the "
+                   "checkpoint's chat template (--jsonl's prompts are raw anyway)")
     p.add_argument("--trace", action="store_true", help="with --prompt: the step-by-step "
                    "timeline at the end (to stderr)")
     p.add_argument("--trace-html", metavar="FILE", help="with --prompt, piped input or "
@@ -137,12 +143,35 @@ def line_params(engine: Engine, args: argparse.Namespace, prompt, **fields) -> S
     return params
 
 
+def cli_chat_template(engine: Engine, args: argparse.Namespace) -> ChatTemplate | None:
+    """The template --prompt, piped lines and the REPL send their text through: the
+    checkpoint's, unless --ignore-chat-template. None: the text is the prompt, as it is."""
+    return None if args.ignore_chat_template else engine.chat_template
+
+
+def chat_turn_prompt(template: ChatTemplate | None, conversation: list[dict], text: str) -> str:
+    """The prompt for the user's turn `text` after `conversation`: the template renders them
+    all and opens the assistant's turn (the generation prompt, as vLLM's LLM.chat adds it; an
+    instruct model may answer a bare text with nothing). No template: the text itself."""
+    if template is None:
+        return text
+    return template.render(conversation + [dict(role="user", content=text)], {})
+
+
+def echo(text: str, template: ChatTemplate | None) -> str:
+    """What prints before the completion of a prompt's text: the text, which a completion
+    continues; a chat reply answers it instead, so it starts on a line of its own."""
+    return text if template is None else text + "\n"
+
+
 def run_prompts(engine: Engine, args: argparse.Namespace,
                 frames: watch.FrameLog | None = None) -> int:
-    """Serve every --prompt as one batch; stream each one's samples in turn (--n: each under
-    its index); a summary, Ctrl-C or not. `frames` (--trace-html) gets each step's frame.
-    Returns how many samples failed."""
-    ids = [engine.add_request(prompt, cli_params(engine, args, prompt)) for prompt in args.prompt]
+    """Serve every --prompt as one batch (each through the chat template, if any); stream each
+    one's samples in turn (--n: each under its index); a summary, Ctrl-C or not. `frames`
+    (--trace-html) gets each step's frame. Returns how many samples failed."""
+    template = cli_chat_template(engine, args)
+    prompts = [chat_turn_prompt(template, [], text) for text in args.prompt]
+    ids = [engine.add_request(prompt, cli_params(engine, args, prompt)) for prompt in prompts]
     samples = [(k, request_id, index) for k, request_id in enumerate(ids)
                for index in range(args.n)]  # in the order they print
     later = {(request_id, index): [] for _, request_id, index in samples}  # deltas not printed
@@ -151,7 +180,7 @@ def run_prompts(engine: Engine, args: argparse.Namespace,
     start = time.perf_counter()
     if args.trace:
         engine.step_records = []
-    print(sample_heading(args, 0, 0), end="", flush=True)
+    print(sample_heading(args, template, 0, 0), end="", flush=True)
     try:
         while engine.has_unfinished():
             outputs = engine.step()
@@ -170,7 +199,8 @@ def run_prompts(engine: Engine, args: argparse.Namespace,
                 current += 1
                 if current < len(samples):  # the next sample, which prints next
                     prompt_number, _, index = samples[current]
-                    print(sample_heading(args, prompt_number, index), end="", flush=True)
+                    print(sample_heading(args, template, prompt_number, index), end="",
+                          flush=True)
     except KeyboardInterrupt:
         print("\n[interrupted]", end="", file=sys.stderr)
         print_summary(engine, time.perf_counter() - start, ids if args.trace else None)
@@ -179,9 +209,11 @@ def run_prompts(engine: Engine, args: argparse.Namespace,
     return num_failed
 
 
-def sample_heading(args: argparse.Namespace, prompt_number: int, index: int) -> str:
+def sample_heading(args: argparse.Namespace, template: ChatTemplate | None, prompt_number: int,
+                   index: int) -> str:
     """What prints before a sample's text: its prompt, before the prompt's first sample (after
-    a blank line, but for the very first); with --n above 1, the sample's index too."""
+    a blank line, but for the very first); with --n above 1, the sample's index on a line of
+    its own, else a chat reply's line break (echo)."""
     heading = ""
     if index == 0:
         heading = args.prompt[prompt_number].translate(VISIBLE)
@@ -189,6 +221,8 @@ def sample_heading(args: argparse.Namespace, prompt_number: int, index: int) -> 
         heading = "\n\n" + heading
     if args.n > 1:
         heading += f"\n[{index}] "
+    else:
+        heading = echo(heading, template)
     return heading
 
 
@@ -202,7 +236,7 @@ def print_delta(completion: CompletionOutput) -> None:
 def print_summary(engine: Engine, elapsed: float, trace_ids: list[str] | None) -> None:
     """The run's figures on stderr, then the trace of trace_ids if given."""
     stats = engine.stats
-    hit_rate = stats.num_cached_tokens / stats.num_prompt_tokens
+    hit_rate = stats.prefix_cache_hit_rate
     print(f"\n\n[{stats.num_prompt_tokens} prompt + {stats.num_generated_tokens} generated "
           f"tokens in {elapsed:.2f} s, {stats.num_generated_tokens / elapsed:.1f} tok/s, "
           f"{stats.num_steps} steps, peak batch {stats.peak_batch_size}, "
@@ -261,9 +295,11 @@ def serve_stdin(engine: Engine, args: argparse.Namespace, progress: Progress,
     """run_stdin's loop: read, submit, step, print in order; `progress` counts and draws."""
     lines = queue.Queue()
     threading.Thread(target=read_lines, args=(sys.stdin, lines), daemon=True).start()
+    template = None if args.jsonl else cli_chat_template(engine, args)
     whole = {}          # request id -> its whole output so far
     result_index = {}   # request id -> its place in results
     results = []        # per submitted line: None while it runs, then its output or error
+    echoes = []         # per submitted line: what prints before its completion (not --jsonl)
     line_number = 0
     num_printed = 0
     num_failed = 0
@@ -275,7 +311,8 @@ def serve_stdin(engine: Engine, args: argparse.Namespace, progress: Progress,
                 if line is None:
                     eof = True
                 elif line.strip() or not args.jsonl:  # --jsonl skips blank lines
-                    submitted = submit_line(engine, args, line, line_number)
+                    submitted = submit_line(engine, args, template, line, line_number)
+                    echoes.append(echo(line.rstrip("\r\n"), template))
                     if isinstance(submitted, ValueError):
                         results.append(submitted)
                     else:  # a request id
@@ -293,7 +330,7 @@ def serve_stdin(engine: Engine, args: argparse.Namespace, progress: Progress,
         while num_printed < len(results) and results[num_printed] is not None:
             result = results[num_printed]
             progress.clear()
-            print_result(result, args.jsonl)
+            print_result(result, args.jsonl, echoes[num_printed])
             num_printed += 1
             if isinstance(result, ValueError) or result.outputs[0].finish_reason == "error":
                 num_failed += 1
@@ -301,14 +338,18 @@ def serve_stdin(engine: Engine, args: argparse.Namespace, progress: Progress,
     return num_failed, len(results)
 
 
-def submit_line(engine: Engine, args: argparse.Namespace, line: str, line_number: int
-                ) -> str | ValueError:
-    """Queue one line's request: its request id, or the error (naming the line)."""
+def submit_line(engine: Engine, args: argparse.Namespace, template: ChatTemplate | None,
+                line: str, line_number: int) -> str | ValueError:
+    """Queue one line's request: its request id, or the error (naming the line). A piped line
+    is the user's turn through `template`, if any; a --jsonl line's "prompt" is a completion's
+    (as vLLM's "prompt" is), sent as it is."""
     try:
-        fields = {"prompt": line.rstrip("\r\n")}
+        fields = {}
         if args.jsonl:
             fields = parse_jsonl_line(line)
-        prompt = fields.pop("prompt")
+            prompt = fields.pop("prompt")
+        else:
+            prompt = chat_turn_prompt(template, [], line.rstrip("\r\n"))
         return engine.add_request(prompt, line_params(engine, args, prompt, **fields))
     except ValueError as e:
         return ValueError(f"line {line_number}: {e}")
@@ -331,8 +372,9 @@ def parse_jsonl_line(line: str) -> dict:
     return fields
 
 
-def print_result(result: RequestOutput | ValueError, jsonl: bool) -> None:
-    """A finished line: its whole completion, or its error."""
+def print_result(result: RequestOutput | ValueError, jsonl: bool, echo_text: str) -> None:
+    """A finished line: its whole completion after `echo_text` (--jsonl: after nothing; the
+    object gives the prompt), or its error."""
     if isinstance(result, ValueError):
         if jsonl:
             print(json.dumps({"error": str(result)}), flush=True)
@@ -342,7 +384,7 @@ def print_result(result: RequestOutput | ValueError, jsonl: bool) -> None:
     completion = result.outputs[0]
     failed = completion.finish_reason == "error"
     if not jsonl:
-        text = (result.prompt or "") + completion.text
+        text = echo_text + completion.text
         print(text.translate(VISIBLE), end="\n\n", flush=True)
         if failed:
             print(f"error: {completion.error}", file=sys.stderr)
@@ -366,11 +408,11 @@ REPL_CHAT_HELP = ("A chat, through the checkpoint's chat template: each line is 
 
 def run_terminal(engine: Engine, args: argparse.Namespace) -> None:
     """At a terminal: each line is a prompt whose completion streams as it is generated. With
-    the checkpoint's chat template, a chat: each line is the user's turn in one conversation,
-    which the template renders whole; the reply streams, then joins the conversation (one that
-    Ctrl-C stopped is dropped, with its turn)."""
+    a chat template (cli_chat_template), a chat: each line is the user's turn in one
+    conversation, which the template renders whole; the reply streams, then joins the
+    conversation (one that Ctrl-C stopped is dropped, with its turn)."""
     settings = {}
-    template = engine.chat_template
+    template = cli_chat_template(engine, args)
     conversation = []  # with a template: the user's turns and the replies so far
     print(REPL_HELP if template is None else f"{REPL_HELP}\n{REPL_CHAT_HELP}")
     while True:
@@ -388,16 +430,16 @@ def run_terminal(engine: Engine, args: argparse.Namespace) -> None:
                 return
             print(repl_command(line, settings, engine, args))
             continue
-        turn = [dict(role="user", content=line)]
         try:
-            prompt = line if template is None else template.render(conversation + turn, {})
+            prompt = chat_turn_prompt(template, conversation, line)
             request_id = engine.add_request(prompt, line_params(engine, args, prompt, **settings))
         except ValueError as e:
             print(f"error: {e}")
             continue
         reply = stream_completion(engine, request_id)
         if template is not None and reply is not None:
-            conversation += turn + [dict(role="assistant", content=reply)]
+            conversation += [dict(role="user", content=line),
+                             dict(role="assistant", content=reply)]
 
 
 def stream_completion(engine: Engine, request_id: str) -> str | None:
@@ -496,10 +538,17 @@ def check_front_end_flags(args: argparse.Namespace) -> None:
         raise ValueError("--trace needs --prompt")
     if args.jsonl and args.prompt:
         raise ValueError("--jsonl reads prompts from stdin; it takes no --prompt")
+    if args.jsonl and args.ignore_chat_template:
+        raise ValueError('--jsonl sends each "prompt" as it is (a completion\'s, as vLLM\'s); '
+                         "--ignore-chat-template is for --prompt, piped lines and the REPL")
     if not args.serve:
         return
     if args.prompt or args.jsonl:
         raise ValueError("--serve takes no --prompt or --jsonl")
+    if args.ignore_chat_template:
+        raise ValueError("--serve takes no --ignore-chat-template: a request chooses "
+                         "(/v1/completions sends its prompt as it is, /v1/chat/completions "
+                         "renders the template)")
     if args.sampling_given:
         flags = ", ".join("--" + name.replace("_", "-") for name in args.sampling_given)
         raise ValueError(f"--serve takes sampling per request, not {flags} (the checkpoint's "
