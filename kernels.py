@@ -52,7 +52,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor      # (N,) int64: cache slot (block_id * BS + offset) per new token
     block_tables: torch.Tensor      # (S, MB) int32: physical block ids, padded with 0 past the end
     context_lens: torch.Tensor      # (S,) int32: tokens with K/V per sequence, this step's included
-    query_start_loc: torch.Tensor   # (S + 1,) int32: sequence s owns rows [start[s], start[s+1])
+    query_start_loc: torch.Tensor   # (S + 1,) int32: sequence s owns the flat batch's tokens
+                                    # [start[s], start[s+1])
     max_query_len: int              # longest query run in the batch (1 for a decode-only batch)
     step_plan: object = None        # paged_attention_cpu's, made by its step's first layer
 
@@ -60,7 +61,7 @@ class AttentionMetadata:
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write new keys/values (N, Hkv, D) into the caches (NB, BS, Hkv, D) at their flat slots
-    (N,): one indexed copy, a slot being a row of the cache viewed as (NB * BS, Hkv, D)."""
+    (N,): one indexed copy, a slot being an index into the cache viewed as (NB * BS, Hkv, D)."""
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
@@ -91,11 +92,11 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
     for s in range(len(starts) - 1):
-        rows = slice(starts[s], starts[s + 1])
+        tokens = slice(starts[s], starts[s + 1])
         k, v = _gather_sequence(k_cache, v_cache, meta, s)  # (T, Hkv, D) each
         k = k.repeat_interleave(group_size, dim=1)        # (T, H, D): KV heads 0,0,..,1,1,..
         v = v.repeat_interleave(group_size, dim=1)        # (T, H, D)
-        out[rows] = _attend(q[rows], k, v, scale)
+        out[tokens] = _attend(q[tokens], k, v, scale)
     return out
 
 
@@ -140,7 +141,7 @@ def _attend(q, k, v, scale):
 
 @dataclass
 class DecodeBatch:
-    """Decodes attended together: the run decode_rows[start:end] of a StepPlan (b of them)."""
+    """Decodes attended together: the run decode_tokens[start:end] of a StepPlan (b of them)."""
     start: int
     end: int
     block_ids: torch.Tensor  # (b * nb,) int64: each one's first nb blocks, flat
@@ -151,9 +152,9 @@ class DecodeBatch:
 class StepPlan:
     """How paged_attention_cpu attends a step, worked out by its first layer for all: which
     sequences are prefill chunks and which decodes, and how the decodes go in batches."""
-    prefills: list             # (sequence, its rows of q as a slice), a chunk of many queries
-    decode_rows: torch.Tensor  # (d,) the decodes' rows of q, by context length
-    batches: list              # DecodeBatch runs of decode_rows, in order
+    prefills: list             # (sequence, its tokens of q as a slice), a chunk of many queries
+    decode_tokens: torch.Tensor  # (d,) the decodes' tokens in q, by context length
+    batches: list              # DecodeBatch runs of decode_tokens, in order
     buffers: tuple             # K and V gathered for one batch: (b * nb, BS, Hkv, D) each
 
 
@@ -170,7 +171,7 @@ def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
         else:
             prefills.append((s, slice(start, end)))
     if not decodes:
-        return StepPlan(prefills=prefills, decode_rows=None, batches=[], buffers=())
+        return StepPlan(prefills=prefills, decode_tokens=None, batches=[], buffers=())
     lens = meta.context_lens.tolist()
     block_size = k_cache.shape[1]
     decodes.sort(key=lens.__getitem__)
@@ -188,10 +189,11 @@ def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
         block_ids = meta.block_tables[batch, :num_blocks].flatten().to(torch.int64)
         batches.append(DecodeBatch(start=start, end=start + len(batch), block_ids=block_ids,
                                    mask=mask[:, None, None]))
-    decode_rows = meta.query_start_loc[decodes].to(torch.int64)                  # (d,)
+    decode_tokens = meta.query_start_loc[decodes].to(torch.int64)                  # (d,)
     buffer_shape = (min(len(decodes), batch_size) * cdiv(longest, block_size), *k_cache.shape[1:])
     buffers = (k_cache.new_empty(buffer_shape), k_cache.new_empty(buffer_shape))
-    return StepPlan(prefills=prefills, decode_rows=decode_rows, batches=batches, buffers=buffers)
+    return StepPlan(prefills=prefills, decode_tokens=decode_tokens, batches=batches,
+                    buffers=buffers)
 
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -203,7 +205,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     memory, where a fresh gather per batch wrote then re-read it (38% of a batch-32 decode
     step, 2-core EPYC). The decodes' queries are gathered once a layer, in the plan's order,
     and their outputs put back once, so that a batch is a slice of them, not an index. With
-    GQA each KV head is gathered once and serves its G query heads as G query rows: K/V are
+    GQA each KV head is gathered once and serves its G query heads as one (G, D) matrix: K/V are
     never copied per query head."""
     _, num_heads, head_dim = q.shape
     group_size = group_size_of(q, k_cache)
@@ -216,9 +218,9 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         out[chunk] = _attend(q[chunk], k, v, scale)
     if not plan.batches:
         return out
-    num_decodes = len(plan.decode_rows)
-    # A KV head's G query heads (contiguous in q) are G query rows; the mask broadcasts.
-    q_decodes = q[plan.decode_rows].view(num_decodes, -1, group_size, head_dim)  # (d, Hkv, G, D)
+    num_decodes = len(plan.decode_tokens)
+    # A KV head's G query heads (contiguous in q) are one (G, D) matrix; the mask broadcasts.
+    q_decodes = q[plan.decode_tokens].view(num_decodes, -1, group_size, head_dim)  # (d, Hkv, G, D)
     out_decodes = torch.empty_like(q_decodes)
     k_buffer, v_buffer = plan.buffers
     for batch in plan.batches:
@@ -227,7 +229,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v = _gather_blocks(v_cache, batch.block_ids, v_buffer, num_seqs)  # (b, Hkv, T, D)
         out_decodes[batch.start:batch.end] = torch.nn.functional.scaled_dot_product_attention(
             q_decodes[batch.start:batch.end], k, v, attn_mask=batch.mask, scale=scale)
-    out[plan.decode_rows] = out_decodes.view(num_decodes, num_heads, head_dim)
+    out[plan.decode_tokens] = out_decodes.view(num_decodes, num_heads, head_dim)
     return out
 
 
@@ -259,50 +261,50 @@ def _paged_attention_kernel(
     stride_qn, stride_qh, stride_qd,             # q (N, H, D)
     stride_kb, stride_kt, stride_kh, stride_kd,  # k_cache (NB, BS, Hkv, D)
     stride_vb, stride_vt, stride_vh, stride_vd,  # v_cache (NB, BS, Hkv, D)
-    stride_on, stride_oh, stride_od, stride_bts,  # out (N, H, D); block_tables (S, MB), rows dense
+    stride_on, stride_oh, stride_od, stride_bts,  # out (N, H, D); block_tables (S, MB), dense
     GROUP_SIZE: tl.constexpr,                         # G = H // Hkv, query heads a KV head serves
     HEAD_DIM: tl.constexpr, TILE_DIM: tl.constexpr,   # D; D padded to a power of 2 >= 16 (tl.dot)
     BLOCK_SIZE: tl.constexpr,                         # BS, tokens per KV block
-    TILE_ROWS: tl.constexpr, TILE_KEYS: tl.constexpr,  # rows per program; keys per step (any BS)
+    TILE_M: tl.constexpr, TILE_KEYS: tl.constexpr,  # pairs per program; keys per step (any BS)
     DOT_IN_FP32: tl.constexpr,                      # only Triton's interpreter on bf16: see _dot
 ):
     """FlashAttention-style forward over a paged cache; one program per (sequence, KV head,
-    tile of TILE_ROWS rows).
+    tile of TILE_M pairs).
 
-    A row is a (query, query head) pair of the KV head's group of G heads, stacked query by
-    query: row r is query r // G for query head kv_head * G + r % G. A decode fills G rows, a
-    chunk of L queries L * G, and each K/V tile, loaded once, serves the whole group (with
-    G = 1, a row is a query). The tile's rows are loaded once; keys and values stream past
-    TILE_KEYS tokens at a time, each token's row gathered through the block table, with an
-    online softmax (m_i, l_i, acc) in fp32. Keys stop at the last position the tile's last
-    query can see."""
+    A pair is a (query, query head) of the KV head's group of G heads, stacked query by query
+    (the tile's M dimension): pair m is query m // G for query head kv_head * G + m % G. A
+    decode fills G pairs, a chunk of L queries L * G, and each K/V tile, loaded once, serves
+    the whole group (with G = 1, a pair is a query). The tile's queries are loaded once; keys
+    and values stream past TILE_KEYS tokens at a time, each token's K/V gathered through the
+    block table, with an online softmax (m_i, l_i, acc) in fp32. Keys stop at the last
+    position the tile's last query can see."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    pid_m = tl.program_id(2)  # which tile of TILE_ROWS rows
+    pid_m = tl.program_id(2)  # which tile of TILE_M pairs
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if pid_m * TILE_ROWS >= q_len * GROUP_SIZE:  # this sequence has fewer tiles than the longest
+    if pid_m * TILE_M >= q_len * GROUP_SIZE:  # this sequence has fewer tiles than the longest
         return
     context_len = tl.load(context_lens_ptr + seq)
-    offs_r = pid_m * TILE_ROWS + tl.arange(0, TILE_ROWS)  # row index within the sequence's rows
-    offs_m = offs_r // GROUP_SIZE                         # its query index within the sequence
-    heads = kv_head * GROUP_SIZE + offs_r % GROUP_SIZE  # its query head
+    offs_m = pid_m * TILE_M + tl.arange(0, TILE_M)  # pair index within the sequence's pairs
+    offs_q = offs_m // GROUP_SIZE                   # its query index within the sequence
+    heads = kv_head * GROUP_SIZE + offs_m % GROUP_SIZE  # its query head
     offs_d = tl.arange(0, TILE_DIM)
-    mask_m = offs_m < q_len       # past the sequence's last query
+    mask_q = offs_q < q_len       # past the sequence's last query
     mask_d = offs_d < HEAD_DIM    # past the real head dim
-    q_pos = context_len - q_len + offs_m  # absolute position of each row's query
-    # each row's query token in the flat batch, int64: tokens * stride_qn passes 2**31 at ~900k
+    q_pos = context_len - q_len + offs_q  # absolute position of each pair's query
+    # each pair's query token in the flat batch, int64: tokens * stride_qn passes 2**31 at ~900k
     # tokens a step
-    tokens = (q_start + offs_m).to(tl.int64)
-    mask_md = mask_m[:, None] & mask_d[None, :]  # past the last query or the real head dim
+    tokens = (q_start + offs_q).to(tl.int64)
+    mask_qd = mask_q[:, None] & mask_d[None, :]  # past the last query or the real head dim
     q_offs = tokens[:, None] * stride_qn + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptr + q_offs, mask=mask_md, other=0.0)  # (TILE_ROWS, TILE_DIM)
-    m_i = tl.full([TILE_ROWS], float("-inf"), dtype=tl.float32)  # running row max of the scores
-    l_i = tl.zeros([TILE_ROWS], dtype=tl.float32)                # running softmax denominator
-    acc = tl.zeros([TILE_ROWS, TILE_DIM], dtype=tl.float32)       # running unnormalized output
-    # The tile's rows reach query num_seen - 1 (its last row's, or the sequence's last query):
+    q = tl.load(q_ptr + q_offs, mask=mask_qd, other=0.0)  # (TILE_M, TILE_DIM)
+    m_i = tl.full([TILE_M], float("-inf"), dtype=tl.float32)  # running max of each pair's scores
+    l_i = tl.zeros([TILE_M], dtype=tl.float32)                # running softmax denominator
+    acc = tl.zeros([TILE_M, TILE_DIM], dtype=tl.float32)       # running unnormalized output
+    # The tile's pairs reach query num_seen - 1 (its last pair's, or the sequence's last query):
     # keys stop at the last position that query sees.
-    num_seen = tl.minimum(q_len, ((pid_m + 1) * TILE_ROWS - 1) // GROUP_SIZE + 1)
+    num_seen = tl.minimum(q_len, ((pid_m + 1) * TILE_M - 1) // GROUP_SIZE + 1)
     kv_end = context_len - q_len + num_seen
     for start_n in range(0, kv_end, TILE_KEYS):
         offs_n = start_n + tl.arange(0, TILE_KEYS)  # token positions in this step
@@ -315,25 +317,25 @@ def _paged_attention_kernel(
         k_offs = (block_ids * stride_kb + offs_in_block * stride_kt)[None, :] \
             + kv_head * stride_kh + offs_d[:, None] * stride_kd
         k = tl.load(k_cache_ptr + k_offs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
-        scores = _dot(q, k, DOT_IN_FP32) * sm_scale  # (TILE_ROWS, TILE_KEYS) fp32
+        scores = _dot(q, k, DOT_IN_FP32) * sm_scale  # (TILE_M, TILE_KEYS) fp32
         visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]  # causal + tail
         scores = tl.where(visible, scores, float("-inf"))
-        # Online softmax: every row sees position 0 in the first step, so m_new is finite.
+        # Online softmax: every pair sees position 0 in the first step, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)  # rescales what was summed under the old max
         m_i = m_new
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        # V tile (TILE_KEYS, TILE_DIM): masked like K; masked rows give 0 and have p == 0 anyway.
+        # V tile (TILE_KEYS, TILE_DIM): masked like K; masked keys give 0 and have p == 0 anyway.
         v_offs = (block_ids * stride_vb + offs_in_block * stride_vt)[:, None] \
             + kv_head * stride_vh + offs_d[None, :] * stride_vd
         v = tl.load(v_cache_ptr + v_offs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_IN_FP32)
     o_offs = tokens[:, None] * stride_on + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
-    tl.store(out_ptr + o_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_md)
+    tl.store(out_ptr + o_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_qd)
 
 
-TILE_ROWS = 16  # (query, head) rows per program: tl.dot's minimum (a decode fills G of them)
+TILE_M = 16  # (query, head) pairs per program: tl.dot's minimum (a decode fills G of them)
 TILE_KEYS = 64  # keys per inner step
 # K/V addresses come from a block-id load, so Triton's pipeliner needs 5 stages to keep step
 # n+1's K/V copies in flight during step n's math (at 3 it waits for every copy): 37 KB of
@@ -346,8 +348,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Triton twin of paged_attention_ref: same arguments, same result. The launch reads no
     tensor's value (so never waits for the GPU) and runs on q's device, current or not.
-    One program per (sequence, KV head, tile of TILE_ROWS (query, head) rows): each sequence's
-    max_query_len * G rows at most, G = H // Hkv."""
+    One program per (sequence, KV head, tile of TILE_M (query, head) pairs): each sequence's
+    max_query_len * G pairs at most, G = H // Hkv."""
     num_tokens, num_heads, head_dim = q.shape
     group_size = group_size_of(q, k_cache)  # G; the caches' heads divide q's, or ValueError
     tables = meta.block_tables
@@ -360,20 +362,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         f"q {q.dtype} {tuple(q.shape)} vs caches {k_cache.dtype} {tuple(k_cache.shape)}, " \
         f"{tuple(v_cache.shape)}: one dtype, one head dim, caches contiguous and alike"
     dot_in_fp32 = triton.knobs.runtime.interpret and q.dtype == torch.bfloat16  # see _dot
-    assert q.stride(-1) == 1, "q's head dim must be contiguous"  # rows may be qkv-strided
+    assert q.stride(-1) == 1, "q's head dim must be contiguous"  # tokens may be qkv-strided
     assert tables.dtype == lens.dtype == starts.dtype == torch.int32, "metadata must be int32"
     assert tables.stride(1) == 1 and starts.shape == (len(lens) + 1,), "bad block_tables/starts"
     assert lens.is_contiguous() and starts.is_contiguous(), "context_lens and query_start_loc " \
         "are read as dense arrays"
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    grid = (len(lens), k_cache.shape[2], cdiv(meta.max_query_len * group_size, TILE_ROWS))
+    grid = (len(lens), k_cache.shape[2], cdiv(meta.max_query_len * group_size, TILE_M))
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, tables, lens, starts, scale,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), tables.stride(0),
             GROUP_SIZE=group_size,
             HEAD_DIM=head_dim, TILE_DIM=max(16, triton.next_power_of_2(head_dim)),
-            BLOCK_SIZE=k_cache.shape[1], TILE_ROWS=TILE_ROWS, TILE_KEYS=TILE_KEYS,
+            BLOCK_SIZE=k_cache.shape[1], TILE_M=TILE_M, TILE_KEYS=TILE_KEYS,
             DOT_IN_FP32=dot_in_fp32,
             num_warps=NUM_WARPS, num_stages=NUM_STAGES[q.element_size()])
     return out

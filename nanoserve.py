@@ -131,9 +131,11 @@ class Batch:
     input_ids: torch.Tensor         # (N,) the new tokens of every scheduled sequence
     positions: torch.Tensor         # (N,) each token's position in its sequence
     attn_metadata: AttentionMetadata
-    sample_rows: torch.Tensor       # (n,) the last row of each sequence that samples
+    logits_indices: torch.Tensor    # (n,) the flat-batch index of the last token of each
+                                    # sequence that samples (vLLM's name)
     sample_seqs: list[Sequence]     # (n,) the sequences with no uncomputed token left
-    prompt_rows: torch.Tensor       # (m,) rows whose next token is a prompt token to score
+    prompt_logits_indices: torch.Tensor  # (m,) the tokens whose next is a prompt token to
+                                    # score (prompt_logprobs)
     prompt_targets: torch.Tensor    # (m,) those next tokens
     prompt_seqs: list[Sequence]     # (m,) their sequences
 
@@ -229,7 +231,8 @@ def seeded_generator_states(seqs) -> list[tuple[torch.Generator, torch.Tensor]]:
 
 def to_host(tensor: torch.Tensor) -> list:
     """A device tensor's values as (nested) Python lists. The only place a step waits for the
-    device: a CUDA test runs whole steps with every other wait made an error."""
+    device (once for the sampled tokens; twice more, ids and values, when a request asks for
+    log-probabilities): a CUDA test runs whole steps with every other wait made an error."""
     return tensor.tolist()
 
 
@@ -568,7 +571,7 @@ class Engine:
         batch = self._prepare_inputs(num_scheduled_tokens)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata,
                             self.k_caches, self.v_caches, self.attention)    # (N, C)
-        logits = self.compute_logits(hidden[batch.sample_rows])            # (n, vocab) fp32
+        logits = self.compute_logits(hidden[batch.logits_indices])         # (n, vocab) fp32
         output = ModelOutput(logits=logits)
         if not batch.sample_seqs and not batch.prompt_seqs:
             return output
@@ -583,7 +586,8 @@ class Engine:
                 self.input_batch.count_sampled(tensors.penalties, token_ids)
         if any(seq.params.logprobs is not None for seq in batch.sample_seqs) or batch.prompt_seqs:
             self._gather_logprobs(batch, hidden, logits, token_ids, output)
-        # The step's one wait for the device (log-probabilities, if asked for, were read above).
+        # The step's wait for the sampled tokens (log-probabilities, if asked for, were read
+        # above: two more).
         output.sampled_token_ids = dict(zip(batch.sample_seqs, to_host(token_ids)))
         return output
 
@@ -617,7 +621,7 @@ class Engine:
         # per row: how many top log-probabilities it asked for (None: none at all)
         wants = [sampled.params.logprobs for sampled in batch.sample_seqs]
         wants += [scored.params.prompt_logprobs for scored in batch.prompt_seqs]
-        prompt_logits = self.compute_logits(hidden[batch.prompt_rows])  # (m, vocab)
+        prompt_logits = self.compute_logits(hidden[batch.prompt_logits_indices])  # (m, vocab)
         logprobs = torch.cat([logits, prompt_logits]).log_softmax(dim=-1)    # (n + m, vocab)
         targets = torch.cat([token_ids, batch.prompt_targets])[:, None]      # (n + m, 1)
         top_k = max([want for want in wants if want is not None], default=0)
@@ -718,7 +722,7 @@ class Engine:
 
             input_ids        [a6, b4, b5, b6, c2]     (token t of A written a6)
             positions        [ 6,  4,  5,  6,  2]
-            query_start_loc  [0, 1, 4, 5]             (B owns rows 1..3)
+            query_start_loc  [0, 1, 4, 5]             (B owns tokens 1..3)
             context_lens     [7, 7, 3]
             rows             [0, 1, 2]                (each sequence's row in the input batch)
             token_rows       [0, 1, 1, 1, 2]          (each token's sequence's row)
@@ -726,7 +730,7 @@ class Engine:
             block_tables     [[3, 7, 0 ...], [5, 2, 0 ...], [1, 0, 0 ...]]   (on the device)
             slot_mapping     [30,  8,  9, 10,  6]     (on the device: A's 6 is in its second
                                                        block, 7: 7 * 4 + 6 % 4 = 30)
-            sample_rows      [0, 4]                   (B has tokens left to compute: no sample)
+            logits_indices   [0, 4]                   (B has tokens left to compute: no sample)
 
         Only the blocks a table gained go up; the tables stay on the device, in the input
         batch (input_batch.py), and the slots are read from them there: a step costs what is
@@ -745,8 +749,9 @@ class Engine:
             query_start_loc=tensors["query_start_loc"].to(torch.int32),
             max_query_len=max(num_scheduled_tokens.values()))
         return Batch(input_ids=tensors["input_ids"], positions=tensors["positions"],
-                     attn_metadata=attn_metadata, sample_rows=tensors["sample_rows"],
-                     sample_seqs=sample_seqs, prompt_rows=tensors["prompt_rows"],
+                     attn_metadata=attn_metadata, logits_indices=tensors["logits_indices"],
+                     sample_seqs=sample_seqs,
+                     prompt_logits_indices=tensors["prompt_logits_indices"],
                      prompt_targets=tensors["prompt_targets"], prompt_seqs=prompt_seqs)
 
     def _flatten_inputs(self, num_scheduled_tokens: dict[Sequence, int]
@@ -763,20 +768,20 @@ class Engine:
         new_block_rows = []  # (row, column, block id) of each block a table gained
         new_block_columns = []
         new_block_ids = []
-        sample_rows = []
-        sample_seqs = []     # the sequences that sample, in the order of sample_rows
-        prompt_rows = []
+        logits_indices = []
+        sample_seqs = []     # the sequences that sample, in the order of logits_indices
+        prompt_logits_indices = []
         prompt_targets = []
-        prompt_seqs = []     # the sequence of each of prompt_rows
+        prompt_seqs = []     # the sequence of each of prompt_logits_indices
         for seq, num_new in num_scheduled_tokens.items():
             start = seq.num_computed_tokens
             end = start + num_new
-            first_row = query_start_loc[-1]
+            first_token = query_start_loc[-1]
             row, first_column, gained = self.input_batch.new_blocks(seq)
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             context_lens.append(end)
-            query_start_loc.append(first_row + num_new)
+            query_start_loc.append(first_token + num_new)
             rows.append(row)
             token_rows += [row] * num_new
             if gained:  # most decodes fill a block they hold
@@ -784,18 +789,18 @@ class Engine:
                 new_block_columns += range(first_column, first_column + len(gained))
                 new_block_ids += gained
             if end == len(seq.token_ids):  # no uncomputed token left: sample the next one
-                sample_rows.append(first_row + num_new - 1)
+                logits_indices.append(first_token + num_new - 1)
                 sample_seqs.append(seq)
             if seq.params.prompt_logprobs is not None:
                 for position in self._prompt_positions_to_score(seq, start, end):
-                    prompt_rows.append(first_row + position - start)
+                    prompt_logits_indices.append(first_token + position - start)
                     prompt_targets.append(seq.token_ids[position + 1])
                     prompt_seqs.append(seq)
         ints = dict(input_ids=input_ids, positions=positions, context_lens=context_lens,
                     query_start_loc=query_start_loc, rows=rows, token_rows=token_rows,
                     new_block_rows=new_block_rows, new_block_columns=new_block_columns,
-                    new_block_ids=new_block_ids, sample_rows=sample_rows,
-                    prompt_rows=prompt_rows, prompt_targets=prompt_targets)
+                    new_block_ids=new_block_ids, logits_indices=logits_indices,
+                    prompt_logits_indices=prompt_logits_indices, prompt_targets=prompt_targets)
         return ints, sample_seqs, prompt_seqs
 
     @staticmethod

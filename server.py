@@ -870,8 +870,8 @@ class Server:
         self.abort(served)
 
     def abort(self, served: ServedRequest) -> None:
-        """Abort the HTTP request's engine requests (their blocks are free after the next
-        step) and let go of it: nothing more is written."""
+        """Abort the HTTP request's engine requests (the engine thread takes the abort between
+        two steps and frees their blocks then) and let go of it: nothing more is written."""
         self.engine_thread.inbox.put(partial(self.engine_thread.abort, served.ids))
         self.forget(served)
 
