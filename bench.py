@@ -12,6 +12,9 @@ What it measures, in the order it runs:
   at equal KV memory: sequences a step and tokens/s;
 - online: Poisson arrivals, vLLM's latency metrics (TTFT, TPOT, ITL, E2E), in process or against
   an OpenAI-compatible server (--url URL; README: Over HTTP).
+Flags for one measurement alone (--lm-head, --host-overhead, --detokenizer, --kernel,
+--step-gemms, --count-ops, --sampling) run only that; --jsonl FILE appends each of their rows
+as it is measured (.ci/gpu's results, kept when a time limit cuts a run short).
 Tables go to stdout, every figure to JSON (--out).
 
 The file, top-down: the modes and the flags (BenchConfig); the workload; the naive baseline
@@ -25,7 +28,9 @@ the experiments (greedy only), and pass/fail goals for the figures (those are pr
 """
 import argparse
 import asyncio
+import collections
 import contextlib
+import gc
 import itertools
 import json
 import os
@@ -35,23 +40,27 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from functools import partial
 from unittest import mock
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.autograd import DeviceType
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import nanoserve
-from checkpoint import Checkpoint
+import model_runner
+from checkpoint import Checkpoint, load_model
 from cli import add_config_args
-from kernels import AttentionMetadata, select_attention
-from model import PRESETS, DenseKVCache, GPTConfig, LMHead
+from kernels import (AttentionMetadata, device_num_sms, launch_grids, paged_attention,
+                     select_attention)
+from model import GPT, LLAMA_LAYOUT, PRESETS, DenseKVCache, GPTConfig, LMHead
 from nanoserve import Engine, EngineConfig, accumulate
 from options import check_fields, option
 from paged_cache import cdiv, kv_bytes_per_token
 from sampling import SamplingParams, sample, sampling_tensors
+from scheduler import Sequence
 from tokenizer import EOT, GPT2_PATTERN, Detokenizer, Tokenizer, byte_ranks, byte_tokenizer
 
 MODES = {  # mode -> (what it is, EngineConfig overrides); naive does not use the engine
@@ -62,6 +71,36 @@ MODES = {  # mode -> (what it is, EngineConfig overrides); naive does not use th
     "no-chunk": ("continuous, no chunked prefill", dict(enable_chunked_prefill=False)),
     "no-cache": ("continuous, fcfs, no prefix caching", dict(enable_prefix_caching=False))}
 CONTIGUOUS_MODES = ("naive", "static")  # they reserve prompt + limit KV slots a sequence up front
+
+# --kernel's head shapes, (query heads, K/V heads, head dim): GPT-2's (a K/V head a query head),
+# Qwen2.5-0.5B's (7 query heads a K/V head), Llama 3.2 1B's and Llama 3 8B's (4 a K/V head)
+KERNEL_SHAPES = {"gpt2": (12, 12, 64), "qwen2.5-0.5b": (14, 2, 64), "llama-3.2-1b": (32, 8, 64),
+                 "llama-8b": (32, 8, 128)}
+KERNEL_PATHS = ("unsplit", "split", "sdpa")  # what --kernel times (BenchConfig.kernel_paths)
+
+# --step-shapes: real models' shapes, for random weights of their size, so that a decode step
+# reads the bytes and runs the GEMMs theirs would: their vocabularies (embedding rows) and tied
+# embeddings as shipped, Qwen2's q/k/v biases, Llama 3's RoPE scaling. model.PRESETS holds
+# small shapes only (and serves them with a 257-id byte tokenizer).
+SHAPES = {
+    "qwen2.5-0.5b": GPTConfig(vocab_size=151936, n_positions=32768, n_embd=896, n_layer=24,
+                              n_head=14, n_kv_head=2, head_dim=64, intermediate_size=4864,
+                              rope_theta=1000000.0, **LLAMA_LAYOUT | dict(qkv_bias=True)),
+    "llama-3.2-1b": GPTConfig(vocab_size=128256, n_positions=131072, n_embd=2048, n_layer=16,
+                              n_head=32, n_kv_head=8, head_dim=64, intermediate_size=8192,
+                              rope_theta=500000.0, rope_scaling=dict(
+                                  rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                  high_freq_factor=4.0, original_max_position_embeddings=8192),
+                              **LLAMA_LAYOUT | dict(norm_eps=1e-5))}
+STEP_MAX_MODEL_LEN = 32768  # --step-shapes: the longest sequence served (block tables that wide)
+STEP_MODES = ("eager", "graphed")  # decode steps run eagerly, or replayed from CUDA graphs
+
+# HBM bandwidth, GB/s, as NVIDIA's datasheets give it, by a piece of torch's device name (the
+# first that matches): what a memory-bound kernel is measured against. A GPU not listed gets
+# GB/s alone.
+HBM_PEAK_GB_S = (("H100 PCIe", 2000), ("H100 NVL", 3900), ("H100", 3350), ("H200", 4800),
+                 ("A100-SXM4-80GB", 2039), ("A100 80GB PCIe", 1935), ("A100", 1555),
+                 ("L40", 864), ("L4", 300), ("A10", 600), ("T4", 320))
 
 
 @dataclass
@@ -105,14 +144,47 @@ class BenchConfig:
                                "and 64k characters of a request's text not yet returned")
     host_batches: tuple = option((16, 64, 256), "host overhead: batch sizes")
     host_contexts: tuple = option((256, 4096), "host overhead: tokens of context a sequence")
-    kernel: bool = option(False, "only the paged-attention kernel against torch's SDPA on the "
-                          "same K/V (contiguous), decode, GB/s of K/V read (a GPU's figure)")
+    kernel: bool = option(False, "only decode attention over the paged cache, by each of "
+                          "--kernel-paths: microseconds, GB/s of K/V read and its share of the "
+                          "GPU's HBM peak (on CUDA: do_bench's median, L2 flushed each call)")
     kernel_batches: tuple = option((1, 16, 64, 256), "kernel: batch sizes")
     kernel_contexts: tuple = option((512, 2048, 8192), "kernel: tokens of context a sequence")
-    step_gemms: bool = option(False, "only a decode step at batch --max-num-seqs and context "
-                              "--prompt-len against its matrix multiplies alone at the same "
-                              "shapes, and attention's share of the step")
-    model: str = option("", "--step-gemms: a checkpoint directory instead of --preset's weights")
+    kernel_shapes: tuple = option(("gpt2", "llama-8b"), "kernel: head shapes (query heads, "
+                                  "K/V heads, head dim) of these models",
+                                  choices=list(KERNEL_SHAPES))
+    kernel_paths: tuple = option(KERNEL_PATHS, "kernel: split (the Triton decode kernel, "
+                                 "num_decodes = batch: each context split over programs), "
+                                 "unsplit (num_decodes = 0: a program a sequence and K/V head, "
+                                 "the kernel before the split), sdpa (torch's SDPA on the same "
+                                 "K/V made contiguous)", choices=list(KERNEL_PATHS))
+    step_gemms: bool = option(False, "only decode steps of --step-batches sequences of "
+                              "--prompt-len tokens, eager and in CUDA graphs (--step-modes), "
+                              "against their matrix multiplies alone at the same shapes and "
+                              "the floor (bytes read / HBM peak); attention's share; then "
+                              "each step's kernels (torch.profiler), after every timing")
+    step_shapes: tuple = option((), "--step-gemms: random weights of these models' shapes "
+                                "(bf16 on CUDA), each with its whole vocabulary, instead of "
+                                "--preset or --model", choices=[*SHAPES, *PRESETS])
+    step_batches: tuple = option((32,), "--step-gemms: sequences decoding together")
+    step_modes: tuple = option(STEP_MODES, "--step-gemms: eager (enforce_eager) and graphed "
+                               "(decode in CUDA graphs: CUDA only, skipped elsewhere)",
+                               choices=list(STEP_MODES))
+    model: str = option("", "--step-gemms, --count-ops: a checkpoint directory instead of "
+                        "--preset's weights")
+    count_ops: bool = option(False, "only what each layer of --preset (a Llama-family one: "
+                             "llama-tiny) runs in one decode step of --max-num-seqs sequences "
+                             "of --prompt-len tokens: ATen calls on a CPU, kernels on CUDA")
+    sampling: bool = option(False, "only the LM head (bf16 in, fp32 logits on CUDA) and "
+                            "sample() at a --sampling-vocab vocabulary, by batch: greedy, "
+                            "temperature 0.7 with top-k 20 and top-p 0.9, top-p 0.9 alone")
+    sampling_batches: tuple = option((64, 256), "sampling: rows (sequences sampling together)")
+    sampling_vocab: int = option(151936, "sampling: the vocabulary (Qwen2.5's embedding rows)")
+    sampling_hidden: int = option(896, "sampling: the LM head's input width (Qwen2.5-0.5B's)")
+    reps: int = option(20, "--kernel, --step-gemms, --sampling: calls a figure times (--kernel "
+                       "on CUDA: do_bench's, for 100 ms)")
+    jsonl: str = option("", "--kernel, --step-gemms, --sampling: append each row to this file "
+                        "as one JSON line as soon as it is measured, so a run cut short keeps "
+                        "what it measured")
 
 
 def parse_args(argv=None) -> BenchConfig:
@@ -124,20 +196,36 @@ def parse_args(argv=None) -> BenchConfig:
                          for k, v in vars(p.parse_args(argv)).items()})
     prompt = cfg.prompt_len + cfg.shared_prefix_len
     cfg = replace(cfg, kv_budget=cfg.kv_budget or 32 * (prompt + 128))
-    try:  # ranges, as the engine checks its own (argparse checked each mode)
-        check_fields(replace(cfg, modes=cfg.modes[0]))
+    try:  # ranges, as the engine checks its own (argparse checked each choice of a list)
+        check_fields(one_of_each(cfg))
     except ValueError as e:
         p.error(str(e))
     if min(cfg.limits + cfg.host_output_lens) < 1 or not all(r > 0 for r in cfg.rates):
         p.error("--limits and --host-output-lens must be >= 1, --rates > 0")
+    sizes = cfg.kernel_batches + cfg.kernel_contexts + cfg.step_batches + cfg.sampling_batches
+    if min(sizes) < 1:
+        p.error("--kernel-batches, --kernel-contexts, --step-batches and --sampling-batches "
+                "must be >= 1")
     if cfg.kv_budget < prompt + max(cfg.limits):
         p.error(f"--kv-budget {cfg.kv_budget} holds no sequence of prompt + largest limit tokens")
     context = PRESETS[cfg.preset].n_positions  # (with --url, the server checks its own)
     largest_limit = max(*cfg.limits, cfg.online_limit)
-    if not cfg.url and prompt + largest_limit > context:  # past the position table's end
+    alone = any(getattr(cfg, name) for name in SINGLE_MEASUREMENTS)  # they use no limit
+    if not cfg.url and not alone and prompt + largest_limit > context:  # past the position table
         p.error(f"a prompt of {prompt} tokens and a limit of {largest_limit} make "
                 f"{prompt + largest_limit} tokens; the {cfg.preset} preset's context is {context}")
     return cfg
+
+
+def one_of_each(cfg: BenchConfig) -> BenchConfig:
+    """cfg with each list of choices (--modes, --kernel-shapes, ...) cut to one choice, for
+    check_fields, which checks a value against a field's choices: argparse checked each."""
+    firsts = {}
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if "choices" in f.metadata and isinstance(value, tuple):
+            firsts[f.name] = value[0] if value else f.metadata["choices"][0]
+    return replace(cfg, **firsts)
 
 
 # ----------------------------------------------------------------------------- the workload
@@ -220,8 +308,10 @@ def naive_steps(prompts: list[list[int]], lengths: list[int]) -> list[StepLog]:
 
 # ----------------------------------------------------------------------------- offline runs
 
-def make_engine(cfg: BenchConfig, mode: str = "fcfs", limit: int = 0, **overrides) -> Engine:
-    """A fresh engine for `mode`, on the same seeded weights as every other."""
+def make_engine(cfg: BenchConfig, mode: str = "fcfs", limit: int = 0,
+                checkpoint: Checkpoint | None = None, **overrides) -> Engine:
+    """A fresh engine for `mode`, on the same seeded weights as every other; given a
+    checkpoint (shape_checkpoint's), on its model rather than --preset's or --model's."""
     args = dict(preset=None if cfg.model else cfg.preset, model=cfg.model or None,
                 device=cfg.device, seed=cfg.seed, block_size=cfg.block_size,
                 kv_cache_tokens=cfg.kv_cache_tokens or None, max_num_seqs=cfg.max_num_seqs,
@@ -229,7 +319,10 @@ def make_engine(cfg: BenchConfig, mode: str = "fcfs", limit: int = 0, **override
     if not args.get("enable_chunked_prefill", True):  # as in vLLM: a whole recompute fits a step
         args["max_num_batched_tokens"] = max(args["max_num_batched_tokens"],
                                              cfg.prompt_len + cfg.shared_prefix_len + limit)
-    return Engine(EngineConfig(**args))
+    if checkpoint is None:
+        return Engine(EngineConfig(**args))
+    with mock.patch("nanoserve.load_model", return_value=checkpoint):  # the preset is unused
+        return Engine(EngineConfig(**args))
 
 
 def run_offline(cfg: BenchConfig, mode: str, prompts, lengths, limit: int, model=None):
@@ -640,16 +733,100 @@ def per_call(fn, reps: int, device: str) -> float:
     return (synced_clock(device) - start) / reps
 
 
-def engine_in_decode(cfg: BenchConfig, batch: int, prompt_len: int, first: int,
-                     more: int) -> Engine:
-    """An engine holding `batch` sequences of prompt_len random tokens, stepped until each has
-    `first` output tokens (every prompt in one step, then decodes), with room for `more`."""
-    engine = make_engine(cfg, max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len,
-                         kv_cache_tokens=batch * (prompt_len + first + more + cfg.block_size))
+def median_ms(fn, device: str, reps: int, warmup: int = 3) -> float:
+    """Milliseconds a call of fn takes, the median of reps calls after `warmup` untimed ones:
+    on CUDA between two CUDA events around each call (the device's time: the host's
+    launches overlap the device's work, as in a step), elsewhere by perf_counter."""
+    for _ in range(warmup):
+        fn()
+    if not device.startswith("cuda"):
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return 1e3 * float(np.median(times))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return float(np.median([start.elapsed_time(end) for start, end in events]))
+
+
+def cold_l2_ms(fn, device: str, reps: int) -> float:
+    """Milliseconds a call of fn takes with nothing of its inputs in the GPU's L2 cache, as a
+    step's attention finds its layer's K/V (the other layers' passed through it since): on
+    CUDA triton.testing.do_bench's median, which writes a 256 MB buffer before each call and
+    times the call alone with CUDA events. Elsewhere the best of 3 rounds of reps calls."""
+    if not device.startswith("cuda"):
+        return 1e3 * min(per_call(fn, reps, device) for _ in range(3))
+    import triton.testing  # here, not at the top: kernels.py sets up Triton (its interpreter
+    return triton.testing.do_bench(fn, return_mode="median")  # on a CPU) before any import
+
+
+def hbm_peak_gb_s(device: str) -> float | None:
+    """The GPU's HBM bandwidth (GB/s) from HBM_PEAK_GB_S by its name; None on a CPU or a GPU
+    not listed."""
+    if not device.startswith("cuda"):
+        return None
+    name = torch.cuda.get_device_name(torch.device(device))
+    return next((float(peak) for part, peak in HBM_PEAK_GB_S if part in name), None)
+
+
+def share_of(gb_s: float, peak: float | None) -> float | None:
+    """gb_s as a share of the peak bandwidth, None without one."""
+    return None if peak is None else gb_s / peak
+
+
+def emit(cfg: BenchConfig, measurement: str, row: dict) -> dict:
+    """Append row, as one JSON line named by its measurement, to --jsonl (if given) the moment
+    it is measured, so a run cut short (a time limit on a lent GPU) keeps every row it
+    finished; return it."""
+    if cfg.jsonl:
+        with open(cfg.jsonl, "a") as f:
+            f.write(json.dumps(dict(measurement=measurement) | row, default=json_value) + "\n")
+    return row
+
+
+def json_value(value):
+    """What json.dumps cannot write itself: a NumPy or torch scalar's value, else its text."""
+    return value.item() if hasattr(value, "item") else str(value)
+
+
+PREFILL_TOKENS = 16384  # engine_in_decode's token budget: its prompts in a few steps
+
+
+def prefill_steps(batch: int, prompt_len: int) -> int:
+    """engine_in_decode's prompts take this many steps at most (chunked to PREFILL_TOKENS, the
+    decodes of those done before taking their share), twice over: the tokens those done first
+    decode meanwhile, room kept for them."""
+    return 2 * cdiv(batch * prompt_len, min(batch * prompt_len, PREFILL_TOKENS))
+
+
+def decode_kv_tokens(cfg: BenchConfig, batch: int, prompt_len: int, first: int, more: int) -> int:
+    """The KV cache engine_in_decode gives its sequences: each one's prompt, its first output
+    tokens, `more`, those decoded while other prompts were prefilled, and a block's slack."""
+    tokens = prompt_len + first + more + prefill_steps(batch, prompt_len) + cfg.block_size
+    return batch * tokens
+
+
+def engine_in_decode(cfg: BenchConfig, batch: int, prompt_len: int, first: int, more: int,
+                     checkpoint: Checkpoint | None = None, **overrides) -> Engine:
+    """An engine holding `batch` sequences of prompt_len random tokens, stepped until every one
+    is admitted and has `first` output tokens (the prompts in as few steps as PREFILL_TOKENS
+    allows, then decodes), with room for `more` (none ends sooner); overrides: EngineConfig's
+    fields (make_engine's)."""
+    args = dict(max_num_seqs=batch, max_num_batched_tokens=min(batch * prompt_len, PREFILL_TOKENS),
+                kv_cache_tokens=decode_kv_tokens(cfg, batch, prompt_len, first, more))
+    engine = make_engine(cfg, checkpoint=checkpoint, **args | overrides)
     prompts, _ = make_workload(replace(cfg, prompt_len=prompt_len), batch, 1)
     for prompt in prompts:
-        engine.add_request(prompt, greedy(first + more + 1))
-    while min((s.num_output_tokens for s in engine.scheduler.running), default=0) < first:
+        engine.add_request(prompt, greedy(first + more + prefill_steps(batch, prompt_len) + 1))
+    while len(engine.scheduler.waiting) or min(
+            (s.num_output_tokens for s in engine.scheduler.running), default=0) < first:
         engine.step()  # none running: the prompts still wait
     return engine
 
@@ -810,7 +987,7 @@ def sampling_time(cfg: BenchConfig, rows: int = 64, reps: int = 50, rounds: int 
 
     def step():
         tensors = sampling_tensors(seqs, engine.vocab_size, engine.eos_token_ids, cfg.device)
-        return sample(out.logits, tensors, engine.generator)
+        return sample(out.logits, tensors, engine.model_runner.generator)
 
     plain_times = [per_call(step, reps, cfg.device) for _ in range(rounds)]
     for seq in seqs:
@@ -984,8 +1161,8 @@ def lm_head_cost(cfg: BenchConfig, reps: int = 20, rounds: int = 5) -> dict:
     gpt2 = replace(cfg, preset="gpt2", device="cpu")
     engine = engine_in_decode(gpt2, 8, 16, 1, rounds * reps * 2 + 2)
     engine.model.to(torch.bfloat16)
-    engine.k_caches = engine.k_caches.to(torch.bfloat16)
-    engine.v_caches = engine.v_caches.to(torch.bfloat16)
+    engine.model_runner.k_caches = engine.model_runner.k_caches.to(torch.bfloat16)
+    engine.model_runner.v_caches = engine.model_runner.v_caches.to(torch.bfloat16)
     result = {"gpt2 decode step, batch 8": timed(engine.step)}
     head = LMHead(896, 151936, bias=False).to(torch.bfloat16)
     for rows in (1, 8, 32):
@@ -1000,6 +1177,50 @@ def lm_head_table(result: dict) -> str:
     for what, (old, new) in result.items():
         rows.append(f"| {what} | {old:.2f} ms | {new:.2f} ms | {old / new:.1f}x |")
     return "\n".join(rows)
+
+
+# --sampling's requests, by what a row calls them: greedy, Qwen2.5-Instruct's
+# generation_config (temperature 0.7, top-k 20, top-p 0.9: a topk of 20 candidates), and
+# top-p alone (a sort of the whole vocabulary)
+SAMPLING_KINDS = {"greedy": SamplingParams(temperature=0),
+                  "t0.7 top-k 20 top-p 0.9": SamplingParams(temperature=0.7, top_k=20, top_p=0.9),
+                  "top-p 0.9": SamplingParams(top_p=0.9)}
+
+
+@torch.inference_mode()
+def lm_head_and_sampling(cfg: BenchConfig) -> list[dict]:
+    """At each of --sampling-batches: the LM head (--sampling-hidden to --sampling-vocab, bf16
+    weights and input with fp32 logits on CUDA, fp32 on a CPU: LMHead's forward) in ms and GB/s
+    of its weight, then sample() on its logits for each of SAMPLING_KINDS, every row alike
+    (its tensors made beforehand: sample()'s device work alone). Medians of --reps calls,
+    between CUDA events on CUDA (median_ms). Each row to --jsonl as it is measured."""
+    dtype = torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32
+    torch.manual_seed(cfg.seed)
+    with torch.device(cfg.device):
+        head = LMHead(cfg.sampling_hidden, cfg.sampling_vocab, bias=False).to(dtype)
+    generator = torch.Generator(cfg.device).manual_seed(cfg.seed)
+    rows = []
+    for batch in cfg.sampling_batches:
+        hidden = torch.randn(batch, cfg.sampling_hidden, dtype=dtype, device=cfg.device)
+        ms = median_ms(partial(head, hidden), cfg.device, cfg.reps)
+        row = dict(batch=batch, vocab=cfg.sampling_vocab, what="lm_head", us=ms * 1e3,
+                   gb_s=head.weight.nbytes / ms / 1e6)
+        rows.append(emit(cfg, "sampling", row))
+        logits = head(hidden)  # (batch, vocab) fp32
+        for what, params in SAMPLING_KINDS.items():
+            # a row's sequence: only its parameters are read (no tokens, no cache blocks)
+            seqs = [Sequence(str(i), None, [0], params, None) for i in range(batch)]
+            tensors = sampling_tensors(seqs, cfg.sampling_vocab, [], cfg.device)
+            ms = median_ms(partial(sample, logits, tensors, generator), cfg.device, cfg.reps)
+            row = dict(batch=batch, vocab=cfg.sampling_vocab, what=f"sample {what}",
+                       us=ms * 1e3, gb_s=None)
+            rows.append(emit(cfg, "sampling", row))
+    return rows
+
+
+def sampling_table(rows: list[dict]) -> str:
+    return table("The LM head and sample() (us; GB/s of the head's weight)", rows,
+                 "batch vocab what us gb_s")
 
 
 # ----------------------------------------------------------------------------- host overhead
@@ -1081,12 +1302,12 @@ def phase_timers(engine: Engine, device: str):
     """While open, each of HOST_PHASES adds its seconds in the step to the dict it yields."""
     spent = dict.fromkeys(HOST_PHASES, 0.0)
     targets = {"schedule": (engine.scheduler, "schedule"),
-               "inputs": (engine, "_prepare_inputs"),
-               "sampling_tensors": (nanoserve, "sampling_tensors"),
-               "penalties": (engine.input_batch, "penalties"),
-               "penalty_rows": (engine.input_batch, "penalty_rows"),
-               "sample": (nanoserve, "sample"),
-               "count_sampled": (engine.input_batch, "count_sampled"),
+               "inputs": (engine.model_runner, "_prepare_inputs"),
+               "sampling_tensors": (model_runner, "sampling_tensors"),
+               "penalties": (engine.model_runner.input_batch, "penalties"),
+               "penalty_rows": (engine.model_runner.input_batch, "penalty_rows"),
+               "sample": (model_runner, "sample"),
+               "count_sampled": (engine.model_runner.input_batch, "count_sampled"),
                "update": (engine, "update"),
                "record": (engine, "record")}
     with contextlib.ExitStack() as stack:
@@ -1146,7 +1367,7 @@ def warm_host_ms(engine: Engine, device: str, steps: int) -> float:
     more memory the sequences' tokens spread over: at a longer context."""
     given = partial(stub_sample, engine.model)
     times = []
-    with mock.patch.object(nanoserve, "sample", given):
+    with mock.patch.object(model_runner, "sample", given):
         for _ in range(steps):
             start = synced_clock(device)
             engine.step()
@@ -1188,18 +1409,11 @@ def detokenizer_table(rows: list[dict]) -> str:
 
 # ----------------------------------------------------------------------------- attention kernel
 
-# (query heads, K/V heads, head dim): GPT-2's (12 of 64, a K/V head each) and Llama 3 8B's
-# (32 query heads sharing 8 K/V heads of 128)
-KERNEL_SHAPES = {"gpt2": (12, 12, 64), "llama-8b": (32, 8, 128)}
-
-
-@torch.inference_mode()
-def kernel_step(cfg: BenchConfig, shape: str, batch: int, context: int, reps=20) -> dict:
-    """One decode's attention for `batch` sequences of `context` tokens, each K/V block
-    shuffled in the cache: the engine's attention (Triton on CUDA) against torch's SDPA on
-    the same K/V laid out contiguously; microseconds (best of 3 rounds), GB/s of K/V read
-    (every K and V of every sequence, once), and the largest difference between the two
-    results. bf16 on CUDA, fp32 on a CPU."""
+def decode_attention_inputs(cfg: BenchConfig, shape: str, batch: int, context: int) -> tuple:
+    """One decode's attention for `batch` sequences of `context` tokens at a KERNEL_SHAPES head
+    shape, each K/V block shuffled in the cache: q, k_cache, v_cache, the metadata (its
+    decodes marked: num_decodes = batch), and the block table's order of blocks. bf16 on CUDA,
+    fp32 on a CPU."""
     num_heads, num_kv_heads, head_dim = KERNEL_SHAPES[shape]
     device = cfg.device
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -1215,52 +1429,168 @@ def kernel_step(cfg: BenchConfig, shape: str, batch: int, context: int, reps=20)
         block_tables=block_tables.to(device, torch.int32),
         context_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
         query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
-        max_query_len=1)
+        max_query_len=1, num_decodes=batch)
     q = torch.randn(batch, num_heads, head_dim, dtype=dtype, device=device)
-    scale = head_dim ** -0.5
-    attention = select_attention("auto", device)
-    paged = partial(attention, q, k_cache, v_cache, meta, scale)
-    by_sequence = block_tables.to(device).flatten()
+    return q, k_cache, v_cache, meta, block_tables.to(device).flatten()
+
+
+def contiguous_attention(q, k_cache, v_cache, by_sequence, context: int):
+    """torch's SDPA on the same K/V, gathered contiguous a sequence, as a function of nothing:
+    (batch, H, D) when called."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
     k = k_cache[by_sequence].view(batch, -1, num_kv_heads, head_dim)[:, :context]
     v = v_cache[by_sequence].view(batch, -1, num_kv_heads, head_dim)[:, :context]
     # a K/V head's G query heads as G queries: one problem of Hkv heads, as the CPU path poses
     # it, which every SDPA backend takes (enable_gqa is not every backend's)
     grouped_q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     dense = partial(F.scaled_dot_product_attention, grouped_q, k.transpose(1, 2).contiguous(),
-                    v.transpose(1, 2).contiguous(), scale=scale)
-    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * dtype.itemsize
-    # the same attention both ways, or the comparison means nothing
-    difference = (paged() - dense().view(batch, num_heads, head_dim)).abs().max().item()
-    paged_s = min(per_call(paged, reps, device) for _ in range(3))
-    dense_s = min(per_call(dense, reps, device) for _ in range(3))
-    return dict(shape=shape, batch=batch, context=context, kv_mb=kv_bytes / 1e6,
-                paged_us=paged_s * 1e6, sdpa_us=dense_s * 1e6,
-                paged_gb_s=kv_bytes / paged_s / 1e9, sdpa_gb_s=kv_bytes / dense_s / 1e9,
-                max_abs_diff=difference)
+                    v.transpose(1, 2).contiguous(), scale=head_dim ** -0.5)
+    return lambda: dense().reshape(batch, num_heads, head_dim)  # a GPU's may be strided
+
+
+@torch.inference_mode()
+def kernel_step(cfg: BenchConfig, shape: str, batch: int, context: int) -> dict:
+    """One decode's attention (decode_attention_inputs') by each of --kernel-paths: the Triton
+    kernel split over each context (split) and one program a sequence and K/V head
+    (unsplit), both as paged_attention launches them (in Triton's interpreter on a CPU), and
+    SDPA on the K/V made contiguous; each one's microseconds (cold_l2_ms), GB/s of K/V read
+    (every K and V of every sequence, once) and share of the HBM peak; each paged path's
+    largest difference from SDPA's result (the same attention, or the figures mean nothing);
+    and the splits the split path launched on this device."""
+    q, k_cache, v_cache, meta, by_sequence = decode_attention_inputs(cfg, shape, batch, context)
+    scale = q.shape[2] ** -0.5
+    paths = {"split": partial(paged_attention, q, k_cache, v_cache, meta, scale),
+             "unsplit": partial(paged_attention, q, k_cache, v_cache,
+                                replace(meta, num_decodes=0), scale),
+             "sdpa": contiguous_attention(q, k_cache, v_cache, by_sequence, context)}
+    num_kv_heads = k_cache.shape[2]
+    grids = launch_grids(meta, num_kv_heads, q.shape[1] // num_kv_heads, cfg.block_size,
+                         device_num_sms(q.device))
+    kv_bytes = 2 * batch * context * k_cache[0, 0].nbytes
+    peak = hbm_peak_gb_s(cfg.device)
+    row = dict(shape=shape, batch=batch, context=context, kv_mb=kv_bytes / 1e6,
+               splits=grids.decode[2], hbm_peak_gb_s=peak)
+    want = paths["sdpa"]()
+    for path in cfg.kernel_paths:
+        if path != "sdpa":
+            row[f"{path}_max_abs_diff"] = (paths[path]() - want).abs().max().item()
+        ms = cold_l2_ms(paths[path], cfg.device, cfg.reps)
+        row |= {f"{path}_us": ms * 1e3, f"{path}_gb_s": kv_bytes / ms / 1e6,
+                f"{path}_of_peak": share_of(kv_bytes / ms / 1e6, peak)}
+    return row
 
 
 def kernel_sweep(cfg: BenchConfig) -> list[dict]:
-    return [kernel_step(cfg, shape, batch, context) for shape in KERNEL_SHAPES
-            for context in cfg.kernel_contexts for batch in cfg.kernel_batches]
+    return [emit(cfg, "kernel", kernel_step(cfg, shape, batch, context))
+            for shape in cfg.kernel_shapes for context in cfg.kernel_contexts
+            for batch in cfg.kernel_batches]
 
 
 def kernel_table(rows: list[dict]) -> str:
-    return table("Paged attention (decode) against SDPA on contiguous K/V", rows,
-                 "shape batch context kv_mb paged_us sdpa_us paged_gb_s sdpa_gb_s max_abs_diff")
+    paths = [path for path in KERNEL_PATHS if f"{path}_us" in rows[0]]
+    keys = " ".join(f"{path}_us {path}_gb_s {path}_of_peak" for path in paths)
+    return table("Decode attention over the paged cache: us (L2 cold on CUDA), GB/s of K/V read, "
+                 "share of the HBM peak; split: the decode kernel (splits: its programs a "
+                 "context), unsplit: a program a sequence and K/V head, sdpa: torch's on "
+                 "contiguous K/V", rows, f"shape batch context kv_mb splits {keys}")
 
 
 # ----------------------------------------------------------------------------- step and GEMMs
 
+WARMUP_STEPS = 3  # decode steps before any is timed: Triton's compiles, cuBLAS's choices
+STEP_ROUNDS = 5   # --step-gemms: rounds of reps // STEP_ROUNDS steps, the step's median round
+
+
+def shape_checkpoint(name: str, device: str, seed: int) -> Checkpoint:
+    """Seeded random weights of SHAPES[name] (or a preset's shape), drawn on the device (1.2B
+    values take a GPU a moment, a CPU seconds), in bf16 on CUDA and fp32 on a CPU, served with
+    a stub tokenizer of the whole vocabulary: a step's logits and sampling are as wide as the
+    real model's."""
+    config = SHAPES[name] if name in SHAPES else PRESETS[name]
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = GPT(config)
+    tokenizer = stub_tokenizer(config.vocab_size)
+    return Checkpoint(model.to(device, dtype).eval(), tokenizer, [256], dtype)  # 256: its EOT
+
+
+def context_len(engine: Engine) -> float:
+    """The mean tokens of the engine's running sequences."""
+    return float(np.mean([len(seq.token_ids) for seq in engine.scheduler.running]))
+
+
+def step_modes(cfg: BenchConfig) -> list[str]:
+    """--step-modes that run here: graphed needs CUDA (a CPU runs the eager half, saying so)."""
+    if cfg.device.startswith("cuda") or "graphed" not in cfg.step_modes:
+        return list(cfg.step_modes)
+    print(f"--step-gemms: graphed steps skipped: CUDA graphs need CUDA, this is {cfg.device}",
+          file=sys.stderr)
+    return [mode for mode in cfg.step_modes if mode != "graphed"]
+
+
+def step_engine(cfg: BenchConfig, checkpoint: Checkpoint | None, batch: int, mode: str,
+                more: int) -> Engine:
+    """engine_in_decode's engine for --step-gemms: batch sequences of --prompt-len tokens
+    decoding, room for `more` steps, eager or graphed. A shape's engine serves up to
+    STEP_MAX_MODEL_LEN tokens whatever the batch (its block tables, and the decode kernel's
+    splits, as a server's), its cache holding at least that."""
+    overrides = dict(enforce_eager=mode == "eager")
+    if checkpoint is not None:
+        max_model_len = min(checkpoint.model.config.n_positions, STEP_MAX_MODEL_LEN)
+        needed = decode_kv_tokens(cfg, batch, cfg.prompt_len, 1, more)
+        overrides |= dict(max_model_len=max_model_len,
+                          kv_cache_tokens=max(needed, max_model_len))
+    return engine_in_decode(cfg, batch, cfg.prompt_len, 1, more, checkpoint, **overrides)
+
+
+def free_device_memory() -> None:
+    """Collect what the last engine left (its cache, its graphs' pool), so the next one's
+    memory is there: on CUDA, torch's allocator would otherwise keep it cached."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def read_bytes(model, batch: int, context: float) -> tuple[int, float]:
+    """(weight bytes, K/V bytes) a decode step of `batch` sequences of `context` tokens reads:
+    every parameter once (a tied embedding is the LM head's, read whole; an untied one gives
+    a row a sequence, not counted), and every sequence's K/V in every layer."""
+    untied = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)
+              and m.weight is not model.lm_head.weight}
+    weights = sum(p.nbytes for p in model.parameters() if id(p) not in untied)
+    c = model.config
+    dtype = model.lm_head.weight.dtype
+    return weights, batch * context * kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_dim, dtype)
+
+
+def captured(fn, device: str):
+    """fn's launches replayed from a CUDA graph (on CUDA; elsewhere fn itself): the GEMMs of a
+    graphed step are timed as that step runs them, without a launch each."""
+    if not device.startswith("cuda"):
+        return fn
+    fn()  # outside the capture: cuBLAS picks its kernels
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 @torch.inference_mode()
-def step_against_gemms(cfg: BenchConfig, steps=8, rounds=5) -> dict:
-    """A decode step of --max-num-seqs sequences of --prompt-len tokens (ms, the median of
-    `rounds`) against its GEMMs alone: every nn.Linear of the model and the LM head, in order,
-    on a (batch, in_features) input of the model's dtype, what a step cannot go below on this
-    machine; and the share of the step spent in attention (its 30-odd calls, timed around),
-    and of that in SDPA's kernel: the rest of attention is its bookkeeping (gathering K/V by
-    block table, indexing rows, masks)."""
-    batch = cfg.max_num_seqs
-    engine = engine_in_decode(cfg, batch, cfg.prompt_len, 1, 2 * rounds * steps + 2)
+def step_against_gemms(cfg: BenchConfig, checkpoint: Checkpoint | None, batch: int,
+                       mode: str) -> dict:
+    """A decode step of `batch` sequences of --prompt-len tokens, eager or graphed (ms, the
+    median of STEP_ROUNDS rounds, --reps steps in all), against its GEMMs alone: every
+    nn.Linear of the model, the LM head last, in order, each called on a (batch, in_features)
+    input of the model's dtype (the LM head's fp32 logits included), launched one by one for
+    an eager step and replayed from a CUDA graph for a graphed one: what the step cannot go
+    below on this machine. The floor: its weight and K/V bytes (read_bytes) over the HBM peak.
+    Eager only: attention's share of the step (its calls timed around, each waiting for the
+    device), and of that SDPA's kernel's (a CPU's); the rest of attention is bookkeeping."""
+    steps = max(1, cfg.reps // STEP_ROUNDS)
+    engine = step_engine(cfg, checkpoint, batch, mode, WARMUP_STEPS + 2 * STEP_ROUNDS * steps)
     model = engine.model
     dtype = model.lm_head.weight.dtype
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -1269,42 +1599,235 @@ def step_against_gemms(cfg: BenchConfig, steps=8, rounds=5) -> dict:
 
     def gemms() -> None:  # the products are thrown away: only their time counts
         for m in linears:
-            F.linear(inputs[m.in_features], m.weight, m.bias)
+            m(inputs[m.in_features])
 
-    spent = {"attention": 0.0, "sdpa": 0.0}  # seconds inside each, in a round's timed steps
-    attention = engine.attention
-    timed_attention = partial(timed_call, attention, spent, "attention", cfg.device)
-    timed_sdpa = partial(timed_call, F.scaled_dot_product_attention, spent, "sdpa", cfg.device)
-
-    step_ms = []          # a step, by round
-    gemm_ms = []          # the GEMMs alone, by round
-    attention_share = []  # attention's part of a step, by round
-    sdpa_share = []       # SDPA's kernel's part of a step (within attention's), by round
-    for _ in range(rounds):
+    gemms_as_run = gemms if mode == "eager" else captured(gemms, cfg.device)
+    for _ in range(WARMUP_STEPS):
+        engine.step()
+    first = context_len(engine)
+    step_ms, gemm_ms, shares = [], [], []  # by round
+    for _ in range(STEP_ROUNDS):
         step_ms.append(1e3 * per_call(engine.step, steps, cfg.device))
-        gemm_ms.append(1e3 * per_call(gemms, steps, cfg.device))
-        spent["attention"] = 0.0
-        spent["sdpa"] = 0.0
-        engine.attention = timed_attention
-        with mock.patch.object(F, "scaled_dot_product_attention", timed_sdpa):
-            timed = per_call(engine.step, steps, cfg.device)
-        engine.attention = attention
-        attention_share.append(spent["attention"] / steps / timed)
-        sdpa_share.append(spent["sdpa"] / steps / timed)
+        gemm_ms.append(1e3 * per_call(gemms_as_run, steps, cfg.device))
+        if mode == "eager":
+            shares.append(attention_shares(engine, steps, cfg.device))
     step = float(np.median(step_ms))
     gemm = float(np.median(gemm_ms))
-    context = float(np.mean([len(seq.token_ids) for seq in engine.scheduler.running]))
-    return dict(model=cfg.model or cfg.preset, batch=batch, context=context, step_ms=step,
-                gemm_ms=gemm, step_over_gemms=step / gemm,
-                attention_share=float(np.median(attention_share)),
-                sdpa_share=float(np.median(sdpa_share)), linears=len(linears),
-                threads=torch.get_num_threads())
+    context = (first + context_len(engine)) / 2  # the mean over the timed steps
+    weight_bytes, kv_bytes = read_bytes(model, batch, context)
+    peak = hbm_peak_gb_s(cfg.device)
+    floor = None if peak is None else (weight_bytes + kv_bytes) / peak / 1e6
+    attention, sdpa = np.median(shares, axis=0).tolist() if shares else (None, None)
+    return dict(mode=mode, batch=batch, context=context, step_ms=step, gemm_ms=gemm,
+                step_over_gemms=step / gemm, floor_ms=floor,
+                floor_over_step=None if floor is None else floor / step,
+                weight_mb=weight_bytes / 1e6, kv_mb=kv_bytes / 1e6, attention_share=attention,
+                sdpa_share=sdpa, linears=len(linears), threads=torch.get_num_threads())
 
 
-def step_gemms_table(figures: dict) -> str:
-    return table("A decode step against its GEMMs alone", [figures],
-                 "model batch context step_ms gemm_ms step_over_gemms attention_share "
-                 "sdpa_share")
+def attention_shares(engine: Engine, steps: int, device: str) -> tuple[float, float]:
+    """The shares of `steps` eager decode steps spent in attention (each call timed around,
+    waiting for the device) and, within it, in SDPA's kernel (the CPU path's)."""
+    spent = {"attention": 0.0, "sdpa": 0.0}  # seconds inside each, in the timed steps
+    attention = engine.model_runner.attention
+    timed_sdpa = partial(timed_call, F.scaled_dot_product_attention, spent, "sdpa", device)
+    engine.model_runner.attention = partial(timed_call, attention, spent, "attention", device)
+    try:
+        with mock.patch.object(F, "scaled_dot_product_attention", timed_sdpa):
+            timed = per_call(engine.step, steps, device)
+    finally:
+        engine.model_runner.attention = attention
+    return spent["attention"] / steps / timed, spent["sdpa"] / steps / timed
+
+
+# What the CUDA runtime and driver calls that launch a kernel and a graph are named in
+# torch.profiler's events (Triton launches through the driver's cuLaunchKernel)
+KERNEL_LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
+                       "cuLaunchKernelEx")
+GRAPH_LAUNCH_CALL = "cudaGraphLaunch"
+
+
+@torch.inference_mode()
+def step_kernels(cfg: BenchConfig, checkpoint: Checkpoint | None, batch: int,
+                 mode: str) -> dict:
+    """What one decode step of `batch` sequences launches, after WARMUP_STEPS: the decode
+    graphs it replays (counted at ModelRunner.graphs), and on CUDA, from torch.profiler's
+    events over the step, the kernels the host launches itself (a graphed step's outside its
+    graph: embedding's inputs, logits, sampling), the graphs it launches, and the kernels and
+    copies the device ran (a graph's kernels among them, as CUPTI reports them); on a CPU the
+    ATen calls it makes."""
+    engine = step_engine(cfg, checkpoint, batch, mode, WARMUP_STEPS + 2)
+    for _ in range(WARMUP_STEPS):
+        engine.step()
+    replays = []
+    graphs = engine.model_runner.graphs
+    for size, replay in graphs.items():
+        graphs[size] = partial(counted_call, replay, replays)
+    row = dict(mode=mode, batch=batch)
+    if not cfg.device.startswith("cuda"):
+        counter = OpCounter()
+        counter.ops = []
+        with counter:
+            engine.step()
+        return row | dict(graph_replays=len(replays), aten_calls=len(counter.ops))
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        engine.step()
+        torch.cuda.synchronize()
+    host = [e.name for e in profiler.events() if e.device_type == DeviceType.CPU]
+    ran = [e.name for e in profiler.events() if e.device_type == DeviceType.CUDA]
+    copies = sum(name.startswith(("Memcpy", "Memset")) for name in ran)
+    return row | dict(graph_replays=len(replays),
+                      kernel_launches=sum(name in KERNEL_LAUNCH_CALLS for name in host),
+                      graph_launches=host.count(GRAPH_LAUNCH_CALL),
+                      device_kernels=len(ran) - copies, device_copies=copies)
+
+
+def counted_call(fn, calls: list, *args):
+    """fn(*args), its call appended to `calls`."""
+    calls.append(args)
+    return fn(*args)
+
+
+def step_sweep(cfg: BenchConfig) -> dict:
+    """--step-gemms: step_against_gemms for every shape (or --preset, --model), batch and
+    mode, then step_kernels for each: after every timing, so that no timing follows a
+    profiler's session (CUPTI, once started, can slow later launches). Each row to --jsonl
+    as it is measured."""
+    found = dict(step_gemms=[], step_kernels=[])
+    modes = step_modes(cfg)
+    for measurement, measure in (("step_gemms", step_against_gemms),
+                                 ("step_kernels", step_kernels)):
+        for shape in cfg.step_shapes or (None,):
+            checkpoint = shape_checkpoint(shape, cfg.device, cfg.seed) if shape else None
+            model = dict(model=shape or cfg.model or cfg.preset)
+            for batch in cfg.step_batches:
+                for mode in modes:
+                    row = model | measure(cfg, checkpoint, batch, mode)
+                    found[measurement].append(emit(cfg, measurement, row))
+                    free_device_memory()
+            del checkpoint
+            free_device_memory()
+    return found
+
+
+def step_gemms_table(found: dict) -> str:
+    steps = table("Decode steps against their GEMMs alone (ms; eager: launched one by one, "
+                  "graphed: from CUDA graphs) and the floor (weight + K/V bytes / HBM peak)",
+                  found["step_gemms"], "model mode batch context step_ms gemm_ms step_over_gemms "
+                  "floor_ms floor_over_step attention_share sdpa_share")
+    on_cuda = "kernel_launches" in (found["step_kernels"] or [{}])[0]
+    counts = ("graph_replays kernel_launches graph_launches device_kernels device_copies"
+              if on_cuda else "graph_replays aten_calls")
+    kernels = table("What one decode step launches", found["step_kernels"],
+                    f"model mode batch {counts}")
+    return steps + "\n\n" + kernels
+
+
+# ----------------------------------------------------------------------------- ops a layer
+
+class OpCounter(TorchDispatchMode):
+    """The ATen ops torch runs while `ops` is a list (views included), by name, into it."""
+    ops = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.ops is not None:
+            self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def layer_op_counts(model, device: str):
+    """While open, each layer's forward records what it ran into the list it yields, a list
+    of names per call: on CUDA its kernels (torch.profiler's CUDA events, each waited for),
+    elsewhere its ATen calls (OpCounter). Its hooks come off as it closes."""
+    runs = []
+    counter = OpCounter()
+    profiler = None
+
+    def started(*_) -> None:  # a forward pre-hook
+        nonlocal profiler
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            profiler.start()
+        counter.ops = []
+
+    def ended(*_) -> None:  # a forward hook
+        ops, counter.ops = counter.ops, None
+        if profiler is not None:
+            torch.cuda.synchronize()
+            profiler.stop()
+            ops = [e.name for e in profiler.events() if e.device_type == DeviceType.CUDA]
+        runs.append(ops)
+
+    handles = []
+    for layer in model.model.layers:
+        handles.append(layer.register_forward_pre_hook(started))
+        handles.append(layer.register_forward_hook(ended))
+    try:
+        with counter if not device.startswith("cuda") else contextlib.nullcontext():
+            yield runs
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def decode_inputs(model, batch: int, context: int, block_size: int, device: str) -> tuple:
+    """GPT.forward's arguments for one decode step of `batch` sequences of `context` tokens
+    (the newest the one fed), each in blocks of its own, the KV cache zeros: input_ids,
+    positions, meta, k_caches, v_caches."""
+    c = model.config
+    blocks = cdiv(context, block_size)
+    dtype = model.lm_head.weight.dtype
+    shape = (c.n_layer, batch * blocks, block_size, c.n_kv_head, c.head_dim)
+    k_caches = torch.zeros(shape, dtype=dtype, device=device)
+    v_caches = torch.zeros(shape, dtype=dtype, device=device)
+    tables = torch.arange(batch * blocks, dtype=torch.int32, device=device).view(batch, blocks)
+    last = context - 1  # the new token's position
+    meta = AttentionMetadata(
+        slot_mapping=(tables[:, last // block_size] * block_size + last % block_size).long(),
+        block_tables=tables,
+        context_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        max_query_len=1, num_decodes=batch)
+    input_ids = torch.randint(c.vocab_size, (batch,), generator=torch.Generator().manual_seed(0))
+    positions = torch.full((batch,), last)
+    return input_ids.to(device), positions.to(device), meta, k_caches, v_caches
+
+
+@torch.inference_mode()
+def count_ops(cfg: BenchConfig) -> dict:
+    """What each layer runs in one decode step of --max-num-seqs sequences of --prompt-len
+    tokens through GPT.forward (the engine's, with its attention), after a step to warm up
+    (on CUDA: torch.compile's): on CUDA, in bf16, the kernels each launches; on a CPU, in fp32,
+    the ATen calls it makes (views included). The first layer is the odd one out: its input
+    has no residual to add, and on a CPU it plans the step's attention. `ops`: the last
+    layer's, by name."""
+    on_cuda = cfg.device.startswith("cuda")
+    model = load_model(cfg.model or None, None if cfg.model else cfg.preset, cfg.seed,
+                       cfg.device, torch.bfloat16 if on_cuda else torch.float32).model.eval()
+    attention = select_attention("auto", cfg.device)
+    step = partial(decode_inputs, model, cfg.max_num_seqs, cfg.prompt_len, cfg.block_size,
+                   cfg.device)
+    model(*step(), attention)  # a warm-up: on CUDA, torch.compile's
+    inputs = step()  # new metadata: the step plans its attention anew
+    with layer_op_counts(model, cfg.device) as runs:
+        model(*inputs, attention)
+    return dict(model=cfg.model or cfg.preset, device=cfg.device,
+                dtype=str(model.lm_head.weight.dtype).removeprefix("torch."),
+                counted="cuda_kernels" if on_cuda else "aten_calls", batch=cfg.max_num_seqs,
+                context=cfg.prompt_len, per_layer=[len(ops) for ops in runs],
+                ops=dict(collections.Counter(runs[-1])))
+
+
+def count_ops_table(figures: dict) -> str:
+    rows = [dict(layer=i, count=n) for i, n in enumerate(figures["per_layer"])]
+    title = (f"{figures['counted']} a layer, one decode step of {figures['model']} on "
+             f"{figures['device']} in {figures['dtype']}, batch {figures['batch']}, context "
+             f"{figures['context']}")
+    return table(title, rows, "layer count")
 
 
 def host_overhead(cfg: BenchConfig) -> list[dict]:
@@ -1333,25 +1856,39 @@ def hardware_big(cfg: BenchConfig) -> dict:
 
 
 def versions(cfg: BenchConfig) -> dict:
-    """What the figures were measured on."""
-    return dict(python=platform.python_version(), torch=torch.__version__,
-                numpy=np.__version__, device=cfg.device, threads=torch.get_num_threads(),
-                cpu_count=os.cpu_count(), processor=platform.processor(),
-                load_average_start=os.getloadavg())
+    """What the figures were measured on: on CUDA the GPU too, and its HBM peak if known."""
+    found = dict(python=platform.python_version(), torch=torch.__version__,
+                 numpy=np.__version__, device=cfg.device, threads=torch.get_num_threads(),
+                 cpu_count=os.cpu_count(), processor=platform.processor(),
+                 load_average_start=os.getloadavg())
+    if cfg.device.startswith("cuda"):
+        device = torch.device(cfg.device)
+        found |= dict(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
+                      sms=device_num_sms(device), hbm_peak_gb_s=hbm_peak_gb_s(cfg.device))
+    return found
+
+
+# The flags of the measurements that run alone (run_single_measurement), each BenchConfig's
+SINGLE_MEASUREMENTS = ("lm_head", "host_overhead", "detokenizer", "step_gemms", "kernel",
+                       "count_ops", "sampling")
 
 
 def run_single_measurement(cfg: BenchConfig) -> bool:
-    """The measurement a flag asks for alone (--lm-head, --host-overhead, --detokenizer,
-    --step-gemms, --kernel): run it, print its table, write its figures to --out; False if
-    none is asked."""
-    modes = {"lm_head": (cfg.lm_head, lm_head_cost, lm_head_table),
-             "host_overhead": (cfg.host_overhead, host_overhead, host_table),
-             "detokenizer": (cfg.detokenizer, detokenizer_cost, detokenizer_table),
-             "step_gemms": (cfg.step_gemms, step_against_gemms, step_gemms_table),
-             "kernel": (cfg.kernel, kernel_sweep, kernel_table)}
-    for name, (asked, measure, draw) in modes.items():
-        if not asked:
+    """The measurement a flag asks for alone (SINGLE_MEASUREMENTS): run it, print its table,
+    write its figures to --out (and, --jsonl, the versions first, then each row as it is
+    measured); False if none is asked."""
+    modes = {"lm_head": (lm_head_cost, lm_head_table),
+             "host_overhead": (host_overhead, host_table),
+             "detokenizer": (detokenizer_cost, detokenizer_table),
+             "step_gemms": (step_sweep, step_gemms_table),
+             "kernel": (kernel_sweep, kernel_table),
+             "count_ops": (count_ops, count_ops_table),
+             "sampling": (lm_head_and_sampling, sampling_table)}
+    for name in SINGLE_MEASUREMENTS:
+        if not getattr(cfg, name):
             continue
+        measure, draw = modes[name]
+        emit(cfg, "versions", versions(cfg))
         figures = measure(cfg)
         print(draw(figures))
         with open(cfg.out, "w") as f:

@@ -49,8 +49,8 @@ def assert_no_leaks(engine: Engine) -> None:
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
     assert not any(engine.block_pool.ref_counts)
     assert not engine.has_unfinished() and not engine.seqs and not engine.requests
-    assert not engine.input_batch.rows  # every row back, for the next sequences
-    assert len(engine.input_batch.free_rows) == engine.config.max_num_seqs
+    assert not engine.model_runner.input_batch.rows  # every row back, for the next sequences
+    assert len(engine.model_runner.input_batch.free_rows) == engine.config.max_num_seqs
 
 
 def run_to_end(engine: Engine, deltas: dict | None = None, steps: int | None = None) -> dict:
@@ -76,13 +76,13 @@ def new_seq(engine: Engine, tokens: list[int], seq_id: str = "s") -> Sequence:
 
 
 def assert_paged_equals_dense_at_every_position(engine: Engine, tokens: torch.Tensor) -> None:
-    """One run_batch over the prefixes of tokens (T,), one sequence each: row i of its logits
+    """One execute_model over the prefixes of tokens (T,), one sequence each: row i of its logits
     is position i's of a dense forward over tokens."""
     dense = engine.model.forward_dense(tokens[None])[0]
     seqs = [new_seq(engine, tokens[:i + 1].tolist(), str(i)) for i in range(len(tokens))]
     for seq in seqs:
         assert seq.block_table.ensure(len(seq.token_ids))
-    paged = engine.run_batch({seq: len(seq.token_ids) for seq in seqs}).logits
+    paged = engine.model_runner.execute_model({seq: len(seq.token_ids) for seq in seqs}).logits
     assert (paged - dense).abs().max() / dense.abs().max() < 1e-4
 
 

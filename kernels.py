@@ -18,15 +18,19 @@ vLLM's num_queries_per_kv), and "group" means those G heads and nothing else her
 for its whole group, never copying it per query head.
 
 In this file, in order: AttentionMetadata and store_kv; paged_attention_ref (the spec), then
-paged_attention_cpu (the CPU default) and the Triton kernel with its launcher paged_attention
-(the CUDA default), all with one signature; select_attention. model.py calls the attention
-function it is given; the engine (nanoserve.py) builds the metadata.
+paged_attention_cpu (the CPU default) and the Triton path (the CUDA default), all with one
+signature: _paged_attention_kernel for prefill chunks, _paged_attention_decode_kernel and
+_reduce_splits_kernel for decodes (flash-decoding: each decode's context split over programs,
+so that a few decodes still fill the GPU), launch_grids and the launcher paged_attention;
+select_attention. model.py calls the attention function it is given; the engine builds the
+metadata, its decodes first (num_decodes).
 
-Left out on purpose: sliding windows, ALiBi, fp8 caches, split-K decode. Checked on a CPU
-only (test_kernels.py): the kernel against the reference in Triton's interpreter (fp32,
-fp16, bf16; G = 1, 2, 3, 4, 7), and its sm_80/sm_90 build as launched (fp16/bf16, head dim
-64, G = 1, 4 and 7: <= 128 registers, no spills, < 64 KB of shared memory, K/V by pipelined
-cp.async). Not checked: speed, or results, on a GPU."""
+Left out on purpose: sliding windows, ALiBi, fp8 caches. Checked on a CPU only
+(test_kernels.py): the kernels against the reference in Triton's interpreter (fp32, fp16,
+bf16; G = 1, 2, 3, 4, 7, 16; decodes split, unsplit and beside prefill chunks), and their
+sm_80/sm_90 builds as launched (fp16/bf16, head dims 64 and 128, G = 1 to 7: no spills, K/V
+by pipelined cp.async; at head dim 64 <= 128 registers and < 64 KB of shared memory). Not
+checked: speed, or results, on a GPU; MIN_SPLIT_KEYS and the splits rule are not tuned."""
 import contextlib
 import ctypes
 import os
@@ -55,6 +59,8 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor   # (S + 1,) int32: sequence s owns the flat batch's tokens
                                     # [start[s], start[s+1])
     max_query_len: int              # longest query run in the batch (1 for a decode-only batch)
+    num_decodes: int = 0            # sequences [0, num_decodes) have one query each: the Triton
+                                    # path attends them apart (split over their context)
     step_plan: object = None        # paged_attention_cpu's, made by its step's first layer
 
 
@@ -254,10 +260,10 @@ def _dot(a, b, IN_FP32: tl.constexpr):
     return tl.dot(a, b, input_precision="ieee")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_seq"])  # any first_seq, one compile
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    block_tables_ptr, context_lens_ptr, query_start_loc_ptr, sm_scale,
+    block_tables_ptr, context_lens_ptr, query_start_loc_ptr, sm_scale, first_seq,
     stride_qn, stride_qh, stride_qd,             # q (N, H, D)
     stride_kb, stride_kt, stride_kh, stride_kd,  # k_cache (NB, BS, Hkv, D)
     stride_vb, stride_vt, stride_vh, stride_vd,  # v_cache (NB, BS, Hkv, D)
@@ -269,7 +275,8 @@ def _paged_attention_kernel(
     DOT_IN_FP32: tl.constexpr,                      # only Triton's interpreter on bf16: see _dot
 ):
     """FlashAttention-style forward over a paged cache; one program per (sequence, KV head,
-    tile of TILE_M pairs).
+    tile of TILE_M pairs), for sequences first_seq onwards (those before are decodes, which
+    _paged_attention_decode_kernel attends).
 
     A pair is a (query, query head) of the KV head's group of G heads, stacked query by query
     (the tile's M dimension): pair m is query m // G for query head kv_head * G + m % G. A
@@ -278,7 +285,7 @@ def _paged_attention_kernel(
     and values stream past TILE_KEYS tokens at a time, each token's K/V gathered through the
     block table, with an online softmax (m_i, l_i, acc) in fp32. Keys stop at the last
     position the tile's last query can see."""
-    seq = tl.program_id(0)
+    seq = first_seq + tl.program_id(0)
     kv_head = tl.program_id(1)
     pid_m = tl.program_id(2)  # which tile of TILE_M pairs
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -335,6 +342,135 @@ def _paged_attention_kernel(
     tl.store(out_ptr + o_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_qd)
 
 
+@triton.jit
+def _split_range(context_len, split, num_splits, TILE_KEYS: tl.constexpr,
+                 MIN_SPLIT_KEYS: tl.constexpr):
+    """Keys [start, end) of a decode's context that split `split` of num_splits attends: the
+    context spread evenly over the splits in whole key tiles, at least MIN_SPLIT_KEYS each. A
+    context shorter than the splits leaves the last ones empty (start >= end); split 0 always
+    holds key 0. Worked out per sequence from its own length, so a short context in a wide
+    table still spreads over every split, as the host could not (it reads no lengths)."""
+    split_keys = tl.cdiv(tl.cdiv(context_len, num_splits), TILE_KEYS) * TILE_KEYS
+    split_keys = tl.maximum(split_keys, MIN_SPLIT_KEYS)
+    start = split * split_keys
+    return start, tl.minimum(start + split_keys, context_len)
+
+
+@triton.jit
+def _paged_attention_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
+    block_tables_ptr, context_lens_ptr, query_start_loc_ptr, sm_scale,
+    stride_qn, stride_qh, stride_qd,             # q (N, H, D)
+    stride_kb, stride_kt, stride_kh, stride_kd,  # k_cache (NB, BS, Hkv, D)
+    stride_vb, stride_vt, stride_vh, stride_vd,  # v_cache (NB, BS, Hkv, D)
+    stride_on, stride_oh, stride_od, stride_bts,  # out (N, H, D); block_tables (S, MB), dense
+    GROUP_SIZE: tl.constexpr,                         # G = H // Hkv, query heads a KV head serves
+    HEAD_DIM: tl.constexpr, TILE_DIM: tl.constexpr,   # D; D padded to a power of 2 >= 16 (tl.dot)
+    BLOCK_SIZE: tl.constexpr,                         # BS, tokens per KV block
+    TILE_G: tl.constexpr, TILE_KEYS: tl.constexpr,  # G padded to >= 16 (tl.dot); keys per step
+    MIN_SPLIT_KEYS: tl.constexpr,                   # the fewest keys a split is given
+    PARTIAL: tl.constexpr,                          # several splits: write partials, not out
+    DOT_IN_FP32: tl.constexpr,                      # only Triton's interpreter on bf16: see _dot
+):
+    """Flash-decoding (vLLM's paged attention v2) over a paged cache: one program per (decode,
+    KV head, split of its context); decodes are sequences [0, num_decodes) of the batch.
+
+    The group's G query heads of the decode's one query are a (TILE_G, TILE_DIM) tile, G padded
+    with zero queries to tl.dot's 16: a decode reads K/V and does little math on them, so the
+    padding's products cost nothing that shows, and one path (the one _paged_attention_kernel
+    takes, _dot's bf16 workaround included) serves G = 1 to 16. Each K/V tile, loaded once,
+    serves the group. The program attends keys [start, end) of _split_range with an online
+    softmax (m_i, l_i, acc) in fp32; one query sees every key of its context, so no causal mask.
+    With PARTIAL it writes, per query head, its max m_i, sum l_i and unnormalized acc to the
+    scratch (num_decodes, H, num_splits[, D]) for _reduce_splits_kernel (an empty split: -inf,
+    0, 0: nothing); without (one split), acc / l_i to out."""
+    seq = tl.program_id(0)    # the decode, and its sequence in the batch
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    # its one query's token in the flat batch, int64 as in _paged_attention_kernel
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    context_len = tl.load(context_lens_ptr + seq)
+    start, end = _split_range(context_len, split, num_splits, TILE_KEYS, MIN_SPLIT_KEYS)
+    offs_g = tl.arange(0, TILE_G)          # query head within the group
+    heads = kv_head * GROUP_SIZE + offs_g  # its query head
+    offs_d = tl.arange(0, TILE_DIM)
+    mask_g = offs_g < GROUP_SIZE  # past the group's G heads: padding for tl.dot
+    mask_d = offs_d < HEAD_DIM    # past the real head dim
+    mask_gd = mask_g[:, None] & mask_d[None, :]
+    # The group's queries (TILE_G, TILE_DIM), once: masked past G heads and the real head dim.
+    q_offs = token * stride_qn + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptr + q_offs, mask=mask_gd, other=0.0)
+    m_i = tl.full([TILE_G], float("-inf"), dtype=tl.float32)  # running max of each head's scores
+    l_i = tl.zeros([TILE_G], dtype=tl.float32)                # running softmax denominator
+    acc = tl.zeros([TILE_G, TILE_DIM], dtype=tl.float32)       # running unnormalized output
+    for start_n in range(start, end, TILE_KEYS):
+        offs_n = start_n + tl.arange(0, TILE_KEYS)  # token positions in this step
+        mask_n = offs_n < end  # past the split's end (or the context's)
+        # Block ids (TILE_KEYS,) of these tokens: masked past end, where the table may be padding.
+        block_ids = tl.load(block_tables_ptr + seq * stride_bts + offs_n // BLOCK_SIZE,
+                            mask=mask_n, other=0).to(tl.int64)  # int64: big caches pass 2**31
+        offs_in_block = offs_n % BLOCK_SIZE
+        # K tile, loaded transposed (TILE_DIM, TILE_KEYS): masked past end and the real head dim.
+        k_offs = (block_ids * stride_kb + offs_in_block * stride_kt)[None, :] \
+            + kv_head * stride_kh + offs_d[:, None] * stride_kd
+        k = tl.load(k_cache_ptr + k_offs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
+        scores = _dot(q, k, DOT_IN_FP32) * sm_scale  # (TILE_G, TILE_KEYS) fp32
+        scores = tl.where(mask_n[None, :], scores, float("-inf"))
+        # Online softmax: start_n < end, so each step has a key and m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)  # rescales what was summed under the old max
+        m_i = m_new
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # V tile (TILE_KEYS, TILE_DIM): masked like K; masked keys give 0 and have p == 0 anyway.
+        v_offs = (block_ids * stride_vb + offs_in_block * stride_vt)[:, None] \
+            + kv_head * stride_vh + offs_d[None, :] * stride_vd
+        v = tl.load(v_cache_ptr + v_offs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_IN_FP32)
+    if PARTIAL:
+        # This split's entry of each real head in the dense scratch (num_decodes, H, num_splits).
+        parts = (seq * tl.num_programs(1) * GROUP_SIZE + heads) * num_splits + split
+        tl.store(partial_max_ptr + parts, m_i, mask=mask_g)
+        tl.store(partial_sum_ptr + parts, l_i, mask=mask_g)
+        tl.store(partial_out_ptr + parts[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask_gd)
+    else:
+        o_offs = token * stride_on + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+        tl.store(out_ptr + o_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_gd)
+
+
+@triton.jit(do_not_specialize=["num_splits"])  # any number of splits, one compile
+def _reduce_splits_kernel(
+    partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, query_start_loc_ptr, num_splits,
+    stride_on, stride_oh, stride_od,                  # out (N, H, D)
+    HEAD_DIM: tl.constexpr, TILE_DIM: tl.constexpr,   # D; D padded to a power of 2
+    TILE_SPLITS: tl.constexpr,                        # MAX_KV_SPLITS: every split in one tile
+):
+    """One program per (decode, query head): its splits' partials combined into its output.
+    Split j summed exp(s - m_j) over its keys: rescaled by exp(m_j - m_max), the splits' sums
+    share one max, so out = sum_j w_j acc_j / sum_j w_j l_j with w_j = exp(m_j - m_max)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, TILE_SPLITS)
+    offs_d = tl.arange(0, TILE_DIM)
+    mask_s = offs_s < num_splits  # past the splits launched
+    mask_d = offs_d < HEAD_DIM    # past the real head dim
+    parts = (seq * tl.num_programs(1) + head) * num_splits + offs_s  # its entries in the scratch
+    # Each split's max (TILE_SPLITS,) and sum: -inf and 0 past num_splits, as an empty split's.
+    m = tl.load(partial_max_ptr + parts, mask=mask_s, other=float("-inf"))
+    l = tl.load(partial_sum_ptr + parts, mask=mask_s, other=0.0)
+    # Each split's unnormalized output (TILE_SPLITS, TILE_DIM): masked past num_splits and D.
+    acc = tl.load(partial_out_ptr + parts[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    # Split 0 holds key 0 (a decode sees at least its own), so m_max is finite and an empty
+    # split's (or a padding lane's) weight exp(-inf - m_max) is 0: it adds nothing.
+    weights = tl.exp(m - tl.max(m, axis=0))
+    out = tl.sum(acc * weights[:, None], axis=0) / tl.sum(l * weights, axis=0)  # (TILE_DIM,)
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)  # the decode's query in the batch
+    tl.store(out_ptr + token * stride_on + head * stride_oh + offs_d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
 TILE_M = 16  # (query, head) pairs per program: tl.dot's minimum (a decode fills G of them)
 TILE_KEYS = 64  # keys per inner step
 # K/V addresses come from a block-id load, so Triton's pipeliner needs 5 stages to keep step
@@ -342,43 +478,129 @@ TILE_KEYS = 64  # keys per inner step
 # shared memory in fp16/bf16. fp32 tiles are twice that, so fp32 keeps 3 stages (41 KB).
 NUM_WARPS = 4
 NUM_STAGES = {2: 5, 4: 3}  # pipeline stages by element size in bytes
+# Decode splits. A split's partials (G * (D + 2) fp32 a split) cost a few % of its K/V at 256
+# keys (2 * 256 * D * 2 bytes), and 4 key steps keep its loads pipelined; a guess, not tuned
+# on a GPU. 64 splits fill an H100's 132 SMs for a decode of 2 KV heads (Qwen2.5-0.5B), and the
+# reduce loads all of a head's in one (64, D) fp32 tile.
+MIN_SPLIT_KEYS = 256  # the fewest keys a split is given (a multiple of TILE_KEYS)
+MAX_KV_SPLITS = 64    # the most splits a decode's context is cut into
+CPU_NUM_SMS = 132     # SMs on a CPU (Triton's interpreter): an H100's, so splits happen there
+
+
+def num_kv_splits(num_decodes: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """How many programs split each decode's context: as many as give each of num_sms SMs a
+    (decode, KV head, split), within what lets the longest context the block table holds
+    (max_context) give each split MIN_SPLIT_KEYS, and MAX_KV_SPLITS; 1 once the decodes' KV
+    heads fill the SMs alone. From shapes only: the launch reads no tensor's value (on a GPU, a
+    wait; and a CUDA graph fixes shapes, not values)."""
+    fill = num_sms // (num_decodes * num_kv_heads)
+    return max(1, min(fill, cdiv(max_context, MIN_SPLIT_KEYS), MAX_KV_SPLITS))
+
+
+@dataclass
+class LaunchGrids:
+    """The programs paged_attention launches, a grid per kernel (None: not launched)."""
+    decode: tuple | None   # (num_decodes, Hkv, num_splits): _paged_attention_decode_kernel
+    reduce: tuple | None   # (num_decodes, H): _reduce_splits_kernel, when num_splits > 1
+    prefill: tuple | None  # (S - num_decodes, Hkv, tiles of TILE_M pairs): _paged_attention_kernel
+
+
+def launch_grids(meta: AttentionMetadata, num_kv_heads: int, group_size: int, block_size: int,
+                 num_sms: int) -> LaunchGrids:
+    """The grids for meta's batch: its num_decodes decodes split over their context, then the
+    other sequences, max_query_len * G pairs each at most, in tiles of TILE_M. No decode gets
+    a program of the prefill kernel, which would exit at once (63 decodes beside a 449-token
+    chunk, G = 7: 25,000 of them). Shapes and host ints only."""
+    num_seqs, num_decodes = len(meta.context_lens), meta.num_decodes
+    assert 0 <= num_decodes <= num_seqs, f"num_decodes {num_decodes} of {num_seqs} sequences"
+    decode = reduce = prefill = None
+    if num_decodes:
+        max_context = meta.block_tables.shape[1] * block_size  # the longest the table holds
+        num_splits = num_kv_splits(num_decodes, num_kv_heads, max_context, num_sms)
+        decode = (num_decodes, num_kv_heads, num_splits)
+        if num_splits > 1:
+            reduce = (num_decodes, num_kv_heads * group_size)
+    if num_decodes < num_seqs:
+        prefill = (num_seqs - num_decodes, num_kv_heads,
+                   cdiv(meta.max_query_len * group_size, TILE_M))
+    return LaunchGrids(decode=decode, reduce=reduce, prefill=prefill)
+
+
+def device_num_sms(device: torch.device) -> int:
+    """The SMs of a CUDA device; on a CPU (Triton's interpreter), CPU_NUM_SMS."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return CPU_NUM_SMS
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Triton twin of paged_attention_ref: same arguments, same result. The launch reads no
     tensor's value (so never waits for the GPU) and runs on q's device, current or not.
-    One program per (sequence, KV head, tile of TILE_M (query, head) pairs): each sequence's
-    max_query_len * G pairs at most, G = H // Hkv."""
+    The first meta.num_decodes sequences (one query each) go to the decode kernel, their
+    contexts split over programs to fill the GPU, then the reduce; the others to
+    _paged_attention_kernel. The grids are launch_grids'."""
     num_tokens, num_heads, head_dim = q.shape
     group_size = group_size_of(q, k_cache)  # G; the caches' heads divide q's, or ValueError
-    tables = meta.block_tables
-    lens = meta.context_lens
-    starts = meta.query_start_loc
+    _check_launch(q, k_cache, v_cache, meta)
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    grids = launch_grids(meta, num_kv_heads, group_size, block_size, device_num_sms(q.device))
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    tables, lens, starts = meta.block_tables, meta.context_lens, meta.query_start_loc
+    strides = (*q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), tables.stride(0))
+    tile_dim = max(16, triton.next_power_of_2(head_dim))  # D padded for tl.dot
+    dot_in_fp32 = triton.knobs.runtime.interpret and q.dtype == torch.bfloat16  # see _dot
+    both = dict(GROUP_SIZE=group_size, HEAD_DIM=head_dim, TILE_DIM=tile_dim,
+                BLOCK_SIZE=block_size, TILE_KEYS=TILE_KEYS, DOT_IN_FP32=dot_in_fp32,
+                num_warps=NUM_WARPS, num_stages=NUM_STAGES[q.element_size()])
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        if grids.prefill:
+            _paged_attention_kernel[grids.prefill](
+                q, k_cache, v_cache, out, tables, lens, starts, scale, meta.num_decodes,
+                *strides, TILE_M=TILE_M, **both)
+        if grids.decode:
+            partials = split_scratch(grids.decode, num_heads, head_dim, q.device)
+            _paged_attention_decode_kernel[grids.decode](
+                q, k_cache, v_cache, out, *partials, tables, lens, starts, scale, *strides,
+                TILE_G=max(16, triton.next_power_of_2(group_size)),
+                MIN_SPLIT_KEYS=MIN_SPLIT_KEYS, PARTIAL=grids.reduce is not None, **both)
+            if grids.reduce:
+                _reduce_splits_kernel[grids.reduce](
+                    *partials, out, starts, grids.decode[2], *out.stride(), HEAD_DIM=head_dim,
+                    TILE_DIM=tile_dim, TILE_SPLITS=MAX_KV_SPLITS, num_warps=NUM_WARPS)
+    return out
+
+
+def split_scratch(decode_grid: tuple, num_heads: int, head_dim: int,
+                  device: torch.device) -> tuple:
+    """The decode kernel's scratch for its splits' partials, fp32 and dense: each query head's
+    unnormalized output (num_decodes, H, num_splits, D), its max and its sum (num_decodes, H,
+    num_splits). Allocated by the launch, so that a CUDA graph captured around it owns it;
+    unread with one split, and then small."""
+    num_decodes, _, num_splits = decode_grid
+    shape = (num_decodes, num_heads, num_splits)
+    return (torch.empty((*shape, head_dim), dtype=torch.float32, device=device),
+            torch.empty(shape, dtype=torch.float32, device=device),
+            torch.empty(shape, dtype=torch.float32, device=device))
+
+
+def _check_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata) -> None:
+    """What the kernels assume of their arguments, asserted: one device, one dtype, dense
+    caches and metadata, int32 metadata."""
+    tables, lens, starts = meta.block_tables, meta.context_lens, meta.query_start_loc
     assert all(t.device == q.device for t in (k_cache, v_cache, tables, lens, starts)), \
         "q, caches and metadata must share one device"
     assert q.dtype == k_cache.dtype == v_cache.dtype and k_cache.shape == v_cache.shape \
-        and k_cache.shape[3] == head_dim and k_cache.is_contiguous() and v_cache.is_contiguous(), \
+        and k_cache.shape[3] == q.shape[2] and k_cache.is_contiguous() \
+        and v_cache.is_contiguous(), \
         f"q {q.dtype} {tuple(q.shape)} vs caches {k_cache.dtype} {tuple(k_cache.shape)}, " \
         f"{tuple(v_cache.shape)}: one dtype, one head dim, caches contiguous and alike"
-    dot_in_fp32 = triton.knobs.runtime.interpret and q.dtype == torch.bfloat16  # see _dot
     assert q.stride(-1) == 1, "q's head dim must be contiguous"  # tokens may be qkv-strided
     assert tables.dtype == lens.dtype == starts.dtype == torch.int32, "metadata must be int32"
     assert tables.stride(1) == 1 and starts.shape == (len(lens) + 1,), "bad block_tables/starts"
     assert lens.is_contiguous() and starts.is_contiguous(), "context_lens and query_start_loc " \
         "are read as dense arrays"
-    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    grid = (len(lens), k_cache.shape[2], cdiv(meta.max_query_len * group_size, TILE_M))
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        _paged_attention_kernel[grid](
-            q, k_cache, v_cache, out, tables, lens, starts, scale,
-            *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), tables.stride(0),
-            GROUP_SIZE=group_size,
-            HEAD_DIM=head_dim, TILE_DIM=max(16, triton.next_power_of_2(head_dim)),
-            BLOCK_SIZE=k_cache.shape[1], TILE_M=TILE_M, TILE_KEYS=TILE_KEYS,
-            DOT_IN_FP32=dot_in_fp32,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES[q.element_size()])
-    return out
 
 
 ATTENTION_BACKENDS = {"torch": paged_attention_cpu, "triton": paged_attention}

@@ -11,6 +11,12 @@ the plain model on (B, T): the training path (train.py) and the paged path's ref
 `GPT.dense_hidden_states` is its body, which can also keep K/V in a DenseKVCache, contiguous
 per sequence as Hugging Face keeps them (bench.py's naive baseline).
 
+A layer launches few kernels: q, k, v are one GEMM (qkv_proj) and the MLP's gate and up another
+(gate_up_proj), stacked as the weights load (MergedLinear; the state dict keeps Hugging Face's
+names); each residual add is done by the norm after it (vLLM's fused_add_rms_norm); and on CUDA
+the RMSNorm, RoPE and SwiGLU functions are compiled into one kernel each (fused_on_cuda), while
+a CPU runs them as written, computing what it always did, bit for bit.
+
 checkpoint.py builds a GPT from a checkpoint's config.json and weights; the engine
 (nanoserve.py) runs it.
 
@@ -19,6 +25,7 @@ tensor parallelism and quantisation.
 Shape legend: N tokens in the flat batch, B batch, T time, C n_embd, H query heads, Hkv K/V
 heads, D head dim.
 """
+import functools
 import math
 from dataclasses import dataclass
 
@@ -127,24 +134,88 @@ class DenseKVCache:
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
 
+def fused_on_cuda(fn):
+    """fn run as written on a CPU (eager PyTorch: the reference, bit for bit what the model
+    always computed; torch.compile there needs a C++ compiler and seconds to start, and a
+    CPU's ATen calls are cheap); on CUDA, fn compiled by torch.compile (Inductor: one Triton
+    kernel where eager launches one per op; emulate_precision_casts: rounded to x's dtype
+    wherever fn rounds, not kept in fp32 between ops). Compiled on its first CUDA call, which
+    takes seconds (run one before capturing a CUDA graph), with dynamic sizes, so that no
+    token count, model or head count compiles it again; a new rank or dtype does, and past
+    torch's recompile limit fn runs eagerly. fn.__wrapped__ is fn itself."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def run(x: torch.Tensor, *args):
+        nonlocal compiled
+        if x.device.type != "cuda":
+            return fn(x, *args)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
+        return compiled(x, *args)
+    return run
+
+
+@fused_on_cuda
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight over x's last dim, as Llama's: the mean square taken in fp32, the
+    product in x's dtype. On CUDA one kernel (eager: 8)."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+@fused_on_cuda
+def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's fused_add_rms_norm: x, residual (..., C) -> rms_norm(x + residual), x + residual,
+    the sum being the next residual: the residual add and the norm after it in one kernel on
+    CUDA. The sum is x + residual as the unfused layer added it (a sum of two is the same in
+    either order), so a CPU computes the same bits."""
+    x = x + residual
+    return rms_norm.__wrapped__(x, weight, eps), x
+
+
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, as Llama's: the mean square taken in fp32, the product in x's dtype."""
+    """rms_norm with a learned weight; given a residual, rms_norm_residual."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x (..., dim) -> normed x; with a residual, (normed x + residual, x + residual)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return rms_norm_residual(x, residual, self.weight, self.eps)
+
+
+class LayerNorm(nn.LayerNorm):
+    """GPT-2's nn.LayerNorm, taking a residual as RMSNorm does (eagerly on every device: the
+    kernel count is the Llama family's concern)."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x (..., dim) -> normed x; with a residual, (normed x + residual, x + residual)."""
+        if residual is None:
+            return super().forward(x)
+        x = x + residual
+        return super().forward(x), x
 
 
 def make_norm(config: GPTConfig, dim: int) -> nn.Module:
     if config.norm == "rmsnorm":
         return RMSNorm(dim, config.norm_eps)
-    return nn.LayerNorm(dim, eps=config.norm_eps)
+    return LayerNorm(dim, eps=config.norm_eps)
+
+
+def add_and_norm(norm: nn.Module, x: torch.Tensor,
+                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual): a layer's residual add, done by the norm after it
+    (vLLM's pattern); residual None, at the first layer's input: (norm(x), x)."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
 
 
 class RotaryEmbedding(nn.Module):
@@ -168,9 +239,10 @@ class RotaryEmbedding(nn.Module):
         return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """positions (...,) -> cos, sin (..., D) in dtype: each angle once per pair's half."""
-        angles = positions.float()[..., None] * self.inv_freq.float()  # (..., D/2), fp32
-        angles = torch.cat((angles, angles), dim=-1)                     # (..., D)
+        """positions (...,) -> cos, sin (..., 1, D) in dtype, the 1 broadcasting over heads:
+        each angle once per pair's half. Once a step, for every layer."""
+        angles = positions.float()[..., None, None] * self.inv_freq.float()  # (..., 1, D/2)
+        angles = torch.cat((angles, angles), dim=-1)                           # (..., 1, D)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -205,12 +277,71 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(in_between, blended, stretched)
 
 
+@fused_on_cuda
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (..., heads, D) by cos, sin (..., D): pair (i, i + D/2) as the complex number
-    x_i + i x_{i+D/2} times e^{i angle} (Hugging Face's "rotate_half" layout, not interleaved)."""
+    """Rotate x (..., heads, D) by cos, sin (..., 1, D): pair (i, i + D/2) as the complex number
+    x_i + i x_{i+D/2} times e^{i angle} (Hugging Face's "rotate_half" layout, not interleaved).
+    On CUDA one kernel (eager: 5), for q's and k's heads at once."""
     half = x.shape[-1] // 2
     rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[..., None, :] + rotated_half * sin[..., None, :]
+    return x * cos + rotated_half * sin
+
+
+@fused_on_cuda
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation (vLLM's SiluAndMul): x (..., 2 I), gate_up_proj's output, -> silu(gate)
+    * up (..., I), gate and up its halves. On CUDA one kernel (eager: 3, a copy included)."""
+    gate, up = x.chunk(2, dim=-1)
+    # contiguous: a CPU's F.silu computes a strided row's last elements on another path, off
+    # by an ulp from gate_proj's own output's; on CUDA it is a layout, fused away
+    return F.silu(gate.contiguous()) * up
+
+
+class MergedLinear(nn.Linear):
+    """Hugging Face's projections of one input as one nn.Linear, stacked along its output
+    (vLLM's QKVParallelLinear, MergedColumnParallelLinear): one GEMM for q, k and v, or for gate
+    and up, whose output the caller splits into views. `parts`: each projection's Hugging Face
+    name and rows, in order. GPT's state dict hooks split it back into those names."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = parts
+
+
+def split_merged(model: nn.Module, state: dict, prefix: str, _metadata) -> None:
+    """A state_dict post-hook: each MergedLinear's tensors split into Hugging Face's (views):
+    "...self_attn.qkv_proj.weight" -> "...self_attn.q_proj.weight", k_proj's, v_proj's, in the
+    order the unmerged model listed them, so checkpoints are read, checked and written by those
+    names and layouts, as ever."""
+    merged = {prefix + name: m for name, m in model.named_modules() if isinstance(m, MergedLinear)}
+    for key in [key for key in state if key.startswith(prefix)]:  # the model's, at the end
+        if key not in state:  # a merged bias, split with its weight
+            continue
+        module = key.rpartition(".")[0]
+        if module not in merged:
+            state[key] = state.pop(key)  # moved to the end, in its turn
+            continue
+        parts = merged[module].parts
+        splits = {param: state.pop(f"{module}.{param}").split(list(parts.values()))
+                  for param in ("weight", "bias") if f"{module}.{param}" in state}
+        parent = module.rpartition(".")[0]
+        for i, name in enumerate(parts):  # q_proj.weight, q_proj.bias, k_proj.weight, ...
+            for param, pieces in splits.items():
+                state[f"{parent}.{name}.{param}"] = pieces[i]
+
+
+def merge_split(model: nn.Module, state: dict, prefix: str, *_) -> None:
+    """A load_state_dict pre-hook, split_merged undone: Hugging Face's q_proj, k_proj, v_proj
+    (gate_proj, up_proj) tensors concatenated into the MergedLinear's, a copy made once as the
+    weights load. A state dict in merged names loads as it is."""
+    for name, m in model.named_modules():
+        if not isinstance(m, MergedLinear):
+            continue
+        parent = prefix + name.rpartition(".")[0]
+        for param in ("weight", "bias"):
+            keys = [f"{parent}.{part}.{param}" for part in m.parts]
+            if all(key in state for key in keys):
+                state[f"{prefix}{name}.{param}"] = torch.cat([state.pop(key) for key in keys])
 
 
 class Attention(nn.Module):
@@ -223,12 +354,12 @@ class Attention(nn.Module):
         self.n_head = config.n_head
         self.n_kv_head = config.n_kv_head
         self.head_dim = config.head_dim
-        q_size = config.n_head * config.head_dim
-        kv_size = config.n_kv_head * config.head_dim
-        self.q_proj = nn.Linear(config.n_embd, q_size, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.n_embd, kv_size, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.n_embd, kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.n_embd, bias=config.o_bias)
+        self.q_size = config.n_head * config.head_dim
+        self.kv_size = config.n_kv_head * config.head_dim
+        self.qkv_proj = MergedLinear(config.n_embd, dict(q_proj=self.q_size, k_proj=self.kv_size,
+                                                         v_proj=self.kv_size),
+                                     bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.n_embd, bias=config.o_bias)
         self.q_norm = None
         self.k_norm = None
         if config.qk_norm:
@@ -236,17 +367,19 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
 
     def qkv(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, ...]:
-        """x (..., C) -> q (..., H, D), k and v (..., Hkv, D): projected, q and k normed per head
-        (Qwen3), then rotated by rope = (cos, sin) (..., D) unless it is None (GPT-2)."""
-        q = self.q_proj(x).unflatten(-1, (self.n_head, self.head_dim))
-        k = self.k_proj(x).unflatten(-1, (self.n_kv_head, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (self.n_kv_head, self.head_dim))
+        """x (..., C) -> q (..., H, D), k and v (..., Hkv, D): one GEMM, its output split into
+        views; q and k normed per head (Qwen3), then rotated together by rope = (cos, sin)
+        (..., 1, D) unless it is None (GPT-2). q and k sit side by side in the GEMM's output, so
+        RoPE turns their H + Hkv heads in one call."""
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.unflatten(-1, (self.n_head + self.n_kv_head, self.head_dim))  # (..., H + Hkv, D)
+        v = v.unflatten(-1, (self.n_kv_head, self.head_dim))
         if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
+            q, k = qk.split([self.n_head, self.n_kv_head], dim=-2)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=-2)
         if rope is not None:
-            q = apply_rope(q, *rope)
-            k = apply_rope(k, *rope)
+            qk = apply_rope(qk, *rope)
+        q, k = qk.split([self.n_head, self.n_kv_head], dim=-2)
         return q, k, v
 
     def forward(self, x, rope, meta, k_cache, v_cache, attention):
@@ -274,25 +407,30 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GPT-2's: down(gelu(up(x))). Llama's SwiGLU: down(silu(gate(x)) * up(x))."""
+    """GPT-2's: down(gelu(up(x))). Llama's SwiGLU: down(silu(gate(x)) * up(x)), gate and up one
+    GEMM (gate_up_proj)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
         hidden = config.intermediate_size
-        self.gate_proj = None
-        if config.mlp == "swiglu":
-            self.gate_proj = nn.Linear(config.n_embd, hidden, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(config.n_embd, hidden, bias=config.mlp_bias)
+        self.gated = config.mlp == "swiglu"
+        if self.gated:
+            self.gate_up_proj = MergedLinear(config.n_embd, dict(gate_proj=hidden, up_proj=hidden),
+                                             bias=config.mlp_bias)
+        else:
+            self.up_proj = nn.Linear(config.n_embd, hidden, bias=config.mlp_bias)
         self.down_proj = nn.Linear(hidden, config.n_embd, bias=config.mlp_bias)
 
     def forward(self, x):
-        if self.gate_proj is None:
-            return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gated:
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
 
 
 class Block(nn.Module):
-    """A transformer layer, pre-norm as in GPT-2 and Llama: x + attention, then x + MLP."""
+    """A transformer layer, pre-norm as in GPT-2 and Llama: x + attention, then x + MLP. Each
+    add is left to the norm after it (add_and_norm), so a layer takes and returns (x, residual)
+    (vLLM's pattern): x the last layer's output, residual the sum it is added to."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -301,16 +439,22 @@ class Block(nn.Module):
         self.post_attention_layernorm = make_norm(config, config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope, meta, k_cache, v_cache, attention):
-        """Paged: x (N, C); the arguments after x are Attention.forward's."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta, k_cache, v_cache, attention)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, meta, k_cache, v_cache, attention):
+        """Paged: x, residual (N, C) (residual None in the first layer) -> (x, residual); the
+        arguments after them are Attention.forward's."""
+        x, residual = add_and_norm(self.input_layernorm, x, residual)
+        x = self.self_attn(x, rope, meta, k_cache, v_cache, attention)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
-    def forward_dense(self, x, rope, cache: DenseKVCache | None = None, layer: int = 0,
+    def forward_dense(self, x, residual, rope, cache: DenseKVCache | None = None, layer: int = 0,
                       mask=None):
-        """Dense: x (B, T, C); the arguments after x are Attention.forward_dense's."""
-        x = x + self.self_attn.forward_dense(self.input_layernorm(x), rope, cache, layer, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """Dense: x, residual (B, T, C) -> (x, residual); the arguments after them are
+        Attention.forward_dense's."""
+        x, residual = add_and_norm(self.input_layernorm, x, residual)
+        x = self.self_attn.forward_dense(x, rope, cache, layer, mask)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LMHead(nn.Linear):
@@ -359,9 +503,10 @@ def embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
 
 
 class GPT(nn.Module):
-    """The decoder, its parameters named as in Hugging Face's Llama (model.layers.0.self_attn.
-    q_proj.weight, ...), so a Llama-family checkpoint loads by name; a GPT-2 checkpoint is
-    renamed on load (from_gpt2_state)."""
+    """The decoder, its state dict named and shaped as Hugging Face's Llama (model.layers.0.
+    self_attn.q_proj.weight, ...), so a Llama-family checkpoint loads by name; a GPT-2
+    checkpoint is renamed on load (from_gpt2_state). Inside, q, k, v are one qkv_proj and gate,
+    up one gate_up_proj (vLLM's names): split_merged and merge_split translate at the edge."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -376,6 +521,8 @@ class GPT(nn.Module):
         else:
             self.rotary = RotaryEmbedding(config)
         self.lm_head = LMHead(config.n_embd, config.vocab_size, bias=False)
+        self.register_state_dict_post_hook(split_merged)
+        self.register_load_state_dict_pre_hook(merge_split)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if self.lm_head.weight.is_meta:  # a checkpoint's weights come next: nothing to draw
@@ -389,7 +536,7 @@ class GPT(nn.Module):
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
         """Token ids and their positions (...,) -> x (..., C) and rope: GPT-2 adds a learned
         position embedding to x (rope None); RoPE models leave x alone and return the (cos,
-        sin) (..., D) that every layer rotates its q and k by."""
+        sin) (..., 1, D) that every layer rotates its q and k by."""
         x = self.model.embed_tokens(input_ids)
         if self.rotary is None:
             return x + self.model.embed_positions(positions), None
@@ -400,10 +547,11 @@ class GPT(nn.Module):
         """Paged forward of the flat batch: input_ids, positions (N,) -> hidden states (N, C).
         Caches K/V in k_caches, v_caches (n_layer, NB, BS, Hkv, D); `attention` is from
         kernels.py."""
-        x, rope = self.embed(input_ids, positions)  # (N, C); cos, sin (N, D) or None
+        x, rope = self.embed(input_ids, positions)  # (N, C); cos, sin (N, 1, D) or None
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, meta, k_caches[i], v_caches[i], attention)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, meta, k_caches[i], v_caches[i], attention)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states (n, C) -> logits (n, vocab) in fp32 (see LMHead)."""
@@ -422,9 +570,10 @@ class GPT(nn.Module):
         with a cache only; None: causal without a cache, every cached position with one."""
         if positions is None:
             positions = torch.arange(idx.shape[1], device=idx.device).expand(idx.shape)
-        x, rope = self.embed(idx, positions)  # (B, T, C); cos, sin (B, T, D) or None
+        x, rope = self.embed(idx, positions)  # (B, T, C); cos, sin (B, T, 1, D) or None
+        residual = None
         for layer, block in enumerate(self.model.layers):
-            x = block.forward_dense(x, rope, cache, layer, mask)
+            x, residual = block.forward_dense(x, residual, rope, cache, layer, mask)
         if cache is not None:  # every layer wrote its K/V at length..length + T
             cache.length += idx.shape[1]
-        return self.model.norm(x)
+        return self.model.norm(x, residual)[0]

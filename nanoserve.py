@@ -7,10 +7,11 @@ for each sequence with no uncomputed token left), update (advance, append, detok
 and free), record (a StepRecord of what it did). Everything else loops over step().
 
 In this file, in order: EngineConfig, the outputs (CompletionOutput, RequestOutput), what a
-step passes along (Batch, ModelOutput, StepRecord, EngineStats), Engine with step() at its
-top, then the offline API (LLM, accumulate). The engine uses the scheduler (scheduler.py),
-the KV cache's blocks (paged_cache.py), the model (model.py), attention (kernels.py) and
-sampling (sampling.py); load_model (checkpoint.py) gives it the model and its tokenizer. The
+step records (StepRecord, EngineStats), Engine with step() at its top, then the offline API
+(LLM, accumulate). The engine uses the scheduler (scheduler.py) and the KV cache's blocks
+(paged_cache.py); the device side of a step (the KV cache's tensors, the inputs, the model,
+attention, sampling, CUDA graphs) is the model runner's (model_runner.py); load_model
+(checkpoint.py) gives it the model and its tokenizer. The
 front ends use the engine and nothing here uses them: the command line and the REPL (cli.py,
 which `python nanoserve.py` runs) and the HTTP server (server.py). The offline API has
 vLLM's shape and argument names, so moving to vLLM is an import away:
@@ -18,8 +19,7 @@ vLLM's shape and argument names, so moving to vLLM is an import away:
     from nanoserve import LLM, SamplingParams
     outputs = LLM().generate(["ROMEO:"], SamplingParams(max_tokens=64, temperature=0))
 
-Left out: beam search, speculative decoding, CUDA graphs, tensor parallelism, multi-modal
-inputs, LoRA.
+Left out: beam search, speculative decoding, tensor parallelism, multi-modal inputs, LoRA.
 """
 import dataclasses
 import itertools
@@ -31,17 +31,21 @@ import torch
 
 from checkpoint import DTYPES, load_model
 from display import Progress, progress_wanted, render_trace
-from input_batch import InputBatch
-from kernels import AttentionMetadata, keep_freed_memory, select_attention
+from kernels import keep_freed_memory
 from model import PRESETS
+from model_runner import ModelOutput, ModelRunner
 from options import check_fields, option
-from paged_cache import BlockTable, allocate_kv_cache, cdiv, kv_bytes_per_token
-from sampling import SamplingParams, generation_config_defaults, sample, sampling_tensors, upload
+from paged_cache import BlockTable
+from sampling import SamplingParams, generation_config_defaults
 from scheduler import POLICIES, Scheduler, SchedulerOutput, Sequence, SequenceStatus, check_stop
 from tokenizer import Detokenizer
 
 __version__ = "0.1.0"     # pyproject.toml reads it from here
-KV_CACHE_BYTES = 1 << 30  # the default KV cache's memory budget: 1 GiB
+# the defaults of max_num_seqs and max_num_batched_tokens, by device (EngineConfig)
+CPU_MAX_NUM_SEQS = 64
+CPU_MAX_NUM_BATCHED_TOKENS = 512
+CUDA_MAX_NUM_SEQS = 256             # of vLLM's order (its server: 256 to 1,024 by GPU)
+CUDA_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM's server's on an 80 GB GPU
 
 
 @dataclass
@@ -62,8 +66,15 @@ class EngineConfig:
     kv_cache_tokens: int | None = option(None, "KV cache capacity in tokens; default: "
                                          "max-num-seqs full contexts, within 1 GiB", type=int)
     # bounded: the input batch holds a row for each, made up front (input_batch.py)
-    max_num_seqs: int = option(64, "sequences in one step at most", high=65536)
-    max_num_batched_tokens: int = option(512, "tokens in one step at most (the token budget)")
+    max_num_seqs: int | None = option(None, "sequences in one step at most; default: 64 on a "
+                                      "CPU, 256 on CUDA", high=65536, type=int)
+    max_num_batched_tokens: int | None = option(None, "tokens in one step at most (the token "
+                                                "budget); default: 512 on a CPU, 8192 on CUDA",
+                                                type=int)
+    gpu_memory_utilization: float = option(0.9, "CUDA: the share of the GPU's memory the engine "
+                                           "takes (weights, activations, KV cache: the cache "
+                                           "gets the rest)", low=0, high=1, open_low=True)
+    enforce_eager: bool = option(False, "CUDA: run decode steps eagerly, not in CUDA graphs")
     enable_chunked_prefill: bool = option(True, "split long prompts across steps")
     enable_prefix_caching: bool = option(True, "reuse the cached KV blocks of earlier requests' "
                                          "prompt prefixes")
@@ -97,9 +108,22 @@ class EngineConfig:
                 else "CUDA is not available on this machine"))
         if self.dtype == "auto" and device.type == "cpu":  # on CUDA: Engine._dtype
             self.dtype = "float32"
+        self._default_limits(device.type)
         if self.attention == "triton" and device.type == "cpu" and self.dtype == "bfloat16":
             raise ValueError("Triton attention cannot run bfloat16 on a CPU (its interpreter "
                              "multiplies bf16 wrongly); use --dtype float32 or float16")
+
+    def _default_limits(self, device_type: str) -> None:
+        """max_num_seqs and max_num_batched_tokens left unset take the device's defaults: a
+        CPU's 2 cores are busy with 64 sequences and 512 tokens a step; a GPU needs batches of
+        vLLM's size (256 and 8,192) to be busy."""
+        max_num_seqs, max_num_batched_tokens = CPU_MAX_NUM_SEQS, CPU_MAX_NUM_BATCHED_TOKENS
+        if device_type == "cuda":
+            max_num_seqs, max_num_batched_tokens = CUDA_MAX_NUM_SEQS, CUDA_MAX_NUM_BATCHED_TOKENS
+        if self.max_num_seqs is None:
+            self.max_num_seqs = max_num_seqs
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max_num_batched_tokens
 
 
 @dataclass
@@ -123,32 +147,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: list[dict[int, float] | None] | None = None  # in a request's first output
-
-
-@dataclass
-class Batch:
-    """One step's model inputs, flattened over the scheduled sequences (see _prepare_inputs)."""
-    input_ids: torch.Tensor         # (N,) the new tokens of every scheduled sequence
-    positions: torch.Tensor         # (N,) each token's position in its sequence
-    attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor    # (n,) the flat-batch index of the last token of each
-                                    # sequence that samples (vLLM's name)
-    sample_seqs: list[Sequence]     # (n,) the sequences with no uncomputed token left
-    prompt_logits_indices: torch.Tensor  # (m,) the tokens whose next is a prompt token to
-                                    # score (prompt_logprobs)
-    prompt_targets: torch.Tensor    # (m,) those next tokens
-    prompt_seqs: list[Sequence]     # (m,) their sequences
-
-
-@dataclass
-class ModelOutput:
-    """What execute() gives update(): the token sampled for each sequence with no uncomputed
-    token left, the log-probabilities asked for, and the sequences that failed."""
-    sampled_token_ids: dict[Sequence, int] = field(default_factory=dict)
-    logits: torch.Tensor | None = None  # (len(sampled_token_ids), vocab) fp32, in that order
-    logprobs: dict[Sequence, dict[int, float]] = field(default_factory=dict)  # sampled token's
-    prompt_logprobs: dict[Sequence, list[dict]] = field(default_factory=dict)  # scored this step
-    failed: dict[Sequence, str] = field(default_factory=dict)  # failed alone -> the error
 
 
 @dataclass
@@ -229,13 +227,6 @@ def seeded_generator_states(seqs) -> list[tuple[torch.Generator, torch.Tensor]]:
             if seq.generator is not None]
 
 
-def to_host(tensor: torch.Tensor) -> list:
-    """A device tensor's values as (nested) Python lists. The only place a step waits for the
-    device (once for the sampled tokens; twice more, ids and values, when a request asks for
-    log-probabilities): a CUDA test runs whole steps with every other wait made an error."""
-    return tensor.tolist()
-
-
 class Engine:
     """Continuous batching over a paged KV cache: add requests any time, call step().
     add_request(), abort() and has_unfinished() may be called from any thread (each waits for
@@ -251,7 +242,6 @@ class Engine:
         self.checkpoint = checkpoint
         self.tokenizer = checkpoint.tokenizer
         self.eos_token_ids = checkpoint.eos_token_ids  # each ends a request unless ignore_eos
-        dtype = checkpoint.dtype
         self.model = checkpoint.model.eval()
         c = self.model.config
         self.vocab_size = self._vocab_size(c.vocab_size)
@@ -261,21 +251,15 @@ class Engine:
         self.chat_template = checkpoint.chat_template  # None: the server's transcript
         if config.max_model_len is not None and config.max_model_len > c.n_positions:
             raise ValueError(f"max_model_len {config.max_model_len} > the context {c.n_positions}")
-        self.attention = select_attention(config.attention, config.device)
-        # K and V for every layer and K/V head: grouped-query attention's saving is here. The
-        # caches of all layers, k_caches and v_caches (n_layer, NB, BS, Hkv, D); layer i's is [i].
-        self.kv_bytes_per_token = kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_dim, dtype)
-        self.k_caches, self.v_caches, self.block_pool = allocate_kv_cache(
-            c.n_layer, c.n_kv_head, c.head_dim, self._kv_cache_tokens(c.n_positions),
-            config.block_size, config.device, dtype, config.enable_prefix_caching)
+        # the device side: the KV cache (sized here), the persistent batch, the graphs
+        self.model_runner = ModelRunner(config, self.model, checkpoint.dtype, self.vocab_size,
+                                        self.eos_token_ids)
+        self.block_pool = self.model_runner.block_pool
         self.max_model_len = self._max_model_len(config.max_model_len, c.n_positions)
+        self.model_runner.prepare(self.max_model_len)
         self.scheduler = Scheduler(self.block_pool, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
                                    config.policy)
-        # the running sequences' block tables and penalty state, kept on the device
-        self.input_batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size,
-                                      self.vocab_size, config.device)
-        self.generator = torch.Generator(config.device).manual_seed(config.seed)
         self.seqs: dict[str, Sequence] = {}            # sequence id -> its sequence
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n samples
         self.stats = EngineStats()
@@ -286,21 +270,6 @@ class Engine:
         self._lock = threading.Lock()  # abort() from other threads against step()
         self._aborted_outputs: list[RequestOutput] = []  # for the next step() to return
         self.dead: str | None = None  # why the engine cannot step any more (a device error)
-
-    def _kv_cache_tokens(self, context: int) -> int:
-        """kv_cache_tokens if given, else a full context (max_model_len's, or the model's) for
-        every one of max_num_seqs sequences, within KV_CACHE_BYTES."""
-        config = self.config
-        if config.kv_cache_tokens is not None:
-            return config.kv_cache_tokens
-        if config.max_model_len is not None:
-            context = config.max_model_len
-        return min(config.max_num_seqs * context, KV_CACHE_BYTES // self.kv_bytes_per_token)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Hidden states (n, C) -> fp32 logits (n, vocab_size): the tokenizer's ids only, so
-        an embedding row past them is never sampled."""
-        return self.model.compute_logits(hidden)[:, :self.vocab_size]
 
     def _vocab_size(self, num_embeddings: int) -> int:
         """The token ids a prompt may hold and a step may sample: the tokenizer's. Qwen's
@@ -319,7 +288,7 @@ class Engine:
     @property
     def kv_tokens_per_gib(self) -> int:
         """How many tokens' K/V a GiB holds: what grouped-query attention multiplies."""
-        return 2**30 // self.kv_bytes_per_token
+        return 2**30 // self.model_runner.kv_bytes_per_token
 
     def _max_model_len(self, asked: int | None, context: int) -> int:
         """The longest sequence served: asked for, else the model's context, but never more
@@ -354,7 +323,7 @@ class Engine:
         """Run the model once over every scheduled token and sample. If the batch fails, run
         each sequence alone: the ones that fail alone are the ones that fail."""
         for seq in scheduler_output.preempted:  # readmitted, it will start from a new row
-            self.input_batch.remove(seq)
+            self.model_runner.remove(seq)
         num_scheduled_tokens = scheduler_output.num_scheduled_tokens
         if not num_scheduled_tokens:
             return ModelOutput()
@@ -362,11 +331,11 @@ class Engine:
         # and alone they must draw the same again, as if the batch had never run.
         generator_states = seeded_generator_states(num_scheduled_tokens)
         try:
-            return self.run_batch(num_scheduled_tokens)
+            return self.model_runner.execute_model(num_scheduled_tokens)
         except Exception as e:  # noqa: BLE001 (find the request that fails; it alone fails)
             self._fail_fast_on_device_error(e)
             for seq in num_scheduled_tokens:  # whatever the failed batch wrote of their rows
-                self.input_batch.remove(seq)
+                self.model_runner.remove(seq)
             for generator, state in generator_states:
                 generator.set_state(state)
             return self._run_one_at_a_time(num_scheduled_tokens)
@@ -565,43 +534,18 @@ class Engine:
         with self._lock:  # not between an abort's finish and its output's queueing
             return self.scheduler.has_unfinished() or bool(self._aborted_outputs)
 
-    def run_batch(self, num_scheduled_tokens: dict[Sequence, int]) -> ModelOutput:
-        """Build the inputs, run the model over every scheduled token, sample a token for each
-        sequence with no uncomputed token left, gather the log-probabilities asked for."""
-        batch = self._prepare_inputs(num_scheduled_tokens)
-        hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata,
-                            self.k_caches, self.v_caches, self.attention)    # (N, C)
-        logits = self.compute_logits(hidden[batch.logits_indices])         # (n, vocab) fp32
-        output = ModelOutput(logits=logits)
-        if not batch.sample_seqs and not batch.prompt_seqs:
-            return output
-        token_ids = batch.prompt_targets[:0]  # none sampled: an empty id tensor, on the device
-        if batch.sample_seqs:
-            tensors = sampling_tensors(batch.sample_seqs, self.vocab_size, self.eos_token_ids,
-                                       self.config.device)
-            if any(seq.params.has_penalties for seq in batch.sample_seqs):
-                tensors.penalties = self.input_batch.penalties(batch.sample_seqs)
-            token_ids = sample(logits, tensors, self.generator)
-            if tensors.penalties is not None:
-                self.input_batch.count_sampled(tensors.penalties, token_ids)
-        if any(seq.params.logprobs is not None for seq in batch.sample_seqs) or batch.prompt_seqs:
-            self._gather_logprobs(batch, hidden, logits, token_ids, output)
-        # The step's wait for the sampled tokens (log-probabilities, if asked for, were read
-        # above: two more).
-        output.sampled_token_ids = dict(zip(batch.sample_seqs, to_host(token_ids)))
-        return output
-
     def _run_one_at_a_time(self, num_scheduled_tokens: dict[Sequence, int]) -> ModelOutput:
         """The batch failed: run each sequence alone; those that fail alone fail."""
         merged = ModelOutput()
         logits = []
         for seq, num_new in num_scheduled_tokens.items():
             try:
-                alone = self.run_batch({seq: num_new})
+                alone = self.model_runner.execute_model({seq: num_new})
             except Exception as e:  # noqa: BLE001
                 self._fail_fast_on_device_error(e)
                 merged.failed[seq] = f"{type(e).__name__}: {e}"
                 continue
+            merged.failed |= alone.failed
             merged.sampled_token_ids |= alone.sampled_token_ids
             merged.logprobs |= alone.logprobs
             merged.prompt_logprobs |= alone.prompt_logprobs
@@ -609,35 +553,6 @@ class Engine:
         if logits:
             merged.logits = torch.cat(logits)
         return merged
-
-    def _gather_logprobs(self, batch: Batch, hidden: torch.Tensor, logits: torch.Tensor,
-                         token_ids: torch.Tensor, output: ModelOutput) -> None:
-        """Fill output.logprobs (each sampled token's) and output.prompt_logprobs (each prompt
-        token scored this step): the token's own log-probability and the top k of its row,
-        from the model's log-softmax (before temperature, top-k and top-p, as vLLM returns
-        them). One topk over all rows; token ids and values are read in one copy each."""
-        seqs = batch.sample_seqs + batch.prompt_seqs  # a row each
-        num_sampled = len(batch.sample_seqs)
-        # per row: how many top log-probabilities it asked for (None: none at all)
-        wants = [sampled.params.logprobs for sampled in batch.sample_seqs]
-        wants += [scored.params.prompt_logprobs for scored in batch.prompt_seqs]
-        prompt_logits = self.compute_logits(hidden[batch.prompt_logits_indices])  # (m, vocab)
-        logprobs = torch.cat([logits, prompt_logits]).log_softmax(dim=-1)    # (n + m, vocab)
-        targets = torch.cat([token_ids, batch.prompt_targets])[:, None]      # (n + m, 1)
-        top_k = max([want for want in wants if want is not None], default=0)
-        top = logprobs.topk(top_k, dim=-1)
-        ids = to_host(torch.cat([targets, top.indices], dim=1))                # (n + m, 1 + k)
-        values = to_host(torch.cat([logprobs.gather(1, targets), top.values], dim=1))
-        for row, seq in enumerate(seqs):
-            row_top_k = wants[row]
-            if row_top_k is None:
-                continue
-            entry = {ids[row][0]: values[row][0]}  # the token itself, then its row's top
-            entry |= dict(zip(ids[row][1:1 + row_top_k], values[row][1:1 + row_top_k]))
-            if row < num_sampled:
-                output.logprobs[seq] = entry
-            else:
-                output.prompt_logprobs.setdefault(seq, []).append(entry)
 
     def _detokenize(self, seq: Sequence) -> RequestOutput | None:
         """Add seq's new token to its text, finish it if check_stop says so, make its output
@@ -703,113 +618,13 @@ class Engine:
         """A finished sequence leaves the engine. Whether it was the last of its request: only
         the output that ends a request's last sample says the request is finished."""
         self.seqs.pop(seq.seq_id, None)
-        self.input_batch.remove(seq)
+        self.model_runner.remove(seq)
         samples = self.requests.get(seq.request_id, [])
         # by identity: a finished sample's id may name another request's sequence by now
         if any(self.seqs.get(sample.seq_id) is sample for sample in samples):
             return False
         self.requests.pop(seq.request_id, None)
         return True
-
-    def _prepare_inputs(self, num_scheduled_tokens: dict[Sequence, int]) -> Batch:
-        """The step's inputs, flattened over the scheduled sequences and sent to the device in
-        one pinned, non-blocking copy. Example, block_size 4, three sequences:
-
-            A  decode: 6 tokens computed, 1 new     row 0 of the input batch, holding [3, 7]
-            B  prompt chunk: 10-token prompt, 4 computed, 3 new     row 1, holding [5]; its
-               block table gained block 2 this step
-            C  decode: 2 tokens computed, 1 new     row 2, holding [1]
-
-            input_ids        [a6, b4, b5, b6, c2]     (token t of A written a6)
-            positions        [ 6,  4,  5,  6,  2]
-            query_start_loc  [0, 1, 4, 5]             (B owns tokens 1..3)
-            context_lens     [7, 7, 3]
-            rows             [0, 1, 2]                (each sequence's row in the input batch)
-            token_rows       [0, 1, 1, 1, 2]          (each token's sequence's row)
-            new blocks       rows [1], columns [1], block ids [2]
-            block_tables     [[3, 7, 0 ...], [5, 2, 0 ...], [1, 0, 0 ...]]   (on the device)
-            slot_mapping     [30,  8,  9, 10,  6]     (on the device: A's 6 is in its second
-                                                       block, 7: 7 * 4 + 6 % 4 = 30)
-            logits_indices   [0, 4]                   (B has tokens left to compute: no sample)
-
-        Only the blocks a table gained go up; the tables stay on the device, in the input
-        batch (input_batch.py), and the slots are read from them there: a step costs what is
-        new in it, not its sequences' blocks."""
-        ints, sample_seqs, prompt_seqs = self._flatten_inputs(num_scheduled_tokens)
-        tensors = upload(ints, torch.int64, self.config.device)
-        # the blocks attention reads: those of the longest context (a table holds no more)
-        max_num_blocks = cdiv(max(ints["context_lens"]), self.block_pool.block_size)
-        block_tables = self.input_batch.step_block_tables(
-            tensors["rows"], tensors["new_block_rows"], tensors["new_block_columns"],
-            tensors["new_block_ids"], max_num_blocks)
-        slot_mapping = self.input_batch.slot_mapping(tensors["token_rows"], tensors["positions"])
-        attn_metadata = AttentionMetadata(
-            slot_mapping=slot_mapping, block_tables=block_tables,
-            context_lens=tensors["context_lens"].to(torch.int32),
-            query_start_loc=tensors["query_start_loc"].to(torch.int32),
-            max_query_len=max(num_scheduled_tokens.values()))
-        return Batch(input_ids=tensors["input_ids"], positions=tensors["positions"],
-                     attn_metadata=attn_metadata, logits_indices=tensors["logits_indices"],
-                     sample_seqs=sample_seqs,
-                     prompt_logits_indices=tensors["prompt_logits_indices"],
-                     prompt_targets=tensors["prompt_targets"], prompt_seqs=prompt_seqs)
-
-    def _flatten_inputs(self, num_scheduled_tokens: dict[Sequence, int]
-                        ) -> tuple[dict[str, list[int]], list[Sequence], list[Sequence]]:
-        """_prepare_inputs' host half: its lists of ints by name (input_ids, positions, ...),
-        the sequences that sample and those whose prompt tokens are scored: one pass over the
-        scheduled sequences, the example above's lists built side by side."""
-        input_ids = []
-        positions = []
-        context_lens = []
-        query_start_loc = [0]
-        rows = []            # each sequence's row in the input batch
-        token_rows = []      # each token's sequence's row
-        new_block_rows = []  # (row, column, block id) of each block a table gained
-        new_block_columns = []
-        new_block_ids = []
-        logits_indices = []
-        sample_seqs = []     # the sequences that sample, in the order of logits_indices
-        prompt_logits_indices = []
-        prompt_targets = []
-        prompt_seqs = []     # the sequence of each of prompt_logits_indices
-        for seq, num_new in num_scheduled_tokens.items():
-            start = seq.num_computed_tokens
-            end = start + num_new
-            first_token = query_start_loc[-1]
-            row, first_column, gained = self.input_batch.new_blocks(seq)
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            context_lens.append(end)
-            query_start_loc.append(first_token + num_new)
-            rows.append(row)
-            token_rows += [row] * num_new
-            if gained:  # most decodes fill a block they hold
-                new_block_rows += [row] * len(gained)
-                new_block_columns += range(first_column, first_column + len(gained))
-                new_block_ids += gained
-            if end == len(seq.token_ids):  # no uncomputed token left: sample the next one
-                logits_indices.append(first_token + num_new - 1)
-                sample_seqs.append(seq)
-            if seq.params.prompt_logprobs is not None:
-                for position in self._prompt_positions_to_score(seq, start, end):
-                    prompt_logits_indices.append(first_token + position - start)
-                    prompt_targets.append(seq.token_ids[position + 1])
-                    prompt_seqs.append(seq)
-        ints = dict(input_ids=input_ids, positions=positions, context_lens=context_lens,
-                    query_start_loc=query_start_loc, rows=rows, token_rows=token_rows,
-                    new_block_rows=new_block_rows, new_block_columns=new_block_columns,
-                    new_block_ids=new_block_ids, logits_indices=logits_indices,
-                    prompt_logits_indices=prompt_logits_indices, prompt_targets=prompt_targets)
-        return ints, sample_seqs, prompt_seqs
-
-    @staticmethod
-    def _prompt_positions_to_score(seq: Sequence, start: int, end: int) -> range:
-        """The positions among start..end-1 whose next token is a prompt token not scored yet
-        (a recomputation after preemption scores nothing twice)."""
-        first_unscored = len(seq.prompt_logprobs) - 1
-        last_prompt_position = seq.num_prompt_tokens - 1
-        return range(max(start, first_unscored), min(end, last_prompt_position))
 
 
 def unwrap_prompt(prompt: dict):

@@ -232,14 +232,15 @@ def allocate_kv_cache(n_layer: int, n_kv_head: int, head_dim: int, num_tokens: i
                       block_size: int, device: str, dtype: torch.dtype,
                       enable_prefix_caching: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor, BlockPool]:
-    """K and V, each (n_layer, num_blocks, block_size, n_kv_head, head_dim), for num_tokens tokens,
-    and the BlockPool of their blocks; a ValueError if that is not one block or does not fit
-    in memory."""
+    """K and V, each (n_layer, num_blocks + 1, block_size, n_kv_head, head_dim), for num_tokens
+    tokens, and the BlockPool of their first num_blocks blocks; a ValueError if that is not one
+    block or does not fit in memory. The last block, which the pool never hands out, is the
+    null block: a padded step's padding tokens write their K/V there (model_runner.py)."""
     num_blocks = num_tokens // block_size
     if num_blocks == 0:
         raise ValueError(f"block_size ({block_size} tokens) is larger than the KV cache "
                          f"({num_tokens} tokens)")
-    shape = (n_layer, num_blocks, block_size, n_kv_head, head_dim)
+    shape = (n_layer, num_blocks + 1, block_size, n_kv_head, head_dim)
     try:  # zeros, not empty: padded reads past a sequence's end must be finite to be masked
         k_cache = torch.zeros(shape, device=device, dtype=dtype)
         v_cache = torch.zeros(shape, device=device, dtype=dtype)

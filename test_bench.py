@@ -5,6 +5,7 @@ import io
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import threading
@@ -238,25 +239,68 @@ def test_bench_forward_timer_leaves_no_hook_behind():
     assert not engine.model.lm_head._forward_hooks and not engine.model.lm_head._forward_pre_hooks
 
 
+CI_GPU_PARTS = ("1-versions", "2-cuda-tests", "3-transformers", "4-attention", "5-decode-step",
+                "6-lm-head-sampling")
+CI_GPU_FILES = {"gpu.log", "status.txt", "1-versions.json", "4-attention.jsonl",
+                "5-decode-step.jsonl", "6-lm-head-sampling.jsonl"}
+
+
+def jsonl_rows(path) -> list[dict]:
+    """A --jsonl file's rows: the versions first, then each row as it was measured."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows[0]["measurement"] == "versions"
+    return rows[1:]
+
+
 def test_ci_gpu_dry_run_checks_its_bench_flags_and_runs_them_on_the_cpu(tmp_path):
     """.ci/gpu runs where a failure is expensive (a lent GPU, for minutes): its bench flags
-    and sizes are checked here (gpt2's context included), and each of its parts runs at a
-    tiny scale on the CPU, writing its results under $OUT as it ends."""
+    and sizes are checked here, and each of its parts runs at a tiny scale on the CPU (the
+    CUDA tests skip, saying so; graphed steps are skipped, saying so), writing what the device
+    tool brings back: at most 8 plain files in $OUT itself, the rows as they are measured."""
     env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path))
     result = subprocess.run(["bash", ".ci/gpu"], cwd=HERE, env=env, capture_output=True,
                             text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    status = (tmp_path / "status.txt").read_text().split("\n")[1:-1]
-    assert [line.split()[:2] for line in status] == [
-        [name, "0"] for name in ("1-versions", "2-cuda-tests", "3-kernel", "4-host-overhead",
-                                 "5-kv-limited", "6-bf16")]
-    kernel = json.loads((tmp_path / "3-kernel.json").read_text())["kernel"]
-    assert {row["shape"] for row in kernel} == {"gpt2", "llama-8b"}
-    assert all(row["max_abs_diff"] < 1e-4 for row in kernel)  # the CPU path, fp32
-    assert json.loads((tmp_path / "4-host-overhead.json").read_text())["host_overhead"]
-    ran = json.loads((tmp_path / "5-kv-limited.json").read_text())
-    assert list(ran["offline"]["16"]["modes"]) == ["naive", "static", "fcfs"]
-    assert ran["config"]["preset"] == "tiny" and ran["hardware"]["decode"]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    status = (tmp_path / "status.txt").read_text().split("\n")
+    assert status[0] == "part rc seconds limit"
+    assert [line.split()[:2] for line in status[1:-1]] == [[name, "0"] for name in CI_GPU_PARTS]
+    assert {p.name for p in tmp_path.iterdir()} == CI_GPU_FILES
+    assert all(p.is_file() for p in tmp_path.iterdir()) and len(CI_GPU_FILES) <= 8
+    log = (tmp_path / "gpu.log").read_text()
+    assert "no CUDA GPU: these check" in log  # test_gpu.py's, collected and skipped
+    assert "graphed steps skipped: CUDA graphs need CUDA" in log
+    assert json.loads((tmp_path / "1-versions.json").read_text())["device"] == "cpu"
+    kernel = jsonl_rows(tmp_path / "4-attention.jsonl")
+    assert [(r["shape"], r["batch"], r["context"]) for r in kernel] == [
+        ("qwen2.5-0.5b", 1, 300), ("qwen2.5-0.5b", 2, 300)]
+    for row in kernel:  # the CPU runs Triton's interpreter, in fp32
+        assert row["splits"] == 2 and row["split_max_abs_diff"] < 1e-4
+        assert row["unsplit_max_abs_diff"] < 1e-4 and row["sdpa_of_peak"] is None
+    step = jsonl_rows(tmp_path / "5-decode-step.jsonl")
+    assert [(r["measurement"], r["model"], r["mode"], r["batch"]) for r in step] == [
+        (measurement, "llama-tiny", "eager", batch)
+        for measurement in ("step_gemms", "step_kernels") for batch in (1, 2)]
+    assert all(r["aten_calls"] > 0 and r["graph_replays"] == 0 for r in step[2:])
+    sampling = jsonl_rows(tmp_path / "6-lm-head-sampling.jsonl")
+    assert [(r["batch"], r["what"]) for r in sampling] == [
+        (batch, what) for batch in (2, 4)
+        for what in ["lm_head"] + [f"sample {kind}" for kind in bench.SAMPLING_KINDS]]
+    assert all(r["us"] > 0 and r["vocab"] == 1000 for r in sampling)
+
+
+def test_ci_gpu_runs_within_its_deadline():
+    """The parts' limits fit the deadline the device tool's 7 minutes allow: the script cuts
+    each to what is left, but a part given less than its own limit is a part cut short."""
+    with open(os.path.join(HERE, ".ci", "gpu")) as f:
+        script = f.read()
+    deadline = int(re.search(r"^DEADLINE=(\d+)", script, re.M)[1])
+    kill_after = int(re.search(r"^KILL_AFTER=(\d+)", script, re.M)[1])
+    limits = dict(re.findall(r"^part (\S+) (\d+) ", script, re.M))
+    assert list(limits) == list(CI_GPU_PARTS)
+    assert sum(map(int, limits.values())) <= deadline <= 390
+    assert deadline + kill_after < 7 * 60
+    for needed in ("PYTHONUNBUFFERED=1", "timeout -k"):
+        assert needed in script
 
 
 def test_bench_flags_come_from_its_config():
@@ -475,7 +519,7 @@ def test_bench_stub_sample_gives_what_sample_gives_on_the_stubbed_engine():
     logits = engine.model.compute_logits(torch.zeros(len(seqs), 1))
     tensors = sampling_tensors(seqs, engine.vocab_size, engine.eos_token_ids, "cpu")
     given = bench.stub_sample(engine.model, logits, tensors, None)
-    assert torch.equal(given, sample(logits, tensors, engine.generator))
+    assert torch.equal(given, sample(logits, tensors, engine.model_runner.generator))
     assert len(set(given.tolist())) == 3  # each row its own token: a real check
 
 
@@ -493,16 +537,111 @@ def test_bench_detokenizer_times_a_token_at_each_length_of_unreturned_text(tmp_p
 
 
 def test_bench_step_gemms_times_a_decode_step_against_its_linears_alone(tmp_path):
-    """--step-gemms: the step, every nn.Linear of the model (the LM head too) alone, and
-    attention's share of the step, which the step's time bounds, and SDPA's within it."""
-    out = tmp_path / "step.json"
+    """--step-gemms on a CPU: a row per batch for eager steps (graphed ones need CUDA, and are
+    skipped, saying so): the step, every nn.Linear of the model (the LM head too) alone,
+    attention's share of the step, which the step's time bounds, and SDPA's within it, the
+    bytes it reads; then, after every timing, what each step runs. Each row reaches --jsonl
+    as it is measured."""
+    out, rows = tmp_path / "step.json", tmp_path / "step.jsonl"
+    with contextlib.redirect_stdout(io.StringIO()) as printed, \
+            contextlib.redirect_stderr(io.StringIO()) as err:
+        bench.main(["--step-gemms", "--step-batches", "1", "2", "--prompt-len", "8", "--reps",
+                    "5", "--threads", "1", "--out", str(out), "--jsonl", str(rows)])
+    found = json.loads(out.read_text())["step_gemms"]
+    steps, kernels = found["step_gemms"], found["step_kernels"]
+    assert jsonl_rows(rows) == [dict(measurement="step_gemms") | row for row in steps] + [
+        dict(measurement="step_kernels") | row for row in kernels]
+    assert [(r["model"], r["mode"], r["batch"]) for r in steps + kernels] == 2 * [
+        ("tiny", "eager", 1), ("tiny", "eager", 2)]
+    config = M.GPTConfig()
+    for figures in steps:
+        assert figures["linears"] == 4 * config.n_layer + 1  # qkv o up down, LM head
+        assert 0 < figures["attention_share"] < 1 and figures["step_ms"] > 0
+        assert 0 < figures["sdpa_share"] < figures["attention_share"]
+        assert figures["step_over_gemms"] == pytest.approx(figures["step_ms"] / figures["gemm_ms"])
+        assert figures["floor_ms"] is None  # no HBM peak on a CPU
+        # 8 prompt tokens and the first output, 3 warm-up steps, then 5 rounds of a step timed
+        # whole and one for attention's share: the mean context over the timed steps
+        assert figures["context"] == (12 + 22) / 2
+        kv_bytes = figures["batch"] * figures["context"] * 2 * 4 * config.n_layer * config.n_embd
+        assert figures["kv_mb"] == pytest.approx(kv_bytes / 1e6)
+    params = sum(p.numel() for p in M.GPT(config).parameters())
+    weights = params - config.n_positions * config.n_embd  # the position table: a row read
+    assert steps[0]["weight_mb"] == 4 * weights / 1e6  # fp32
+    assert all(r["graph_replays"] == 0 and r["aten_calls"] > 0 for r in kernels)
+    assert "| tiny | eager | 2 |" in printed.getvalue()
+    assert "graphed steps skipped: CUDA graphs need CUDA, this is cpu" in err.getvalue()
+
+
+def test_bench_shapes_have_the_real_models_parameters():
+    """--step-shapes' random models are the size of the real ones (their published counts,
+    tied embeddings counted once), built on the meta device: no memory taken."""
+    with torch.device("meta"):
+        counts = {name: sum(p.numel() for p in M.GPT(config).parameters())
+                  for name, config in bench.SHAPES.items()}
+    assert counts == {"qwen2.5-0.5b": 494_032_768, "llama-3.2-1b": 1_235_814_400}
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 3350.0),
+                                        ("NVIDIA H100 PCIe", 2000.0), ("NVIDIA H200", 4800.0),
+                                        ("NVIDIA A100-SXM4-80GB", 2039.0),
+                                        ("NVIDIA A100-SXM4-40GB", 1555.0),
+                                        ("NVIDIA L40S", 864.0), ("NVIDIA L4", 300.0),
+                                        ("NVIDIA GeForce RTX 3090", None)])
+def test_bench_hbm_peak_by_the_gpus_name(name, peak, monkeypatch):
+    """A GPU's HBM peak from its name (the first entry that matches: H100 PCIe before H100,
+    L40 before L4); a GPU not listed gets GB/s alone, and a CPU no peak."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert bench.hbm_peak_gb_s("cuda") == peak
+    assert bench.hbm_peak_gb_s("cpu") is None
+
+
+def test_bench_emit_appends_each_row_as_one_json_line(tmp_path):
+    """--jsonl: each row a line the moment it is measured, NumPy and torch scalars as their
+    values; without --jsonl, nothing written."""
+    path = tmp_path / "rows.jsonl"
+    cfg = bench.parse_args(["--jsonl", str(path)])
+    first = dict(batch=1, ms=np.float64(0.5), n=np.int64(3))
+    assert bench.emit(cfg, "kernel", first) is first
+    bench.emit(cfg, "kernel", dict(batch=2, ms=torch.tensor(0.25)))
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        dict(measurement="kernel", batch=1, ms=0.5, n=3),
+        dict(measurement="kernel", batch=2, ms=0.25)]
+    bench.emit(bench.parse_args([]), "kernel", first)
+    assert len(path.read_text().splitlines()) == 2
+
+
+def test_bench_single_measurements_check_their_lists_and_not_the_limits():
+    """Each choice of a list flag is checked (--kernel-shapes, --kernel-paths, --step-shapes,
+    --step-modes), and every size; a measurement alone uses no generation limit, so a prompt
+    past the preset's context minus the largest limit is refused only for the experiments."""
+    cfg = bench.parse_args(["--kernel", "--kernel-shapes", "qwen2.5-0.5b", "llama-8b",
+                            "--kernel-paths", "split", "sdpa", "--prompt-len", "1024"])
+    assert cfg.kernel_shapes == ("qwen2.5-0.5b", "llama-8b") and cfg.kernel_paths == ("split",
+                                                                                     "sdpa")
+    assert bench.parse_args(["--step-gemms", "--step-shapes", "qwen2.5-0.5b", "llama-tiny",
+                             "--step-batches", "1", "64"]).step_batches == (1, 64)
+    for bad in (["--kernel-shapes", "gpt3"], ["--kernel-paths", "flash"],
+                ["--step-shapes", "llama-70b"], ["--step-modes", "compiled"],
+                ["--step-batches", "0"], ["--kernel-contexts", "0"],
+                ["--sampling-batches", "0"], ["--prompt-len", "1024"]):
+        with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+            bench.parse_args(bad)
+
+
+def test_bench_count_ops_counts_each_layers_aten_calls_in_a_decode_step(tmp_path):
+    """--count-ops on a CPU: llama-tiny's layers in one decode step of 4 sequences make 59
+    ATen calls each (views included): 42 of the model's (two norms with their residual adds,
+    9 each; the qkv GEMM, its split and views 5; RoPE on q's and k's heads at once 7;
+    store_kv's 4; o_proj and its flatten 2; gate_up, SwiGLU and down 6) and 17 of the CPU's
+    paged attention (kernels.py); the first adds no residual but plans the step's attention
+    (82). They made 70 (94) before q, k, v and gate, up were stacked and the adds fused."""
+    out = tmp_path / "ops.json"
     with contextlib.redirect_stdout(io.StringIO()) as printed:
-        bench.main(["--step-gemms", "--max-num-seqs", "2", "--prompt-len", "8", "--threads",
-                    "1", "--out", str(out)])
-    figures = json.loads(out.read_text())["step_gemms"]
-    assert (figures["model"], figures["batch"]) == ("tiny", 2)
-    assert figures["linears"] == 6 * M.GPTConfig().n_layer + 1  # q k v o up down, LM head
-    assert 0 < figures["attention_share"] < 1 and figures["step_ms"] > 0
-    assert 0 < figures["sdpa_share"] < figures["attention_share"]
-    assert figures["step_over_gemms"] == pytest.approx(figures["step_ms"] / figures["gemm_ms"])
-    assert "| tiny | 2 |" in printed.getvalue()
+        bench.main(["--count-ops", "--preset", "llama-tiny", "--max-num-seqs", "4",
+                    "--prompt-len", "16", "--threads", "1", "--out", str(out)])
+    figures = json.loads(out.read_text())["count_ops"]
+    assert (figures["counted"], figures["dtype"], figures["batch"]) == ("aten_calls", "float32", 4)
+    assert figures["per_layer"] == [82, 59, 59, 59]
+    assert figures["ops"]["linear.default"] == 4  # qkv, o, gate_up, down
+    assert "| 3 | 59 |" in printed.getvalue()

@@ -411,7 +411,9 @@ def test_dtype_auto_is_float32_on_a_cpu_and_the_checkpoints_on_cuda(tmp_path):
 def test_a_checkpoint_loads_without_random_weights_and_in_its_own_dtype_without_a_copy():
     """The model is built on the meta device (its random init touches no memory) and takes
     the file's tensors as its parameters: in the file's dtype on a CPU not one byte is
-    copied (the parameters are views of the memory-mapped file), equal to the file's bits."""
+    copied (the parameters are views of the memory-mapped file) but the stacked projections,
+    concatenated once each (q, k, v into qkv_proj; gate, up into gate_up_proj), equal to the
+    file's bits."""
     path = os.path.join(MODEL_FIXTURES, "qwen3")  # bf16 weights
     with OpLog() as log:
         model = checkpoint.load_checkpoint(path, torch.bfloat16, "cpu")
@@ -420,8 +422,10 @@ def test_a_checkpoint_loads_without_random_weights_and_in_its_own_dtype_without_
     written = [(name, numel) for name, device, numel, _ in log.ops
                if device == "cpu" and name.startswith(writes) and numel > model.config.head_dim]
     assert written == []
+    merges = [name for name, *_ in log.ops if name.startswith("cat")]  # of a list: no device
+    assert merges == ["cat.default"] * 2 * model.config.n_layer
     stored = checkpoint.read_safetensors(os.path.join(path, "model.safetensors"))
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = model.state_dict()  # Hugging Face's names: the stacked ones split, as views
     assert all(torch.equal(params[name], t) and params[name].dtype == torch.bfloat16
                for name, t in stored.items())
     assert model.rotary.inv_freq.dtype == torch.float32  # RoPE's frequencies stay exact
@@ -438,7 +442,7 @@ def test_a_checkpoint_converts_each_tensor_once_to_the_dtype_it_runs_in():
                    if name.startswith("_to_copy") and dtype == torch.bfloat16]
     assert len(conversions) == len(stored)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = model.state_dict()  # Hugging Face's names: the stacked ones split, as views
     assert all(torch.equal(params[name], t.float()) for name, t in stored.items())
 
 
@@ -448,14 +452,14 @@ def test_an_engine_in_bfloat16_runs_the_checkpoint_in_bfloat16(tmp_path):
     llm = fixture_llm("qwen3", tmp_path, dtype="bfloat16")
     engine = llm.engine
     assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
-    assert engine.k_caches.dtype == torch.bfloat16
+    assert engine.model_runner.k_caches.dtype == torch.bfloat16
     assert engine.model.rotary.inv_freq.dtype == torch.float32
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     got = llm.generate([[1, 2, 3, 4, 5]], params)[0].outputs[0].token_ids
     cast = fixture_llm("qwen3", tmp_path / "cast", dtype="float32")
     cast.engine.model.to(torch.bfloat16)
-    cast.engine.k_caches = cast.engine.k_caches.to(torch.bfloat16)
-    cast.engine.v_caches = cast.engine.v_caches.to(torch.bfloat16)
+    cast.engine.model_runner.k_caches = cast.engine.model_runner.k_caches.to(torch.bfloat16)
+    cast.engine.model_runner.v_caches = cast.engine.model_runner.v_caches.to(torch.bfloat16)
     want = cast.generate([[1, 2, 3, 4, 5]], params)[0].outputs[0].token_ids
     assert got == want
 

@@ -155,9 +155,12 @@ def test_help_shows_every_default(capsys):
         parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     for flag, default in [("--temperature", "0.8"), ("--top-p", "0.95"), ("--seed", "0"),
-                          ("--max-num-batched-tokens", "512"), ("--block-size", "16"),
+                          ("--gpu-memory-utilization", "0.9"), ("--block-size", "16"),
                           ("--policy", "fcfs"), ("--enable-chunked-prefill", "True")]:
         assert flag in text and f"(default: {default})" in text.rsplit(flag, 1)[1][:300], flag
+    for flag, default in [("--max-num-seqs", "64 on a CPU, 256 on CUDA"),
+                          ("--max-num-batched-tokens", "512 on a CPU, 8192 on CUDA")]:
+        assert f"default: {default}" in text.rsplit(flag, 1)[1][:300], flag  # by device
 
 
 def test_cli_prints_control_characters_as_escapes(capsys):

@@ -13,12 +13,12 @@ from sampling import SamplingParams
 def uploaded_block_ids(engine, monkeypatch) -> list[int]:
     """Every block id the engine's steps will upload into the input batch's tables."""
     uploaded = []
-    step_block_tables = engine.input_batch.step_block_tables
+    step_block_tables = engine.model_runner.input_batch.step_block_tables
 
     def recording(rows, new_rows, new_columns, new_block_ids, max_num_blocks):
         uploaded.append(len(new_block_ids))
         return step_block_tables(rows, new_rows, new_columns, new_block_ids, max_num_blocks)
-    monkeypatch.setattr(engine.input_batch, "step_block_tables", recording)
+    monkeypatch.setattr(engine.model_runner.input_batch, "step_block_tables", recording)
     return uploaded
 
 
@@ -43,7 +43,7 @@ def test_block_tables_are_as_the_block_tables_say_padded_with_block_0_to_16_colu
     engine = tiny(block_size=4).engine
     for prompt in ([1] * 7, [2] * 10, [3] * 2):
         engine.add_request(prompt, GREEDY)
-    batch = engine._prepare_inputs(engine.scheduler.schedule().num_scheduled_tokens)
+    batch = engine.model_runner._prepare_inputs(engine.scheduler.schedule().num_scheduled_tokens)
     tables = batch.attn_metadata.block_tables
     seqs = list(engine.scheduler.running)
     assert tables.dtype == torch.int32 and tables.shape == (3, 16)
@@ -57,18 +57,18 @@ def test_a_row_is_reused_empty_after_its_sequence_finishes(monkeypatch):
     block: what the long one left is zeroed (the tables are padded with block 0)."""
     engine = tiny(block_size=4, max_num_seqs=1).engine
     tables = []
-    step_block_tables = engine.input_batch.step_block_tables
+    step_block_tables = engine.model_runner.input_batch.step_block_tables
 
     def recording(*args):
         table = step_block_tables(*args)
         tables.append(table[0].tolist())
         return table
-    monkeypatch.setattr(engine.input_batch, "step_block_tables", recording)
+    monkeypatch.setattr(engine.model_runner.input_batch, "step_block_tables", recording)
     engine.add_request([1] * 30, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     engine.add_request([2] * 3, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
-    assert engine.input_batch.block_tables.shape[0] == 1  # one row: the short one took it
+    assert engine.model_runner.input_batch.block_tables.shape[0] == 1  # one row: the short one took it
     assert sum(1 for b in tables[0] if b) >= 7  # (block 0 may be one of the long one's)
     assert sum(1 for b in tables[-1][1:] if b) == 0
     assert_no_leaks(engine)
@@ -118,7 +118,7 @@ def test_a_batch_that_fails_after_taking_new_blocks_leaves_no_row_behind(monkeyp
     prompts = [[5 + i] * (20 + 7 * i) for i in range(3)]
     alone = [tiny().generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
     llm = tiny(block_size=8)
-    step_block_tables = llm.engine.input_batch.step_block_tables
+    step_block_tables = llm.engine.model_runner.input_batch.step_block_tables
     calls = []
 
     def failing_once(*args):
@@ -126,7 +126,7 @@ def test_a_batch_that_fails_after_taking_new_blocks_leaves_no_row_behind(monkeyp
         if len(calls) == 1:
             raise RuntimeError("the device table was not written")
         return step_block_tables(*args)
-    monkeypatch.setattr(llm.engine.input_batch, "step_block_tables", failing_once)
+    monkeypatch.setattr(llm.engine.model_runner.input_batch, "step_block_tables", failing_once)
     outputs = llm.generate(prompts, GREEDY)
     assert [out.outputs[0].token_ids for out in outputs] == alone
     assert calls[:4] == [3, 1, 1, 1]  # the batch of 3 failed, then each alone

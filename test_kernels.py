@@ -1,6 +1,7 @@
 """kernels.py's guarantees: paged attention (the CPU path and the Triton kernel, in Triton's
 interpreter) equals the reference; the kernel as launched compiles for sm_80 and sm_90.
 """
+import collections
 import dataclasses
 import json
 import os
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import kernels
-import nanoserve
+import model_runner
 from conftest import DEVICE, HERE, CountSyncs
 from kernels import (AttentionMetadata, paged_attention, paged_attention_cpu, paged_attention_ref,
                      store_kv)
@@ -45,13 +46,15 @@ BATCHES = {
 
 
 def make_batch(seq_shapes, block_size, head_dim, dtype=torch.float32, seed=0, width=None,
-               device=DEVICE, num_heads=NUM_HEADS, num_kv_heads=None):
+               device=DEVICE, num_heads=NUM_HEADS, num_kv_heads=None, num_decodes=0):
     """Random q (N, num_heads, D), caches (NB, BS, num_kv_heads, D) (default: num_heads) and
-    metadata as Engine._prepare_inputs builds them: shuffled blocks, 0-padding.
+    metadata as ModelRunner._prepare_inputs builds them: shuffled blocks, 0-padding.
 
     Block tables are `width` columns wide (default: just wide enough for the longest sequence),
-    padded with block 0, as the engine pads them to cdiv(max_model_len, block_size).
+    padded with block 0, as the engine pads them to cdiv(max_model_len, block_size). The first
+    num_decodes sequences, of one query each, are the metadata's decodes.
     """
+    assert all(q_len == 1 for _, q_len in seq_shapes[:num_decodes])
     num_kv_heads = num_kv_heads or num_heads
     gen = torch.Generator().manual_seed(seed)
     num_blocks = [cdiv(ctx, block_size) for ctx, _ in seq_shapes]
@@ -74,7 +77,7 @@ def make_batch(seq_shapes, block_size, head_dim, dtype=torch.float32, seed=0, wi
         context_lens=torch.tensor([ctx for ctx, _ in seq_shapes], dtype=torch.int32,
                                   device=device),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        max_query_len=max(q for _, q in seq_shapes))
+        max_query_len=max(q for _, q in seq_shapes), num_decodes=num_decodes)
     # This step's K/V go in through store_kv, as in the model; q is a strided view, as there.
     qkv = torch.randn(starts[-1], num_heads + 2 * num_kv_heads, head_dim, generator=gen)
     q, k, v = qkv.to(device, dtype).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
@@ -186,9 +189,199 @@ def test_triton_kernel_low_precision_matches_fp32_reference(num_heads, num_kv_he
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
+# ----------------------------------------------------------------------------- decode kernel
+
+# Decodes first (as the engine orders them), then prefill chunks: long cached contexts that are
+# multiples of nothing, one at position 0; a chunk over a 70-token prefix and a whole prompt.
+DECODES_FIRST = [(37, 1), (1, 1), (150, 1), (61, 1), (83, 13), (20, 20)]
+NUM_DECODES = 4
+DECODES_ONLY = DECODES_FIRST[:NUM_DECODES]
+
+
+class RecordedKernel:
+    """A kernel of kernels.py that appends each launch's (its name, grid) to `launches`, then
+    launches it, or (run=False) does nothing."""
+
+    def __init__(self, name: str, launches: list, run: bool):
+        self.name, self.kernel = name, getattr(kernels, name)
+        self.launches, self.run = launches, run
+
+    def __getitem__(self, grid):
+        self.launches.append((self.name, grid))
+        return self.kernel[grid] if self.run else lambda *args, **kwargs: None
+
+
+def record_launches(monkeypatch, run: bool = True) -> list:
+    """The (kernel name, grid) of every launch paged_attention makes from now on."""
+    launches = []
+    for name in ("_paged_attention_kernel", "_paged_attention_decode_kernel",
+                 "_reduce_splits_kernel"):
+        monkeypatch.setattr(kernels, name, RecordedKernel(name, launches, run))
+    return launches
+
+
+def set_num_sms(monkeypatch, num_sms: int) -> None:
+    """paged_attention sees a device of num_sms SMs, a CPU's (the interpreter) or a GPU's."""
+    monkeypatch.setattr(kernels, "device_num_sms", lambda device: num_sms)
+
+
+@pytest.fixture
+def small_splits(monkeypatch):
+    """Key tiles of 16 and splits of 16 keys and up, over 24 SMs: the short contexts the
+    interpreter's speed allows still cut into several splits, and a split's range ends inside
+    a block and a context."""
+    monkeypatch.setattr(kernels, "TILE_KEYS", 16)
+    monkeypatch.setattr(kernels, "MIN_SPLIT_KEYS", 16)
+    set_num_sms(monkeypatch, 24)
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """torch.empty's floating tensors filled with NaN: an output, or a split's partial, that no
+    program writes shows, where fresh memory could hold zeros by chance."""
+    empty = torch.empty
+
+    def empty_of_nans(*args, **kwargs):
+        tensor = empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+    monkeypatch.setattr(torch, "empty", empty_of_nans)
+
+
+def assert_matches_reference(q, k_cache, v_cache, meta, tol=1e-5):
+    """paged_attention equals the reference (in fp32, on q's rounded inputs) up to tol."""
+    scale = q.shape[2] ** -0.5
+    out = paged_attention(q, k_cache, v_cache, meta, scale)
+    expected = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+    assert out.dtype == q.dtype
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+# (block size, query heads, KV heads, head dim): block sizes 1, 8, 16 and 17; G = 1, 2, 7
+# (Qwen2.5-0.5B's 14 over 2) and 16 (no padding to tl.dot's 16); head dims 64, 80 (padded to
+# 128) and 128.
+DECODE_SHAPES = [(1, 2, 2, 64), (8, 4, 2, 80), (17, 14, 2, 64), (16, 16, 1, 128),
+                 (17, 1, 1, 128), (8, 7, 1, 80), (1, 16, 1, 80)]
+
+
+@pytest.mark.parametrize("block_size, num_heads, num_kv_heads, head_dim", DECODE_SHAPES)
+def test_decode_kernel_matches_reference(block_size, num_heads, num_kv_heads, head_dim,
+                                         small_splits, nan_empty, monkeypatch):
+    """A batch of only decodes: the decode kernel alone, each context split over 24 // (4 *
+    Hkv) programs (3 splits of 64 keys for the context of 150 over 2 KV heads, of 16 for 37;
+    a context of 1 leaves all splits but one empty), then the reduce."""
+    launches = record_launches(monkeypatch)
+    q, k_cache, v_cache, meta = make_batch(DECODES_ONLY, block_size, head_dim,
+                                           num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                           num_decodes=NUM_DECODES)
+    assert_matches_reference(q, k_cache, v_cache, meta)
+    num_splits = 24 // (NUM_DECODES * num_kv_heads)
+    assert launches == [
+        ("_paged_attention_decode_kernel", (NUM_DECODES, num_kv_heads, num_splits)),
+        ("_reduce_splits_kernel", (NUM_DECODES, num_heads))]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(2, 2), (14, 2)])
+@pytest.mark.parametrize("num_decodes", [NUM_DECODES, 2, 0])
+def test_mixed_batch_with_decodes_first_matches_reference(num_decodes, num_heads, num_kv_heads,
+                                                          small_splits, nan_empty, monkeypatch):
+    """Decodes first, then prefill chunks: the first num_decodes sequences go to the decode
+    kernel, the others (two decodes among them when num_decodes is 2; all six when 0) to
+    the prefill kernel, whose grid holds them alone. Every output written, each once."""
+    launches = record_launches(monkeypatch)
+    q, k_cache, v_cache, meta = make_batch(DECODES_FIRST, 16, 80, num_heads=num_heads,
+                                           num_kv_heads=num_kv_heads, num_decodes=num_decodes)
+    assert_matches_reference(q, k_cache, v_cache, meta)
+    group_size = num_heads // num_kv_heads
+    grids = {name: grid for name, grid in launches}
+    assert len(grids) == len(launches)  # each kernel once at most
+    assert grids["_paged_attention_kernel"] == (len(DECODES_FIRST) - num_decodes, num_kv_heads,
+                                                cdiv(20 * group_size, 16))
+    if num_decodes:
+        assert grids["_paged_attention_decode_kernel"][:2] == (num_decodes, num_kv_heads)
+        assert "_reduce_splits_kernel" in grids  # 24 SMs: every case splits
+    else:
+        assert list(grids) == ["_paged_attention_kernel"]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(2, 2), (14, 2)])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_kernel_with_one_or_two_splits(num_splits, num_heads, num_kv_heads, small_splits,
+                                              nan_empty, monkeypatch):
+    """SMs for num_splits programs a (decode, KV head): one split writes its output itself,
+    normalized, with no reduce; two, their partials, then the reduce."""
+    set_num_sms(monkeypatch, num_splits * NUM_DECODES * num_kv_heads)
+    launches = record_launches(monkeypatch)
+    q, k_cache, v_cache, meta = make_batch(DECODES_ONLY, 8, 64, num_heads=num_heads,
+                                           num_kv_heads=num_kv_heads, num_decodes=NUM_DECODES)
+    assert_matches_reference(q, k_cache, v_cache, meta)
+    reduce = [("_reduce_splits_kernel", (NUM_DECODES, num_heads))] if num_splits > 1 else []
+    assert launches == [
+        ("_paged_attention_decode_kernel", (NUM_DECODES, num_kv_heads, num_splits)), *reduce]
+
+
+@pytest.mark.parametrize("dtype, tol", LOW_PRECISION)
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(2, 2), (14, 2)])
+def test_decode_kernel_low_precision_matches_fp32_reference(num_heads, num_kv_heads, dtype, tol,
+                                                            small_splits):
+    """fp16 and bf16 K/V and queries, their splits' partials in fp32, beside a prefill chunk."""
+    q, k_cache, v_cache, meta = make_batch(DECODES_FIRST[:5], 16, 64, dtype, num_heads=num_heads,
+                                           num_kv_heads=num_kv_heads, num_decodes=NUM_DECODES)
+    assert_matches_reference(q, k_cache, v_cache, meta, tol)
+
+
+def test_decode_launch_reads_no_tensor_value(small_splits, monkeypatch):
+    """The launch of decodes, splits and reduce reads no tensor's value (on a GPU, a wait;
+    under a CUDA graph, a value of the capture): the number of splits comes from shapes alone,
+    so contexts of other lengths in the same shapes launch the same grids."""
+    launches = record_launches(monkeypatch, run=False)
+    q, k_cache, v_cache, meta = make_batch(DECODES_FIRST, 16, 64, num_heads=14, num_kv_heads=2,
+                                           num_decodes=NUM_DECODES)
+    with CountSyncs() as counter:
+        paged_attention(q, k_cache, v_cache, meta, 0.125)
+        meta.context_lens = torch.ones_like(meta.context_lens)  # values only: same grids
+        paged_attention(q, k_cache, v_cache, meta, 0.125)
+    assert counter.syncs == []
+    grids = kernels.launch_grids(meta, 2, 7, 16, 24)
+    assert launches == 2 * [("_paged_attention_kernel", grids.prefill),
+                            ("_paged_attention_decode_kernel", grids.decode),
+                            ("_reduce_splits_kernel", grids.reduce)]
+    assert grids.decode == (NUM_DECODES, 2, 3) and grids.prefill == (2, 2, cdiv(20 * 7, 16))
+
+
+def test_decodes_get_no_program_of_the_prefill_kernel():
+    """Issue 39's step: 63 decodes beside a 449-token chunk, 14 query heads over 2 KV heads
+    (G = 7). With its decodes apart the step launches 520 programs, not the 25,216 of one
+    grid that gives each decode as many as the chunk (cdiv(449 * 7, 16) = 197 a KV head)."""
+    meta = engine_args(torch.float16, 64, ((900, 1),) * 63 + ((449, 449),),
+                       num_heads=14, num_kv_heads=2)[3]
+    meta.num_decodes = 63
+    grids = kernels.launch_grids(meta, 2, 7, 16, 132)
+    assert grids == kernels.LaunchGrids(decode=(63, 2, 1), reduce=None, prefill=(1, 2, 197))
+    meta.num_decodes = 0
+    assert kernels.launch_grids(meta, 2, 7, 16, 132) == kernels.LaunchGrids(
+        decode=None, reduce=None, prefill=(64, 2, 197))
+
+
+@pytest.mark.parametrize("num_decodes, num_kv_heads, max_context, num_sms, num_splits", [
+    (1, 2, 32768, 132, 64),   # batch 1, Qwen2.5-0.5B: every SM, up to MAX_KV_SPLITS
+    (1, 2, 1024, 132, 4),     # a table of 1024 keys: 4 splits of MIN_SPLIT_KEYS
+    (1, 2, 100, 132, 1),      # shorter than MIN_SPLIT_KEYS: no split
+    (8, 2, 32768, 132, 8),    # fewer splits for more sequences: 8 * 2 * 8 = 128 programs
+    (33, 2, 32768, 132, 2),   # 66 (decode, KV head) on 132 SMs: 2 splits
+    (66, 2, 32768, 132, 1),   # the decodes fill the SMs alone
+    (200, 8, 32768, 132, 1),  # more than fill them
+    (1, 2, 32768, 24, 12),    # another device's SMs
+])
+def test_num_kv_splits_from_shapes(num_decodes, num_kv_heads, max_context, num_sms, num_splits):
+    assert kernels.num_kv_splits(num_decodes, num_kv_heads, max_context, num_sms) == num_splits
+
+
 @needs_cuda
-def test_triton_launch_never_waits_for_the_gpu():
-    q, k_cache, v_cache, meta = make_batch(BATCHES["mixed"], 16, 64, torch.bfloat16)
+@pytest.mark.parametrize("seq_shapes, num_decodes", [(BATCHES["mixed"], 0),
+                                                     (DECODES_FIRST, NUM_DECODES)])
+def test_triton_launch_never_waits_for_the_gpu(seq_shapes, num_decodes):
+    q, k_cache, v_cache, meta = make_batch(seq_shapes, 16, 64, torch.bfloat16,
+                                           num_decodes=num_decodes)
     paged_attention(q, k_cache, v_cache, meta, 0.125)  # compiles
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any device-to-host sync now raises
@@ -202,7 +395,7 @@ def test_triton_launch_never_waits_for_the_gpu():
 def test_a_cuda_step_waits_for_the_device_only_to_read_its_results(monkeypatch):
     """Whole engine steps (a prompt chunk beside decodes; greedy, seeded and unseeded samples,
     top-k and top-p; log-probabilities) under set_sync_debug_mode("error"): any wait for the
-    GPU raises, except in nanoserve.to_host, where the step reads its tokens on purpose. A
+    GPU raises, except in model_runner.to_host, where the step reads its tokens on purpose. A
     step that fails fails its requests (finish_reason "error"), so none may."""
     engine = Engine(EngineConfig(preset="tiny", device="cuda", dtype="bfloat16",
                                  max_num_batched_tokens=32))
@@ -216,7 +409,7 @@ def test_a_cuda_step_waits_for_the_device_only_to_read_its_results(monkeypatch):
     add_requests(4)
     outputs = engine.step() + engine.step()  # compiled and warmed: the next steps are steady
     add_requests(40)  # chunked over the next steps, beside the first three's decodes
-    to_host = nanoserve.to_host
+    to_host = model_runner.to_host
     reads = []
 
     def read_on_purpose(tensor: torch.Tensor) -> list:
@@ -226,7 +419,7 @@ def test_a_cuda_step_waits_for_the_device_only_to_read_its_results(monkeypatch):
             return to_host(tensor)
         finally:
             torch.cuda.set_sync_debug_mode("error")
-    monkeypatch.setattr(nanoserve, "to_host", read_on_purpose)
+    monkeypatch.setattr(model_runner, "to_host", read_on_purpose)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -283,6 +476,9 @@ COMPILE_VARIANTS = [("float16", 64, 12, 12), ("float16", 48, 12, 12), ("bfloat16
 
 # Batches unlike each other: one decode; 64 decodes and a 200-token chunk; two chunks.
 VARIED_BATCHES = [((1, 1),), ((900, 1),) * 64 + ((200, 200),), ((16, 16), (1000, 512))]
+# The same with their leading decodes apart (the one split, the 64 not), and 3 decodes (split)
+# before the two chunks: the prefill kernel starts at sequence 64, 3 or 0.
+DECODES_APART_BATCHES = [*VARIED_BATCHES, ((900, 1),) * 3 + ((16, 16), (1000, 512))]
 
 
 class CompileOnlyDriver:
@@ -302,11 +498,12 @@ class CompileOnlyDriver:
 
 
 def engine_args(dtype, head_dim, seq_shapes=((100, 1), (7, 1), (300, 1), (37, 37)),
-                num_heads=12, num_kv_heads=None, block_size=16, width=64, num_blocks=512):
+                num_heads=12, num_kv_heads=None, block_size=16, width=64, num_blocks=512,
+                num_decodes=0):
     """paged_attention's arguments as the engine passes them for sequences of
     (context_len, q_len), by default 3 decodes and a 37-token prefill chunk: q a view of the
     fused qkv projection, contiguous caches of num_kv_heads heads (default: num_heads, GPT-2's),
-    int32 metadata, block tables cdiv(1024, 16) wide."""
+    int32 metadata, block tables cdiv(1024, 16) wide, the first num_decodes sequences decodes."""
     num_kv_heads = num_kv_heads or num_heads
     num_tokens = sum(q_len for _, q_len in seq_shapes)
     qkv = torch.zeros(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
@@ -320,19 +517,20 @@ def engine_args(dtype, head_dim, seq_shapes=((100, 1), (7, 1), (300, 1), (37, 37
         block_tables=torch.zeros(len(seq_shapes), width, dtype=torch.int32),
         context_lens=torch.tensor([ctx for ctx, _ in seq_shapes], dtype=torch.int32),
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        max_query_len=max(q_len for _, q_len in seq_shapes))
+        max_query_len=max(q_len for _, q_len in seq_shapes), num_decodes=num_decodes)
     return q, k_cache, torch.zeros_like(k_cache), meta, head_dim ** -0.5
 
 
-def launch_specialization(args) -> str:
+def launch_specializations(args) -> list[tuple[str, str]]:
     """paged_attention(*args) as on a GPU: JITFunction.run binds the arguments and hands its
-    specialization to jit_cache_hook, whose True skips the compile and the launch. The launch
-    must not read a tensor's value (on a GPU, a wait for the device)."""
+    specialization to jit_cache_hook, whose True skips the compile and the launch; (kernel
+    name, specialization) of each launch, in order. The launch must not read a tensor's value
+    (on a GPU, a wait for the device)."""
     import triton  # here, not at the top: kernels.py chooses the interpreter before importing it
     seen = []
 
-    def hook(*, compile, **_):
-        seen.append(compile["specialization_data"])
+    def hook(*, fn, compile, **_):
+        seen.append((fn.name, compile["specialization_data"]))
         return True
 
     triton.knobs.runtime.jit_cache_hook = hook
@@ -342,8 +540,14 @@ def launch_specialization(args) -> str:
     finally:
         triton.knobs.runtime.jit_cache_hook = None
     assert counter.syncs == [], counter.syncs
-    assert len(seen) == 1, seen
-    return seen[0]
+    return seen
+
+
+def launch_specialization(args) -> str:
+    """The specialization of the one kernel paged_attention(*args) launches (no decodes)."""
+    seen = launch_specializations(args)
+    assert [name for name, _ in seen] == ["_paged_attention_kernel"], seen
+    return seen[0][1]
 
 
 def ptxas_counts(ptx: str, cc: int) -> tuple[int, int]:
@@ -365,14 +569,48 @@ def ptxas_counts(ptx: str, cc: int) -> tuple[int, int]:
 def compile_as_launched(cc: int, dtype: str, head_dim: int, num_heads: int,
                         num_kv_heads: int) -> dict:
     """Compile the kernel exactly as paged_attention would launch it on compute capability cc,
-    for q of num_heads heads over caches of num_kv_heads, and report what the compile gave:
-    the specialization (which parameters are bound to 1, which pointers are 16-byte aligned),
-    ptxas's registers and spills, shared memory, and whether K/V are loaded by cp.async with
-    copies still in flight."""
-    from triton.backends.nvidia.compiler import sm_arch_from_capability
-    fn = kernels._paged_attention_kernel
+    for q of num_heads heads over caches of num_kv_heads, and report what the compile gave
+    (compile_report)."""
     data = launch_specialization(engine_args(getattr(torch, dtype), head_dim,
                                              num_heads=num_heads, num_kv_heads=num_kv_heads))
+    return dict(cc=cc, dtype=dtype, head_dim=head_dim, num_heads=num_heads,
+                num_kv_heads=num_kv_heads) | compile_report("_paged_attention_kernel", data, cc)
+
+
+# The decode kernel and its reduce as launched for 3 decodes (each split in 4: the tables'
+# 64 blocks of 16 hold 1024 keys, 4 splits of MIN_SPLIT_KEYS) and for 132 (unsplit, with
+# CPU_NUM_SMS = 132), with GPT-2's heads and grouped ones: (dtype, head dim, query heads, KV
+# heads).
+DECODE_COMPILE_VARIANTS = [("float16", 64, 12, 12), ("bfloat16", 64, 14, 2),
+                           ("float16", 128, 16, 8), ("bfloat16", 128, 32, 8),
+                           ("float32", 64, 12, 12)]
+DECODE_BATCHES = [((100, 1), (7, 1), (300, 1)), ((100, 1),) * 132]
+
+
+def compile_decodes_as_launched(cc: int) -> list[dict]:
+    """Compile the decode kernel and its reduce exactly as paged_attention would launch them on
+    cc for DECODE_COMPILE_VARIANTS' batches, each distinct specialization once (first all are
+    seen, none compiled: a compiled one would be launched), and report what each gave."""
+    launched = {}  # (kernel name, specialization): the first variant and batch to launch it
+    for dtype, head_dim, num_heads, num_kv_heads in DECODE_COMPILE_VARIANTS:
+        for shapes in DECODE_BATCHES:
+            args = engine_args(getattr(torch, dtype), head_dim, shapes, num_heads, num_kv_heads,
+                               num_decodes=len(shapes))
+            for name, data in launch_specializations(args):
+                launched.setdefault((name, data), dict(
+                    cc=cc, kernel=name, dtype=dtype, head_dim=head_dim, num_heads=num_heads,
+                    num_kv_heads=num_kv_heads, num_decodes=len(shapes)))
+    return [report | compile_report(name, data, cc)
+            for (name, data), report in launched.items()]
+
+
+def compile_report(name: str, data: str, cc: int) -> dict:
+    """Compile kernels.py's kernel `name` for specialization `data` on compute capability cc
+    and report what the compile gave: the specialization (which parameters are bound to 1,
+    which pointers are 16-byte aligned), ptxas's registers and spills, shared memory, and
+    whether K/V are loaded by cp.async with copies still in flight."""
+    from triton.backends.nvidia.compiler import sm_arch_from_capability
+    fn = getattr(kernels, name)
     compiled = fn.preload(data)  # Triton compiles exactly that specialization
     spec = json.loads(data)
     ptx = compiled.asm["ptx"]
@@ -383,8 +621,7 @@ def compile_as_launched(cc: int, dtype: str, head_dim: int, num_heads: int,
                if ["tt.divisibility", 16] in v]
     regs, spills = ptxas_counts(ptx, cc)
     waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)]
-    return dict(cc=cc, dtype=dtype, head_dim=head_dim, num_heads=num_heads,
-                num_kv_heads=num_kv_heads, regs=regs, spills=spills,
+    return dict(regs=regs, spills=spills,
                 smem=compiled.metadata.shared, cp_async="cp.async.cg.shared.global" in ptx,
                 copies_in_flight=max(waits, default=0), ones=ones, aligned=aligned,
                 target=f".target {sm_arch_from_capability(cc)}" in ptx,
@@ -412,21 +649,28 @@ def print_compiled_variants() -> None:
     driver.set_active(CompileOnlyDriver(GPUTarget("cuda", COMPILE_CAPABILITIES[0], 32)))
     keys = [{launch_specialization(engine_args(torch.float16, 64, shapes, *heads))
              for shapes in VARIED_BATCHES} for heads in [(12, 12), (14, 2)]]
+    launched = [{spec for shapes in DECODES_APART_BATCHES for spec in launch_specializations(
+        engine_args(torch.float16, 64, shapes, *heads, num_decodes=leading_decodes(shapes)))}
+        for heads in [(12, 12), (14, 2)]]
     for cc in COMPILE_CAPABILITIES:
         driver.set_active(CompileOnlyDriver(GPUTarget("cuda", cc, 32)))
         for variant in COMPILE_VARIANTS:  # head dim 48 (padded to 64) once, in fp16
             print(json.dumps(compile_as_launched(cc, *variant)))
-    print(json.dumps(dict(specializations=[len(k) for k in keys])))
+        for report in compile_decodes_as_launched(cc):
+            print(json.dumps(report))
+    print(json.dumps(dict(specializations=[len(k) for k in keys], with_decodes_apart=[
+        dict(collections.Counter(name for name, _ in specs)) for specs in launched])))
 
 
-def test_triton_kernel_as_launched_compiles_for_sm80_and_sm90_without_spills():
-    """The kernel paged_attention would launch on sm_80 and sm_90, compiled without a GPU,
-    with as many KV heads as query heads (GPT-2) and grouped (GQA).
+def leading_decodes(seq_shapes) -> int:
+    """How many sequences of (context_len, q_len) lead the batch with one query each."""
+    return next((i for i, (_, q_len) in enumerate(seq_shapes) if q_len > 1), len(seq_shapes))
 
-    Triton's own JITFunction.run specialises the engine's real arguments (built on CPU); the
-    compile of that specialisation must fit: ptxas's registers and spills, shared memory, and
-    K/V loaded by cp.async, with the next tile's copies in flight during this tile's math.
-    """
+
+@pytest.fixture(scope="module")
+def compiled_variants() -> list[dict]:
+    """print_compiled_variants' lines, parsed, run in a process of its own (it needs
+    TRITON_INTERPRET=0); skips when this Triton lacks an internal it uses."""
     env = dict(os.environ, TRITON_INTERPRET="0")  # kernels.py keeps an explicit 0
     run_it = "import test_kernels; test_kernels.print_compiled_variants()"
     result = subprocess.run([sys.executable, "-c", run_it], env=env, capture_output=True,
@@ -434,9 +678,21 @@ def test_triton_kernel_as_launched_compiles_for_sm80_and_sm90_without_spills():
     assert result.returncode == 0, result.stderr[-3000:]
     if result.stdout.startswith("SKIP: "):
         pytest.skip(result.stdout[6:].strip())
-    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_triton_kernel_as_launched_compiles_for_sm80_and_sm90_without_spills(
+        compiled_variants):
+    """The kernel paged_attention would launch on sm_80 and sm_90, compiled without a GPU,
+    with as many KV heads as query heads (GPT-2) and grouped (GQA).
+
+    Triton's own JITFunction.run specialises the engine's real arguments (built on CPU); the
+    compile of that specialisation must fit: ptxas's registers and spills, shared memory, and
+    K/V loaded by cp.async, with the next tile's copies in flight during this tile's math.
+    """
+    rows = [r for r in compiled_variants if "kernel" not in r]  # the decode kernels' have it
     # Varied batches (sizes, decodes and chunks) launch one specialisation a model: one compile.
-    assert rows.pop() == dict(specializations=[1, 1])
+    assert rows.pop()["specializations"] == [1, 1]
     assert [(r["cc"], r["dtype"], r["head_dim"], r["num_heads"], r["num_kv_heads"])
             for r in rows] == [(cc, *variant) for cc in COMPILE_CAPABILITIES
                                for variant in COMPILE_VARIANTS]
@@ -458,3 +714,33 @@ def test_triton_kernel_as_launched_compiles_for_sm80_and_sm90_without_spills():
             if r["num_heads"] == r["num_kv_heads"]}
     for r in rows:
         assert r["smem"] == smem[r["cc"], r["dtype"], r["head_dim"]], r
+
+
+def test_decode_kernels_as_launched_compile_for_sm80_and_sm90_without_spills(compiled_variants):
+    """The decode kernel (split, writing partials, and not, writing out) and its reduce, as
+    paged_attention would launch them on sm_80 and sm_90: no spills, and the decode kernel's
+    K/V by cp.async with copies in flight, in the prefill kernel's shared memory. Varied
+    batches with their decodes apart compile each kernel once a model, the decode kernel
+    twice (split or not), the prefill kernel still once whichever sequence it starts at."""
+    reports = [r for r in compiled_variants if "kernel" in r]
+    assert compiled_variants[-1]["with_decodes_apart"] == 2 * [{
+        "_paged_attention_kernel": 1, "_paged_attention_decode_kernel": 2,
+        "_reduce_splits_kernel": 1}]
+    decode = "_paged_attention_decode_kernel"
+    assert sorted((r["cc"], r["kernel"], r["dtype"], r["head_dim"], r["num_heads"],
+                   r["num_kv_heads"], r["num_decodes"]) for r in reports) == sorted(
+        (cc, name, *variant, num_decodes)
+        for cc in COMPILE_CAPABILITIES for variant in DECODE_COMPILE_VARIANTS
+        for name, num_decodes in [(decode, 3), (decode, 132), ("_reduce_splits_kernel", 3)])
+    prefill_smem = {(r["cc"], r["dtype"], r["head_dim"]): r["smem"] for r in compiled_variants
+                    if "kernel" not in r and "smem" in r}
+    for r in reports:
+        assert r["target"] and r["cubin"] > 0 and r["spills"] == 0, r
+        assert {"out_ptr", "query_start_loc_ptr", "partial_out_ptr"} <= set(r["aligned"]), r
+        if r["kernel"] == "_reduce_splits_kernel":
+            assert r["ones"] == ["stride_od"], r
+            continue
+        assert set(r["ones"]) == {"stride_qd", "stride_kd", "stride_vd", "stride_od"}, r
+        assert r["smem"] == prefill_smem[r["cc"], r["dtype"], r["head_dim"]], r
+        if r["dtype"] != "float32":  # fp32 (not the GPU default) only has to compile
+            assert r["cp_async"] and r["copies_in_flight"] > 0 and r["regs"] <= 128, r

@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import checkpoint
 import cli
@@ -99,6 +100,108 @@ def test_rmsnorm_takes_its_mean_square_in_fp32_under_bf16():
     assert not torch.equal(got, norm.weight * bf16_stats)
 
 
+def unmerged_hidden_states(model: M.GPT, idx: torch.Tensor) -> torch.Tensor:
+    """model's dense hidden states for idx (B, T) as its layers computed them before q, k, v
+    and gate, up were stacked and the residual adds fused: each projection its own GEMM (the
+    state dict's tensors), x + attention then x + MLP, RoPE on q and on k."""
+    c = model.config
+    state = model.state_dict()
+
+    def linear(x, name):
+        return F.linear(x, state[name + ".weight"], state.get(name + ".bias"))
+    x, (cos, sin) = model.embed(idx, torch.arange(idx.shape[1]).expand(idx.shape))
+    for i, block in enumerate(model.model.layers):
+        p = f"model.layers.{i}."
+        h = block.input_layernorm(x)
+        q, k, v = (linear(h, p + f"self_attn.{name}_proj").unflatten(-1, (heads, c.head_dim))
+                   for name, heads in zip("qkv", (c.n_head, c.n_kv_head, c.n_kv_head)))
+        if c.qk_norm:
+            q, k = block.self_attn.q_norm(q), block.self_attn.k_norm(k)
+        q, k = M.apply_rope(q, cos, sin), M.apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True,
+                                           enable_gqa=c.n_kv_head != c.n_head)
+        x = x + linear(y.transpose(1, 2).flatten(2), p + "self_attn.o_proj")
+        h = block.post_attention_layernorm(x)
+        gated = F.silu(linear(h, p + "mlp.gate_proj")) * linear(h, p + "mlp.up_proj")
+        x = x + linear(gated, p + "mlp.down_proj")
+    return model.model.norm(x)
+
+
+@pytest.mark.parametrize("name, dtype", [("llama-tiny", torch.float32),
+                                         ("qwen2", torch.float32), ("qwen3", torch.bfloat16)])
+@torch.inference_mode()
+def test_a_cpu_computes_the_unmerged_unfused_layers_bits(name, dtype):
+    """On a CPU the stacked GEMMs, the residual adds done by the next norm and RoPE on q's
+    and k's heads at once give bit for bit what the layers computed before (llama-tiny;
+    Qwen2's q, k, v biases; Qwen3's q/k norms, in bf16)."""
+    if name in M.PRESETS:
+        model = checkpoint.load_model(preset=name, dtype=dtype).model
+    else:
+        model = checkpoint.load_checkpoint(os.path.join(MODEL_FIXTURES, name), dtype)
+    idx = torch.randint(0, 257, (2, 40), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(model.dense_hidden_states(idx), unmerged_hidden_states(model, idx))
+
+
+def test_the_state_dict_keeps_hugging_faces_names_and_order_and_loads_back():
+    """The model holds q, k, v as one qkv_proj and gate, up as one gate_up_proj (biases
+    too), yet its state dict is Hugging Face's: q_proj, k_proj, v_proj, gate_proj, up_proj,
+    each weight beside its bias, in a checkpoint's order; and loading such a state dict stacks
+    them back."""
+    config = dataclasses.replace(M.PRESETS["llama-tiny"], n_layer=1, qkv_bias=True, o_bias=True,
+                                 mlp_bias=True)
+    model = M.GPT(config)
+    assert [name for name, _ in model.named_parameters() if "proj" in name] == [
+        f"model.layers.0.{name}" for name in (
+            "self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias", "self_attn.o_proj.weight",
+            "self_attn.o_proj.bias", "mlp.gate_up_proj.weight", "mlp.gate_up_proj.bias",
+            "mlp.down_proj.weight", "mlp.down_proj.bias")]
+    layer = [f"model.layers.0.{module}.{param}"
+             for module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                            "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+             for param in ("weight", "bias")]
+    state = model.state_dict()
+    assert [name for name in state if "proj" in name] == layer
+    assert state["model.layers.0.self_attn.k_proj.bias"].shape == (2 * 32,)
+    assert state["model.layers.0.mlp.up_proj.weight"].shape == (688, 256)
+    loaded = M.GPT(config)
+    loaded.load_state_dict(state)
+    assert all(torch.equal(p, q) for p, q in zip(loaded.parameters(), model.parameters()))
+
+
+def test_a_cpu_runs_the_fused_functions_as_written_never_compiled(monkeypatch):
+    """torch.compile is CUDA's: on a CPU (no C++ toolchain needed, nothing to wait for) the
+    norms, RoPE and SwiGLU run as the eager functions they are."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.compile on a CPU")
+    monkeypatch.setattr(torch, "compile", refuse)
+    model = M.GPT(M.PRESETS["llama-tiny"])
+    with torch.no_grad():
+        model.forward_dense(torch.tensor([[1, 2, 3]]))
+
+
+FUSED_INPUTS = {  # each function fused_on_cuda compiles, and arguments shaped as a layer's
+    "rms_norm": lambda: (torch.randn(5, 64), torch.rand(64), 1e-6),
+    "rms_norm_residual": lambda: (torch.randn(5, 64), torch.randn(5, 64), torch.rand(64), 1e-6),
+    "apply_rope": lambda: (torch.randn(5, 12, 16)[:, :10], torch.rand(5, 1, 16),
+                           torch.rand(5, 1, 16)),
+    "silu_and_mul": lambda: (torch.randn(5, 2 * 48),)}
+
+
+@pytest.mark.parametrize("name", list(FUSED_INPUTS))
+def test_each_function_compiled_on_cuda_traces_as_one_graph(name):
+    """On CUDA each is one kernel only if torch.compile takes it whole: a graph break (a
+    .item(), a print, a branch on a value) would split it, silently. Traced here as CUDA's
+    compile traces it, by Dynamo alone (no compiler), giving the function's own result."""
+    fn = getattr(M, name).__wrapped__
+    args = FUSED_INPUTS[name]()
+    traced = torch.compile(fn, fullgraph=True, dynamic=True, backend="eager")
+    got, want = traced(*args), fn(*args)
+    if not isinstance(want, tuple):
+        got, want = (got,), (want,)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 def test_the_lm_heads_fp32_copy_follows_its_weight():
     """The CPU's fp32 copy of the head is made again when the weight changes: written in
     place, or given new data (the model cast to fp16): the logits are always the current
@@ -122,8 +225,8 @@ def test_grouped_query_kv_cache_holds_n_kv_head_heads():
     engine = tiny(preset="llama-tiny").engine
     c = engine.model.config
     assert (c.n_head, c.n_kv_head) == (8, 2)
-    assert engine.k_caches.shape[-2:] == (2, 32)
-    assert engine.kv_bytes_per_token == 2 * c.n_layer * 2 * 32 * 4
+    assert engine.model_runner.k_caches.shape[-2:] == (2, 32)
+    assert engine.model_runner.kv_bytes_per_token == 2 * c.n_layer * 2 * 32 * 4
     full = dataclasses.replace(c, n_kv_head=c.n_head)
     assert M.GPT(full).config.n_kv_head == 8
     assert cli.kv_cache_description(engine) == "524288 a GiB (2 K/V heads for 8)"

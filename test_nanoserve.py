@@ -42,7 +42,7 @@ def whole_token_ids(deltas: list) -> list[int]:
                          ids=["prefill", "chunked-prefill", "uneven-chunks", "decode"])
 @torch.inference_mode()
 def test_paged_logits_equal_dense_forward(chunks, preset):
-    """Engine.run_batch, chunk by chunk: the logits at each chunk's end equal a dense forward's
+    """ModelRunner.execute_model, chunk by chunk: the logits at each chunk's end equal a dense forward's
     (GPT-2's layout, and Llama's with grouped heads and RoPE)."""
     engine = tiny(preset=preset, block_size=8).engine
     tokens = torch.randint(0, 257, (sum(chunks),), generator=torch.Generator().manual_seed(0))
@@ -52,10 +52,10 @@ def test_paged_logits_equal_dense_forward(chunks, preset):
         end = seq.num_computed_tokens + n
         seq.token_ids = tokens[:end].tolist()  # ends with the chunk: it samples there
         assert seq.block_table.ensure(end)
-        paged.append(engine.run_batch({seq: n}).logits[0])
+        paged.append(engine.model_runner.execute_model({seq: n}).logits[0])
         seq.num_computed_tokens, ends = end, ends + [end - 1]
     seq.block_table.release()
-    engine.input_batch.remove(seq)
+    engine.model_runner.input_batch.remove(seq)
     rel = (torch.stack(paged) - dense[ends]).abs().max() / dense.abs().max()
     assert rel < 1e-4, f"relative error {rel:.2e}"
     assert_no_leaks(engine)
@@ -63,7 +63,7 @@ def test_paged_logits_equal_dense_forward(chunks, preset):
 
 @torch.inference_mode()
 def test_paged_logits_equal_dense_forward_at_every_position():
-    """One run_batch over 30 sequences, the prefixes of one text: row i is position i's logits."""
+    """One execute_model over 30 sequences, the prefixes of one text: row i is position i's logits."""
     engine = tiny(block_size=8).engine
     tokens = torch.randint(0, 257, (30,), generator=torch.Generator().manual_seed(1))
     assert_paged_equals_dense_at_every_position(engine, tokens)
@@ -76,7 +76,7 @@ def test_block_tables_are_as_wide_as_the_batch_needs_not_as_max_model_len():
     assert engine.max_model_len == 1024
     seq = new_seq(engine, list(range(20)))
     assert seq.block_table.ensure(20)
-    tables = engine._prepare_inputs({seq: 20}).attn_metadata.block_tables
+    tables = engine.model_runner._prepare_inputs({seq: 20}).attn_metadata.block_tables
     assert tables.shape == (1, 16) and tables[0, :3].tolist() == seq.block_table.block_ids
     seq.block_table.release()
 
@@ -369,7 +369,7 @@ def test_a_step_synchronises_with_the_device_at_most_once(monkeypatch):
 
     def sync_free_attention(q, k_cache, v_cache, meta, scale):  # the CPU path reads lists
         return q
-    engine.attention = sync_free_attention
+    engine.model_runner.attention = sync_free_attention
     counter = CountSyncs()
 
     def counted(method: str):
@@ -839,13 +839,13 @@ def test_a_seeded_request_in_a_batch_that_failed_after_sampling_samples_as_alone
     seeded = SamplingParams(max_tokens=8, seed=11, temperature=1.5, ignore_eos=True)
     want = tiny().generate(["ab"], seeded)[0].outputs[0].token_ids
     engine = tiny().engine
-    real_gather = engine._gather_logprobs
+    real_gather = engine.model_runner._gather_logprobs
 
     def gather(batch, *args):
         if any(seq.request_id == "bad" for seq in batch.sample_seqs):
             raise RuntimeError("poisoned log-probabilities")
         return real_gather(batch, *args)
-    monkeypatch.setattr(engine, "_gather_logprobs", gather)
+    monkeypatch.setattr(engine.model_runner, "_gather_logprobs", gather)
     engine.add_request("ab", seeded, "seeded")
     engine.add_request("cd", SamplingParams(max_tokens=8, logprobs=1), "bad")
     deltas = run_to_end(engine)

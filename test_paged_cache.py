@@ -163,13 +163,13 @@ def test_a_fully_cached_prompt_leaves_its_shared_blocks_untouched():
     serve_steps(engine, {0: [("a", prompt, CACHE_GREEDY)]})
     _, cached = engine.block_pool.find_cached_prefix(prompt + [0])
     assert len(cached) == 4  # the prompt's 4 blocks are cached
-    kv = engine.k_caches[:, cached].clone(), engine.v_caches[:, cached].clone()
+    kv = engine.model_runner.k_caches[:, cached].clone(), engine.model_runner.v_caches[:, cached].clone()
     on = serve_steps(engine, {0: [("b", prompt, CACHE_GREEDY), ("c", prompt, CACHE_GREEDY)]},
                      seqs=(seqs := {}))
     assert on["b"] == on["c"] == off["a"]
     assert seqs["b"].num_cached_tokens == seqs["c"].num_cached_tokens == 24
-    assert torch.equal(engine.k_caches[:, cached], kv[0])
-    assert torch.equal(engine.v_caches[:, cached], kv[1])
+    assert torch.equal(engine.model_runner.k_caches[:, cached], kv[0])
+    assert torch.equal(engine.model_runner.v_caches[:, cached], kv[1])
 
 
 def test_eviction_under_memory_pressure_keeps_outputs_right():

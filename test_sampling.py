@@ -3,6 +3,7 @@ stops and min_tokens, and the checkpoint's generation_config.json defaults.
 """
 import dataclasses
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ from conftest import (NEAR_TIE, PROMPTS, assert_no_leaks, chat_checkpoint, check
                       nanoserve_main, server_in_process, tiny, token_ids)
 from input_batch import InputBatch
 from nanoserve import Engine
-from sampling import SamplingParams, SamplingTensors, apply_top_k_top_p, sample
+from sampling import (SamplingParams, SamplingTensors, apply_top_k_top_p, invalid_rows, sample,
+                      sampling_tensors)
 from tokenizer import EOT
 
 
@@ -72,14 +74,137 @@ def test_top_p_too_small_to_round_keeps_the_most_likely_token(alone):
     assert token_ids(tiny().generate(PROMPTS[:2], params)) == alone[:2]
 
 
-def test_top_k_and_top_p_mask_each_row_by_its_own_params():
+@pytest.mark.parametrize("max_top_k", [None, 4], ids=["sort", "topk"])
+def test_top_k_and_top_p_mask_each_row_by_its_own_params(max_top_k):
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 4))
     masked = apply_top_k_top_p(logits, torch.tensor([4, 4, 2, 4]),
-                               torch.tensor([0.6, 0.45, 1.0, 1.0]))
+                               torch.tensor([0.6, 0.45, 1.0, 1.0]), max_top_k)
     kept = [torch.isfinite(row).nonzero().flatten().tolist() for row in masked]
     # top_p 0.6: 0.5 < 0.6, so token 1 (which crosses 0.6) stays; top_p 0.45: token 0 alone
     assert kept == [[0, 1], [0], [0, 1], [0, 1, 2, 3]]
     assert torch.equal(masked[3], logits[3])  # top_k = vocab and top_p = 1: untouched
+
+
+SAMPLING_VOCAB = 2048  # past sampling.MAX_TOP_K_CANDIDATES: a top_k may or may not take topk
+
+
+def rows_to_sample(params: list[SamplingParams]) -> list[SimpleNamespace]:
+    """What sampling_tensors() reads of a Sequence: its params, and row i's own generator of
+    seed i (new ones at each call: a draw uses them up)."""
+    return [SimpleNamespace(params=p, generator=torch.Generator().manual_seed(i))
+            for i, p in enumerate(params)]
+
+
+def random_logits(n: int, seed: int) -> torch.Tensor:
+    """(n, SAMPLING_VOCAB) logits, about 3 x N(0, 1), without two equal in a row (at a tie,
+    which of the two the sort puts first is arbitrary, and top-p may keep either)."""
+    g = torch.Generator().manual_seed(seed)
+    ascending = torch.randn(n, SAMPLING_VOCAB, generator=g).sort(dim=-1).values * 3
+    ascending += torch.arange(SAMPLING_VOCAB) * 1e-3  # steps of 1e-3 at least
+    return ascending.gather(1, torch.rand(n, SAMPLING_VOCAB, generator=g).argsort(dim=-1))
+
+
+def mixed_params(n: int) -> list[SamplingParams]:
+    """Rows with top_k 1 to 64, top_p in [0.05, 1] or 1, min_p on some, and some rows with
+    neither top-k nor top-p: the fast path's every case."""
+    g = torch.Generator().manual_seed(1)
+    top_k = torch.randint(1, 65, (n,), generator=g).tolist()
+    top_p = torch.rand(n, generator=g).clamp(min=0.05).tolist()
+    return [SamplingParams(temperature=0.7, top_k=0 if i % 7 == 1 else top_k[i],
+                           top_p=1.0 if i % 7 == 1 or i % 4 == 0 else top_p[i],
+                           min_p=0.02 if i % 5 == 2 else 0.0) for i in range(n)]
+
+
+def test_a_small_top_k_takes_the_topk_of_its_rows_and_masks_and_samples_as_the_sort():
+    """Every row that uses top-k or top-p has top_k <= MAX_TOP_K_CANDIDATES: top-k and top-p
+    work on the topk of the largest, and keep exactly the logits the sort of the vocabulary
+    keeps (-inf bans, ties with the k-th largest and rows without either included), and
+    seeded rows sample exactly the same tokens."""
+    n = 300
+    params = mixed_params(n)
+    logits = random_logits(n, seed=0)
+    logits[3::9, ::2] = float("-inf")  # banned tokens: some rows have fewer finite than top_k
+    params[0] = SamplingParams(temperature=0.7, top_k=5)
+    row = logits[0]
+    top = row.topk(6).indices
+    row[top[5]] = row[top[4]]  # a tie with the 5th largest: both stay
+    fast = sampling_tensors(rows_to_sample(params), SAMPLING_VOCAB, [0], "cpu")
+    assert fast.max_top_k == 64
+    masked = apply_top_k_top_p(logits, fast.top_k, fast.top_p, fast.max_top_k)
+    assert torch.equal(masked, apply_top_k_top_p(logits, fast.top_k, fast.top_p))
+    assert torch.isfinite(masked[0]).sum() == 6
+    full = dataclasses.replace(sampling_tensors(rows_to_sample(params), SAMPLING_VOCAB, [0],
+                                                "cpu"), max_top_k=None)
+    tokens = sample(logits, fast, torch.Generator().manual_seed(0))
+    assert torch.equal(tokens, sample(logits, full, torch.Generator().manual_seed(0)))
+
+
+def test_a_small_top_k_sorts_no_row_of_the_vocabulary(monkeypatch):
+    """top_k 20 (Qwen's default) beside rows without top-k or top-p, and a greedy row (whose
+    draw is thrown away) with top-p alone: no sort of (n, vocab); a row that draws with top-p
+    alone, or a top_k past MAX_TOP_K_CANDIDATES, needs the sort."""
+    def no_sort(*args, **kwargs):
+        raise AssertionError("sorted the vocabulary")
+    logits = random_logits(4, seed=0)
+    monkeypatch.setattr(torch.Tensor, "sort", no_sort)
+    params = [SamplingParams(top_k=20, top_p=0.9), SamplingParams(), SamplingParams(top_k=7),
+              SamplingParams(temperature=0, top_p=0.9)]
+    t = sampling_tensors(rows_to_sample(params), SAMPLING_VOCAB, [0], "cpu")
+    assert t.max_top_k == 20
+    sample(logits, t, torch.Generator().manual_seed(0))
+    for needs_sort in (SamplingParams(top_p=0.9), SamplingParams(top_k=1025)):
+        t = sampling_tensors(rows_to_sample(params + [needs_sort]), SAMPLING_VOCAB, [0], "cpu")
+        assert t.any_top_k_top_p and t.max_top_k is None
+
+
+def test_a_seeded_row_samples_the_gumbel_max_of_its_own_uniforms():
+    """A seeded row's token is argmax(softmax(logits / T) / E), E = -log U, U its generator's
+    uniforms over the vocabulary: what its seed gives does not change with the code."""
+    n = 8
+    logits = random_logits(n, seed=2)
+    params = [SamplingParams(temperature=0.9) for _ in range(n)]
+    t = sampling_tensors(rows_to_sample(params), SAMPLING_VOCAB, [0], "cpu")
+    tokens = sample(logits, t, torch.Generator().manual_seed(0))
+    for i, token in enumerate(tokens.tolist()):
+        uniform = torch.empty(SAMPLING_VOCAB).uniform_(generator=torch.Generator().manual_seed(i))
+        probs = (logits[i] / 0.9).softmax(dim=-1)
+        assert token == (probs / -uniform.log()).argmax()
+
+
+def test_greedy_rows_beside_sampled_rows_take_their_argmax():
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=5.0),
+              SamplingParams(temperature=0), SamplingParams(temperature=5.0)]
+    logits = random_logits(4, seed=3)
+    t = sampling_tensors(rows_to_sample(params), SAMPLING_VOCAB, [0], "cpu")
+    tokens = sample(logits, t, torch.Generator().manual_seed(0))
+    argmax = logits.argmax(dim=-1)
+    assert tokens[0::2].tolist() == argmax[0::2].tolist()
+    assert tokens[1::2].tolist() != argmax[1::2].tolist()  # hot: the sampled rows draw
+
+
+def test_invalid_rows_are_those_with_a_nan_or_inf_logit():
+    """NaN or +inf (an fp16 overflow) anywhere in a row: that row alone; -inf is a token ruled
+    out, not an error."""
+    logits = random_logits(5, seed=4)
+    logits[1, 7] = float("nan")
+    logits[2, 100] = float("inf")
+    logits[3, :50] = float("-inf")
+    assert invalid_rows(logits).tolist() == [False, True, True, False, False]
+
+
+def test_a_row_of_nan_logits_leaves_the_other_rows_tokens_as_they_were():
+    """min_p, top-k and top-p each reduce over a row: over its own alone."""
+    n = 64
+    params = [dataclasses.replace(p, min_p=0.3 * (i % 2)) for i, p in enumerate(mixed_params(n))]
+    logits = random_logits(n, seed=5)
+    want = sample(logits, sampling_tensors(rows_to_sample(params), SAMPLING_VOCAB, [0], "cpu"),
+                  torch.Generator().manual_seed(0))
+    nan_row = 2
+    logits[nan_row, ::3] = float("nan")
+    got = sample(logits, sampling_tensors(rows_to_sample(params), SAMPLING_VOCAB, [0], "cpu"),
+                 torch.Generator().manual_seed(0))
+    others = torch.arange(n) != nan_row
+    assert torch.equal(got[others], want[others])
 
 
 def test_sampling_draws_from_the_top_p_nucleus_of_the_tempered_distribution():
@@ -192,7 +317,7 @@ def test_a_penalty_no_row_uses_is_skipped_and_skipping_changes_no_logit(monkeypa
     runs the frequency and presence passes, and what sampling sees is bit for bit what all
     the passes give."""
     llm = tiny()
-    state = llm.engine.input_batch
+    state = llm.engine.model_runner.input_batch
     seen = []
     apply_penalties = sampling.apply_penalties
 

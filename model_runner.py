@@ -1,0 +1,493 @@
+"""The device side of a step: the KV cache, the step's inputs, the forward, logits, sampling,
+and decode in CUDA graphs. The engine (nanoserve.py) decides what runs and what its tokens
+mean; ModelRunner runs it, as vLLM's GPU model runner and nano-vllm's ModelRunner split it.
+
+In this file, in order: what a step passes along (Batch, ModelOutput), to_host (the step's
+waits for the device), the KV cache's sizing on CUDA (kv_cache_bytes, profiled at start), the
+static buffers of graphed decode steps (DecodeBuffers, capture_sizes), then ModelRunner:
+execute_model (build the inputs, run, sample, gather log-probabilities) and the graphs.
+
+CUDA graphs. A decode step launches some 40 kernels a layer from Python (about 1,000 a step
+for a 24-layer model), each costing the host a few microseconds: at small batches the GPU
+waits for the launches, not for memory. A CUDA graph records a step's launches once and
+replays them with one call. Its tensors' addresses are fixed at capture, so a graphed step
+reads its inputs from static buffers (DecodeBuffers) that each step fills in place. A graph
+is captured for each of a few batch sizes (capture_sizes: 1, 2, 4, 8, then every 16), largest
+first and sharing one memory pool; a decode step of b sequences replays the graph of the next
+size up, its padding rows writing their K/V to the null block (the last of the cache, which
+no sequence owns) and attending to it alone. Block tables are always the whole width
+max_model_len needs, so the kernels' shapes are the graph's. Prefills and mixed steps run
+eagerly; the logits and sampling run outside the graph (their shapes vary with the
+requests' parameters). `enforce_eager` (vLLM's flag) turns graphs off. The padded path also
+runs eagerly on a CPU (use_padded_decode, for the tests): its tokens are the unpadded path's.
+"""
+import contextlib
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from input_batch import InputBatch
+from kernels import AttentionMetadata, select_attention
+from paged_cache import allocate_kv_cache, cdiv, kv_bytes_per_token
+from sampling import invalid_rows, sample, sampling_tensors, upload
+from scheduler import Sequence
+
+KV_CACHE_BYTES = 1 << 30  # the CPU's KV cache, by default: a full context for every sequence,
+                          # within 1 GiB (on CUDA: gpu_memory_utilization of the GPU's memory)
+MAX_CAPTURE_SIZE = 512    # the largest batch a decode graph is captured for (nano-vllm's)
+
+
+@dataclass
+class Batch:
+    """One step's model inputs, flattened over the scheduled sequences (see _prepare_inputs)."""
+    input_ids: torch.Tensor         # (N,) the new tokens of every scheduled sequence
+    positions: torch.Tensor         # (N,) each token's position in its sequence
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor    # (n,) the flat-batch index of the last token of each
+                                    # sequence that samples (vLLM's name)
+    sample_seqs: list[Sequence]     # (n,) the sequences with no uncomputed token left
+    prompt_logits_indices: torch.Tensor  # (m,) the tokens whose next is a prompt token to
+                                    # score (prompt_logprobs)
+    prompt_targets: torch.Tensor    # (m,) those next tokens
+    prompt_seqs: list[Sequence]     # (m,) their sequences
+    is_decode: bool = False         # every sequence has one new token: a graph may run it
+
+
+@dataclass
+class ModelOutput:
+    """What execute_model gives the engine's update(): the token sampled for each sequence with
+    no uncomputed token left, the log-probabilities asked for, and the sequences that failed."""
+    sampled_token_ids: dict[Sequence, int] = field(default_factory=dict)
+    logits: torch.Tensor | None = None  # (len(sampled_token_ids), vocab) fp32, in that order
+    logprobs: dict[Sequence, dict[int, float]] = field(default_factory=dict)  # sampled token's
+    prompt_logprobs: dict[Sequence, list[dict]] = field(default_factory=dict)  # scored this step
+    failed: dict[Sequence, str] = field(default_factory=dict)  # failed alone -> the error
+
+
+def to_host(tensor: torch.Tensor) -> list:
+    """A device tensor's values as (nested) Python lists. The only place a step waits for the
+    device (once for the sampled tokens; twice more, ids and values, when a request asks for
+    log-probabilities): a CUDA test runs whole steps with every other wait made an error."""
+    return tensor.tolist()
+
+
+NAN_LOGITS = ("the model's logits are NaN or infinite (in float16, an activation past 65,504 "
+              "overflows: try --dtype bfloat16)")
+
+
+def kv_cache_bytes(total: int, used: int, peak_activations: int, penalty_state: int,
+                   gpu_memory_utilization: float) -> int:
+    """What the KV cache may take of a GPU of `total` bytes: gpu_memory_utilization of it, less
+    what is in use before the cache (`used`: the weights, the CUDA context, other processes),
+    the peak of a forward at the token budget (`peak_activations`) and the penalty state
+    (max_num_seqs x vocab). Example: 80 GB at 0.9 with 2 GB used, 3 GB of activations and
+    0.2 GB of penalty state leave 72 - 5.2 = 66.8 GB."""
+    budget = int(total * gpu_memory_utilization) - used - peak_activations - penalty_state
+    if budget <= 0:
+        raise ValueError(f"no GPU memory is left for the KV cache: gpu_memory_utilization "
+                         f"{gpu_memory_utilization} of {total / 2**30:.1f} GiB, with "
+                         f"{used / 2**30:.1f} GiB in use and {peak_activations / 2**30:.1f} GiB "
+                         "for activations; raise gpu_memory_utilization or lower "
+                         "max_num_batched_tokens")
+    return budget
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """The batch sizes decode graphs are captured for: 1, 2, 4, 8, then every 16, and
+    max_num_seqs itself (at most MAX_CAPTURE_SIZE); a batch replays the next size up."""
+    largest = min(max_num_seqs, MAX_CAPTURE_SIZE)
+    sizes = {1, 2, 4, 8, largest} | set(range(16, largest + 1, 16))
+    return sorted(size for size in sizes if size <= largest)
+
+
+@dataclass
+class DecodeBuffers:
+    """A graphed decode step's inputs and output, at the largest captured batch size B: each
+    step writes its first b rows and pads the rest; a graph of size s reads rows [:s]."""
+    input_ids: torch.Tensor         # (B,) int64
+    positions: torch.Tensor         # (B,) int64
+    slot_mapping: torch.Tensor      # (B,) int64; padding: the null block's first slot
+    block_tables: torch.Tensor      # (B, W) int32, W the whole table width; padding: null block
+    context_lens: torch.Tensor      # (B,) int32; padding: 1
+    query_start_loc: torch.Tensor   # (B + 1,) int32: 0, 1, 2, ... (a token a sequence)
+    hidden: torch.Tensor | None = None  # (B, C): the graphs' output
+
+    @classmethod
+    def make(cls, size: int, width: int, device: str) -> "DecodeBuffers":
+        def zeros(*shape, dtype=torch.int64):
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return cls(input_ids=zeros(size), positions=zeros(size), slot_mapping=zeros(size),
+                   block_tables=zeros(size, width, dtype=torch.int32),
+                   context_lens=zeros(size, dtype=torch.int32),
+                   query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device))
+
+    def metadata(self, size: int) -> AttentionMetadata:
+        """The attention metadata of a decode step padded to `size`, over rows [:size]."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
+            context_lens=self.context_lens[:size], query_start_loc=self.query_start_loc[:size + 1],
+            max_query_len=1, num_decodes=size)
+
+
+class ModelRunner:
+    """The model, its KV cache, the persistent batch and the decode graphs, on one device."""
+
+    def __init__(self, config, model, dtype: torch.dtype, vocab_size: int,
+                 eos_token_ids: list[int]):
+        self.config = config
+        self.model = model
+        self.device = config.device
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.attention = select_attention(config.attention, config.device)
+        self.generator = torch.Generator(config.device).manual_seed(config.seed)
+        c = model.config
+        self.kv_bytes_per_token = kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_dim, dtype)
+        # K and V for every layer and K/V head: grouped-query attention's saving is here. The
+        # caches of all layers, k_caches and v_caches (n_layer, NB + 1, BS, Hkv, D); layer i's
+        # is [i]; block NB, past the pool's, is the null block (graphs' padding writes there).
+        self.k_caches, self.v_caches, self.block_pool = allocate_kv_cache(
+            c.n_layer, c.n_kv_head, c.head_dim, self._kv_cache_tokens(c.n_positions),
+            config.block_size, config.device, dtype, config.enable_prefix_caching)
+        self.null_block = self.block_pool.num_blocks
+        self.input_batch: InputBatch | None = None  # made by prepare(), once max_model_len is
+        self.buffers: DecodeBuffers | None = None   # known; with graphs or use_padded_decode
+        self.graphs: dict[int, object] = {}         # batch size -> its replay (or eager run)
+
+    # --- the KV cache's size ------------------------------------------------------------
+
+    def _kv_cache_tokens(self, context: int) -> int:
+        """kv_cache_tokens if given; on CUDA, what gpu_memory_utilization leaves (profiled);
+        on a CPU, a full context (max_model_len's, or the model's) for every one of
+        max_num_seqs sequences, within KV_CACHE_BYTES."""
+        config = self.config
+        if config.kv_cache_tokens is not None:
+            return config.kv_cache_tokens
+        if self.device.startswith("cuda"):
+            return self._profile_kv_cache_bytes() // self.kv_bytes_per_token
+        if config.max_model_len is not None:
+            context = config.max_model_len
+        return min(config.max_num_seqs * context, KV_CACHE_BYTES // self.kv_bytes_per_token)
+
+    def _profile_kv_cache_bytes(self) -> int:
+        """Run a forward of max_num_batched_tokens tokens (and the logits of max_num_seqs rows)
+        on a scratch cache, and size the KV cache from the memory it peaked at."""
+        device = torch.device(self.device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        self._profile_forward()
+        peak_activations = torch.cuda.max_memory_allocated(device) - before
+        torch.cuda.empty_cache()
+        penalty_state = self.config.max_num_seqs * self.vocab_size * (4 + 1)  # counts, seen
+        return kv_cache_bytes(total, total - free, peak_activations, penalty_state,
+                              self.config.gpu_memory_utilization)
+
+    @torch.inference_mode()
+    def _profile_forward(self) -> None:
+        """One prefill of the token budget, as chunks of at most a context each, over a scratch
+        cache just large enough, then the logits of max_num_seqs rows and their softmax."""
+        config = self.config
+        c = self.model.config
+        num_tokens = config.max_num_batched_tokens
+        chunk = min(num_tokens, c.n_positions)
+        lens = [chunk] * (num_tokens // chunk)  # sequences of a context each, and the rest
+        if num_tokens % chunk:
+            lens.append(num_tokens % chunk)
+        block_size = config.block_size
+        blocks_a_seq = cdiv(chunk, block_size)
+        shape = (c.n_layer, blocks_a_seq * len(lens), block_size, c.n_kv_head, c.head_dim)
+        k_caches = torch.zeros(shape, dtype=self.k_caches.dtype, device=self.device)
+        v_caches = torch.zeros_like(k_caches)
+        tables = torch.arange(blocks_a_seq * len(lens), dtype=torch.int32, device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        slots = torch.cat([s * blocks_a_seq * block_size + torch.arange(n, device=self.device)
+                           for s, n in enumerate(lens)])
+        meta = AttentionMetadata(
+            slot_mapping=slots, block_tables=tables.view(len(lens), blocks_a_seq),
+            context_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32,
+                                         device=self.device),
+            max_query_len=chunk)
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        hidden = self.model(input_ids, positions, meta, k_caches, v_caches, self.attention)
+        rows = hidden[-1:].expand(min(config.max_num_seqs, num_tokens), -1)
+        self.compute_logits(rows).softmax(dim=-1)
+
+    # --- the persistent batch and the graphs ----------------------------------------------
+
+    def prepare(self, max_model_len: int) -> None:
+        """Once max_model_len is known: the persistent batch (its tables that wide), and on
+        CUDA, unless enforce_eager, the decode graphs."""
+        config = self.config
+        self.input_batch = InputBatch(config.max_num_seqs, max_model_len, config.block_size,
+                                      self.vocab_size, config.device)
+        if self.device.startswith("cuda") and not config.enforce_eager:
+            self.use_padded_decode(capture=True)
+
+    def remove(self, seq: Sequence) -> None:
+        """seq left the running batch (finished, preempted or failed): its row is free."""
+        self.input_batch.remove(seq)
+
+    def use_padded_decode(self, capture: bool = False) -> None:
+        """Run decode steps padded to capture_sizes through static buffers: captured in CUDA
+        graphs (capture, on CUDA), or run eagerly (the tests' way to check, on a CPU, that the
+        padded path gives the unpadded path's tokens)."""
+        sizes = capture_sizes(self.config.max_num_seqs)
+        width = self.input_batch.block_tables.shape[1]
+        self.buffers = DecodeBuffers.make(sizes[-1], width, self.device)
+        self._fill_padding(0)
+        if not capture:
+            self.graphs = {size: self._eager_decode(size) for size in sizes}
+            return
+        pool = None
+        for size in reversed(sizes):  # largest first: the smaller ones reuse its memory
+            graph = torch.cuda.CUDAGraph()
+            self._run_decode(size)  # warm-up: Triton compiles, cuBLAS picks, outside capture
+            with torch.cuda.graph(graph, pool=pool):
+                self._run_decode(size)
+            pool = graph.pool()
+            self.graphs[size] = graph.replay
+        torch.cuda.synchronize(self.device)
+
+    def _eager_decode(self, size: int):
+        def run():
+            self._run_decode(size)
+        return run
+
+    @torch.inference_mode()
+    def _run_decode(self, size: int) -> None:
+        """The model over the static buffers' first `size` rows, into buffers.hidden."""
+        b = self.buffers
+        hidden = self.model(b.input_ids[:size], b.positions[:size], b.metadata(size),
+                            self.k_caches, self.v_caches, self.attention)  # (size, C)
+        if b.hidden is None:
+            b.hidden = torch.empty((len(b.input_ids), hidden.shape[1]), dtype=hidden.dtype,
+                                   device=hidden.device)
+        b.hidden[:size].copy_(hidden)
+
+    def _fill_padding(self, start: int) -> None:
+        """Rows from `start` on are padding: token 0 at position 0, written to the null block's
+        first slot, attending to it alone (a context of 1)."""
+        b = self.buffers
+        b.input_ids[start:] = 0
+        b.positions[start:] = 0
+        b.slot_mapping[start:] = self.null_block * self.config.block_size
+        b.block_tables[start:] = self.null_block
+        b.context_lens[start:] = 1
+
+    def _graph_size(self, batch: Batch) -> int | None:
+        """The captured size a decode batch replays (the next one up), or None: eager."""
+        if not self.graphs or not batch.is_decode:
+            return None
+        num_seqs = len(batch.input_ids)
+        return next((size for size in sorted(self.graphs) if size >= num_seqs), None)
+
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        """The model over the step's tokens: (N, C), from a graph's replay if one fits."""
+        size = self._graph_size(batch)
+        if size is None:
+            return self.model(batch.input_ids, batch.positions, batch.attn_metadata,
+                              self.k_caches, self.v_caches, self.attention)
+        num_seqs = len(batch.input_ids)
+        b = self.buffers
+        meta = batch.attn_metadata
+        b.input_ids[:num_seqs].copy_(batch.input_ids)
+        b.positions[:num_seqs].copy_(batch.positions)
+        b.slot_mapping[:num_seqs].copy_(meta.slot_mapping)
+        b.context_lens[:num_seqs].copy_(meta.context_lens)
+        width = meta.block_tables.shape[1]
+        b.block_tables[:num_seqs, :width].copy_(meta.block_tables)
+        b.block_tables[:num_seqs, width:] = 0  # a table's unused columns: never read
+        self._fill_padding(num_seqs)
+        self.graphs[size]()
+        return b.hidden[:num_seqs]
+
+    # --- a step -------------------------------------------------------------------------
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states (n, C) -> fp32 logits (n, vocab_size), contiguous: the tokenizer's
+        ids only, so an embedding row past them is never sampled (one copy when the
+        embedding has such rows: sampling then passes over dense rows)."""
+        logits = self.model.compute_logits(hidden)
+        if logits.shape[1] == self.vocab_size:
+            return logits
+        return logits[:, :self.vocab_size].contiguous()
+
+    def execute_model(self, num_scheduled_tokens: dict[Sequence, int]) -> ModelOutput:
+        """Build the inputs, run the model over every scheduled token, sample a token for each
+        sequence with no uncomputed token left, gather the log-probabilities asked for. A
+        sequence whose logits are NaN fails alone (output.failed)."""
+        batch = self._prepare_inputs(num_scheduled_tokens)
+        hidden = self._forward(batch)                                      # (N, C)
+        logits = self.compute_logits(hidden[batch.logits_indices])         # (n, vocab) fp32
+        output = ModelOutput(logits=logits)
+        if not batch.sample_seqs and not batch.prompt_seqs:
+            return output
+        token_ids = batch.prompt_targets[:0]  # none sampled: an empty id tensor, on the device
+        invalid = token_ids
+        if batch.sample_seqs:
+            token_ids, invalid = self._sample(batch.sample_seqs, logits)
+        if any(seq.params.logprobs is not None for seq in batch.sample_seqs) or batch.prompt_seqs:
+            self._gather_logprobs(batch, hidden, logits, token_ids, output)
+        # The step's wait for the sampled tokens and whether each row's logits were NaN, in
+        # one read (log-probabilities, if asked for, were read above: two more).
+        sampled, is_invalid = to_host(torch.stack([token_ids, invalid]))
+        for seq, token, nan in zip(batch.sample_seqs, sampled, is_invalid):
+            if nan:
+                output.failed[seq] = NAN_LOGITS
+                continue
+            output.sampled_token_ids[seq] = token
+        return output
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampled token ids (n,) and whether each row's logits are invalid (n,) int64."""
+        tensors = sampling_tensors(seqs, self.vocab_size, self.eos_token_ids, self.device)
+        if any(seq.params.has_penalties for seq in seqs):
+            tensors.penalties = self.input_batch.penalties(seqs)
+        token_ids = sample(logits, tensors, self.generator)
+        if tensors.penalties is not None:
+            self.input_batch.count_sampled(tensors.penalties, token_ids)
+        return token_ids, invalid_rows(logits).to(token_ids.dtype)
+
+    def _gather_logprobs(self, batch: Batch, hidden: torch.Tensor, logits: torch.Tensor,
+                         token_ids: torch.Tensor, output: ModelOutput) -> None:
+        """Fill output.logprobs (each sampled token's) and output.prompt_logprobs (each prompt
+        token scored this step): the token's own log-probability and the top k of its row,
+        from the model's log-softmax (before temperature, top-k and top-p, as vLLM returns
+        them). One topk over all rows; token ids and values are read in one copy each."""
+        seqs = batch.sample_seqs + batch.prompt_seqs  # a row each
+        num_sampled = len(batch.sample_seqs)
+        # per row: how many top log-probabilities it asked for (None: none at all)
+        wants = [sampled.params.logprobs for sampled in batch.sample_seqs]
+        wants += [scored.params.prompt_logprobs for scored in batch.prompt_seqs]
+        prompt_logits = self.compute_logits(hidden[batch.prompt_logits_indices])  # (m, vocab)
+        logprobs = torch.cat([logits, prompt_logits]).log_softmax(dim=-1)    # (n + m, vocab)
+        targets = torch.cat([token_ids, batch.prompt_targets])[:, None]      # (n + m, 1)
+        top_k = max([want for want in wants if want is not None], default=0)
+        top = logprobs.topk(top_k, dim=-1)
+        ids = to_host(torch.cat([targets, top.indices], dim=1))                # (n + m, 1 + k)
+        values = to_host(torch.cat([logprobs.gather(1, targets), top.values], dim=1))
+        for row, seq in enumerate(seqs):
+            row_top_k = wants[row]
+            if row_top_k is None:
+                continue
+            entry = {ids[row][0]: values[row][0]}  # the token itself, then its row's top
+            entry |= dict(zip(ids[row][1:1 + row_top_k], values[row][1:1 + row_top_k]))
+            if row < num_sampled:
+                output.logprobs[seq] = entry
+            else:
+                output.prompt_logprobs.setdefault(seq, []).append(entry)
+
+    def _prepare_inputs(self, num_scheduled_tokens: dict[Sequence, int]) -> Batch:
+        """The step's inputs, flattened over the scheduled sequences (those of one new token
+        first: attention launches them apart) and sent to the device in one pinned,
+        non-blocking copy. Example, block_size 4, three sequences:
+
+            A  decode: 6 tokens computed, 1 new     row 0 of the input batch, holding [3, 7]
+            C  decode: 2 tokens computed, 1 new     row 2, holding [1]
+            B  prompt chunk: 10-token prompt, 4 computed, 3 new     row 1, holding [5]; its
+               block table gained block 2 this step
+
+            input_ids        [a6, c2, b4, b5, b6]     (token t of A written a6)
+            positions        [ 6,  2,  4,  5,  6]
+            query_start_loc  [0, 1, 2, 5]             (B owns tokens 2..4; num_decodes 2)
+            context_lens     [7, 3, 7]
+            rows             [0, 2, 1]                (each sequence's row in the input batch)
+            token_rows       [0, 2, 1, 1, 1]          (each token's sequence's row)
+            new blocks       rows [1], columns [1], block ids [2]
+            block_tables     [[3, 7, 0 ...], [1, 0, 0 ...], [5, 2, 0 ...]]   (on the device)
+            slot_mapping     [30,  6,  8,  9, 10]     (on the device: A's 6 is in its second
+                                                       block, 7: 7 * 4 + 6 % 4 = 30)
+            logits_indices   [0, 1]                   (B has tokens left to compute: no sample)
+
+        Only the blocks a table gained go up; the tables stay on the device, in the input
+        batch (input_batch.py), and the slots are read from them there: a step costs what is
+        new in it, not its sequences' blocks."""
+        decodes_first = sorted(num_scheduled_tokens.items(), key=has_many_new_tokens)
+        ints, sample_seqs, prompt_seqs = self._flatten_inputs(decodes_first)
+        tensors = upload(ints, torch.int64, self.device)
+        # the blocks attention reads: those of the longest context (a table holds no more)
+        max_num_blocks = cdiv(max(ints["context_lens"]), self.block_pool.block_size)
+        block_tables = self.input_batch.step_block_tables(
+            tensors["rows"], tensors["new_block_rows"], tensors["new_block_columns"],
+            tensors["new_block_ids"], max_num_blocks)
+        slot_mapping = self.input_batch.slot_mapping(tensors["token_rows"], tensors["positions"])
+        max_query_len = max(num_scheduled_tokens.values())
+        num_decodes = sum(num_new == 1 for num_new in num_scheduled_tokens.values())
+        attn_metadata = AttentionMetadata(
+            slot_mapping=slot_mapping, block_tables=block_tables,
+            context_lens=tensors["context_lens"].to(torch.int32),
+            query_start_loc=tensors["query_start_loc"].to(torch.int32),
+            max_query_len=max_query_len, num_decodes=num_decodes)
+        return Batch(input_ids=tensors["input_ids"], positions=tensors["positions"],
+                     attn_metadata=attn_metadata, logits_indices=tensors["logits_indices"],
+                     sample_seqs=sample_seqs,
+                     prompt_logits_indices=tensors["prompt_logits_indices"],
+                     prompt_targets=tensors["prompt_targets"], prompt_seqs=prompt_seqs,
+                     is_decode=max_query_len == 1)
+
+    def _flatten_inputs(self, scheduled: list[tuple[Sequence, int]]
+                        ) -> tuple[dict[str, list[int]], list[Sequence], list[Sequence]]:
+        """_prepare_inputs' host half: its lists of ints by name (input_ids, positions, ...),
+        the sequences that sample and those whose prompt tokens are scored: one pass over the
+        scheduled sequences, the example above's lists built side by side."""
+        input_ids = []
+        positions = []
+        context_lens = []
+        query_start_loc = [0]
+        rows = []            # each sequence's row in the input batch
+        token_rows = []      # each token's sequence's row
+        new_block_rows = []  # (row, column, block id) of each block a table gained
+        new_block_columns = []
+        new_block_ids = []
+        logits_indices = []
+        sample_seqs = []     # the sequences that sample, in the order of logits_indices
+        prompt_logits_indices = []
+        prompt_targets = []
+        prompt_seqs = []     # the sequence of each of prompt_logits_indices
+        for seq, num_new in scheduled:
+            start = seq.num_computed_tokens
+            end = start + num_new
+            first_token = query_start_loc[-1]
+            row, first_column, gained = self.input_batch.new_blocks(seq)
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            context_lens.append(end)
+            query_start_loc.append(first_token + num_new)
+            rows.append(row)
+            token_rows += [row] * num_new
+            if gained:  # most decodes fill a block they hold
+                new_block_rows += [row] * len(gained)
+                new_block_columns += range(first_column, first_column + len(gained))
+                new_block_ids += gained
+            if end == len(seq.token_ids):  # no uncomputed token left: sample the next one
+                logits_indices.append(first_token + num_new - 1)
+                sample_seqs.append(seq)
+            if seq.params.prompt_logprobs is not None:
+                for position in prompt_positions_to_score(seq, start, end):
+                    prompt_logits_indices.append(first_token + position - start)
+                    prompt_targets.append(seq.token_ids[position + 1])
+                    prompt_seqs.append(seq)
+        ints = dict(input_ids=input_ids, positions=positions, context_lens=context_lens,
+                    query_start_loc=query_start_loc, rows=rows, token_rows=token_rows,
+                    new_block_rows=new_block_rows, new_block_columns=new_block_columns,
+                    new_block_ids=new_block_ids, logits_indices=logits_indices,
+                    prompt_logits_indices=prompt_logits_indices, prompt_targets=prompt_targets)
+        return ints, sample_seqs, prompt_seqs
+
+
+def has_many_new_tokens(scheduled: tuple[Sequence, int]) -> bool:
+    """The sort key that puts the sequences of one new token (decodes) first."""
+    return scheduled[1] > 1
+
+
+def prompt_positions_to_score(seq: Sequence, start: int, end: int) -> range:
+    """The positions among start..end-1 whose next token is a prompt token not scored yet
+    (a recomputation after preemption scores nothing twice)."""
+    first_unscored = len(seq.prompt_logprobs) - 1
+    last_prompt_position = seq.num_prompt_tokens - 1
+    return range(max(start, first_unscored), min(end, last_prompt_position))

@@ -1,0 +1,158 @@
+"""model_runner.py's guarantees: the padded decode path (CUDA graphs' static buffers, run
+eagerly on the CPU) gives the unpadded path's tokens and writes its padding to the null block
+alone; decodes go first in the flat batch; the KV cache's size on CUDA; NaN logits fail their
+request alone; the device's default limits.
+"""
+import dataclasses
+
+import pytest
+import torch
+
+import model_runner
+from conftest import GREEDY, PROMPTS, assert_no_leaks, run_to_end, tiny, token_ids
+from model_runner import capture_sizes, kv_cache_bytes
+from nanoserve import EngineConfig
+from sampling import SamplingParams
+
+
+def padded(**kwargs):
+    """A tiny LLM whose decode steps run through the static buffers, padded, eagerly."""
+    llm = tiny(**kwargs)
+    llm.engine.model_runner.use_padded_decode()
+    return llm
+
+
+def count_padded_runs(llm) -> list[int]:
+    """Record the size of every padded run the engine makes."""
+    runner = llm.engine.model_runner
+    sizes = []
+    for size, run in list(runner.graphs.items()):
+        def counted(size=size, run=run):
+            sizes.append(size)
+            run()
+        runner.graphs[size] = counted
+    return sizes
+
+
+def test_capture_sizes_are_1_2_4_8_then_every_16_up_to_max_num_seqs():
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(3) == [1, 2, 3]
+    assert capture_sizes(4096)[-1] == model_runner.MAX_CAPTURE_SIZE
+
+
+def test_padded_decode_steps_give_the_unpadded_tokens(alone):
+    """Six prompts decoding together replay the padded run of 8, then (as they finish, at
+    different lengths) of smaller sizes: every token is the one the unpadded path makes."""
+    llm = padded()
+    sizes = count_padded_runs(llm)
+    params = [dataclasses.replace(GREEDY, max_tokens=10 + 5 * i) for i in range(len(PROMPTS))]
+    got = token_ids(llm.generate(PROMPTS, params))
+    assert got == [want[:10 + 5 * i] for i, want in enumerate(alone)]
+    assert 8 in sizes and min(sizes) < 8  # padded to 8, then to fewer as requests ended
+    assert_no_leaks(llm.engine)
+
+
+def test_padded_decode_keeps_seeded_and_penalized_samples():
+    """Sampling runs outside the padded run: seeded samples with penalties are unchanged."""
+    params = SamplingParams(max_tokens=12, seed=3, temperature=0.8, repetition_penalty=1.3,
+                            ignore_eos=True)
+    want = token_ids(tiny().generate(PROMPTS[:3], params))
+    assert token_ids(padded().generate(PROMPTS[:3], params)) == want
+
+
+def test_padding_writes_only_to_the_null_block():
+    """A decode of 3 sequences padded to 4: the padding row writes its K/V to the null block
+    (the cache's last, which the pool never hands out), and no block no sequence owns changes."""
+    llm = padded()
+    engine = llm.engine
+    runner = engine.model_runner
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(prompt, dataclasses.replace(GREEDY, max_tokens=4), str(i))
+    engine.step()  # the prefills
+    owned = {b for seq in engine.scheduler.running for b in seq.block_table.block_ids}
+    free = [b for b in range(engine.block_pool.num_blocks) if b not in owned]
+    before = runner.k_caches.clone()
+    engine.step()  # a decode of 3, padded to 4
+    assert runner.null_block == engine.block_pool.num_blocks == runner.k_caches.shape[1] - 1
+    assert runner.k_caches[:, runner.null_block].abs().sum() > 0
+    assert torch.equal(runner.k_caches[:, free], before[:, free])
+    run_to_end(engine)
+    assert_no_leaks(engine)
+
+
+def test_prefills_and_mixed_steps_run_unpadded():
+    llm = padded(max_num_batched_tokens=16)
+    sizes = count_padded_runs(llm)
+    engine = llm.engine
+    engine.add_request("x" * 40, GREEDY, "long")  # three chunks of 16, 16 and 8
+    engine.step()
+    engine.add_request("ab", GREEDY, "short")
+    engine.step()  # "long"'s second chunk beside "short"'s prompt
+    assert sizes == []
+    run_to_end(engine)
+
+
+def test_decodes_come_first_in_the_flat_batch():
+    """A step of a prompt chunk beside two decodes: the decodes' tokens first, num_decodes 2,
+    whatever order the scheduler gave."""
+    engine = tiny().engine
+    for i in range(2):
+        engine.add_request(PROMPTS[i], GREEDY, str(i))
+    engine.step()
+    engine.add_request(PROMPTS[2], GREEDY, "chunk")
+    scheduled = engine.scheduler.schedule().num_scheduled_tokens
+    reordered = dict(sorted(scheduled.items(), key=lambda item: item[1] == 1))  # chunk first
+    batch = engine.model_runner._prepare_inputs(reordered)
+    meta = batch.attn_metadata
+    assert meta.num_decodes == 2
+    assert meta.query_start_loc[:3].tolist() == [0, 1, 2]
+    assert batch.sample_seqs[:2] == [seq for seq, num_new in scheduled.items() if num_new == 1]
+
+
+def test_the_kv_cache_takes_what_gpu_memory_utilization_leaves():
+    gib = 2**30
+    left = int(80 * gib * 0.9) - 2 * gib - 3 * gib - gib // 4
+    assert kv_cache_bytes(80 * gib, 2 * gib, 3 * gib, gib // 4, 0.9) == left
+    with pytest.raises(ValueError, match="no GPU memory is left for the KV cache: "
+                                         "gpu_memory_utilization 0.1"):
+        kv_cache_bytes(80 * gib, 7 * gib, 2 * gib, 0, 0.1)
+
+
+@pytest.mark.parametrize("value", [0, 1.5, float("nan"), True, "0.9"])
+def test_gpu_memory_utilization_out_of_range_is_refused(value):
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be a number in"):
+        EngineConfig(preset="tiny", device="cpu", gpu_memory_utilization=value)
+
+
+def test_the_limits_left_unset_take_the_devices_defaults():
+    cpu = EngineConfig(preset="tiny", device="cpu")
+    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens) == (64, 512)
+    cuda = EngineConfig(preset="tiny", device="cpu")
+    cuda.max_num_seqs = cuda.max_num_batched_tokens = None
+    cuda._default_limits("cuda")
+    assert (cuda.max_num_seqs, cuda.max_num_batched_tokens) == (256, 8192)
+    given = EngineConfig(preset="tiny", device="cpu", max_num_seqs=3)
+    assert given.max_num_seqs == 3
+
+
+def test_nan_logits_fail_their_request_alone(alone, monkeypatch):
+    """The model's hidden state turns NaN after the poisoned token (<|endoftext|>, an fp16
+    overflow's stand-in): that request fails, saying so, and the others' tokens stay."""
+    llm = tiny()
+    engine = llm.engine
+    real_forward = engine.model.forward
+
+    def forward(input_ids, *args):
+        hidden = real_forward(input_ids, *args)
+        return hidden.masked_fill((input_ids == 256)[:, None], float("nan"))
+    monkeypatch.setattr(engine.model, "forward", forward)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(prompt, GREEDY, str(i))
+    engine.add_request("bad<|endoftext|>", GREEDY, "bad")
+    deltas = run_to_end(engine)
+    last = deltas["bad"][-1].outputs[0]
+    assert last.finish_reason == "error" and "logits are NaN" in last.error
+    got = [sum((d.outputs[0].token_ids for d in deltas[str(i)]), []) for i in range(3)]
+    assert got == alone[:3]
+    assert_no_leaks(engine)
