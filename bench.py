@@ -796,7 +796,7 @@ def json_value(value):
     return value.item() if hasattr(value, "item") else str(value)
 
 
-PREFILL_TOKENS = 16384  # engine_in_decode's token budget: its prompts in a few steps
+PREFILL_TOKENS = 16384  # engine_in_decode's token budget on CUDA: its prompts in a few steps
 
 
 def prefill_steps(batch: int, prompt_len: int) -> int:
@@ -819,7 +819,12 @@ def engine_in_decode(cfg: BenchConfig, batch: int, prompt_len: int, first: int, 
     is admitted and has `first` output tokens (the prompts in as few steps as PREFILL_TOKENS
     allows, then decodes), with room for `more` (none ends sooner); overrides: EngineConfig's
     fields (make_engine's)."""
-    args = dict(max_num_seqs=batch, max_num_batched_tokens=min(batch * prompt_len, PREFILL_TOKENS),
+    # On a CPU every prompt in one step, so every sequence decodes at one length (the dense
+    # comparison of decode_step needs it); on CUDA (256 x 1k tokens) in chunks of PREFILL_TOKENS
+    budget = batch * prompt_len
+    if cfg.device.startswith("cuda"):
+        budget = min(budget, PREFILL_TOKENS)
+    args = dict(max_num_seqs=batch, max_num_batched_tokens=budget,
                 kv_cache_tokens=decode_kv_tokens(cfg, batch, prompt_len, first, more))
     engine = make_engine(cfg, checkpoint=checkpoint, **args | overrides)
     prompts, _ = make_workload(replace(cfg, prompt_len=prompt_len), batch, 1)
@@ -1229,7 +1234,7 @@ HOST_VOCAB = 50257  # GPT-2's vocabulary: the stub's logits and its tokenizer's 
 HOST_PREFILL_TOKENS = 16384  # the stubbed engine's token budget: its prompts in a few steps
 HOST_MAX_TOKENS = 512  # more than the prefill's steps and the timed ones: no sequence ends
 HOST_PHASES = ("schedule", "inputs", "sampling_tensors", "penalties", "penalty_rows", "sample",
-               "count_sampled", "update", "record")
+               "invalid_rows", "count_sampled", "update", "record")
 
 
 def stub_tokenizer(vocab_size: int) -> Tokenizer:
@@ -1297,6 +1302,11 @@ def stub_sample(stub: StubModel, logits: torch.Tensor, tensors, generator) -> to
     return stub.greedy_token_ids[:len(logits)]
 
 
+def stub_invalid_rows(logits: torch.Tensor) -> torch.Tensor:
+    """invalid_rows()'s result on the stub's logits (finite), without a pass over them."""
+    return torch.zeros(len(logits), dtype=torch.bool, device=logits.device)
+
+
 @contextlib.contextmanager
 def phase_timers(engine: Engine, device: str):
     """While open, each of HOST_PHASES adds its seconds in the step to the dict it yields."""
@@ -1307,6 +1317,7 @@ def phase_timers(engine: Engine, device: str):
                "penalties": (engine.model_runner.input_batch, "penalties"),
                "penalty_rows": (engine.model_runner.input_batch, "penalty_rows"),
                "sample": (model_runner, "sample"),
+               "invalid_rows": (model_runner, "invalid_rows"),
                "count_sampled": (engine.model_runner.input_batch, "count_sampled"),
                "update": (engine, "update"),
                "record": (engine, "record")}
@@ -1346,7 +1357,8 @@ def host_step(cfg: BenchConfig, batch: int, context: int, penalty: bool, stream:
             start = synced_clock(cfg.device)
             engine.step()
             step = dict(spent, step=synced_clock(cfg.device) - start)
-            step["device"] = step["sample"] + step["penalty_rows"] + step["count_sampled"]
+            step["device"] = (step["sample"] + step["invalid_rows"] + step["penalty_rows"]
+                              + step["count_sampled"])
             step["host"] = step["step"] - step["device"]
             by_step.append(step)
     result = dict(batch=batch, context=context, repetition_penalty=penalty, stream=stream)
@@ -1367,7 +1379,8 @@ def warm_host_ms(engine: Engine, device: str, steps: int) -> float:
     more memory the sequences' tokens spread over: at a longer context."""
     given = partial(stub_sample, engine.model)
     times = []
-    with mock.patch.object(model_runner, "sample", given):
+    with mock.patch.object(model_runner, "sample", given), \
+            mock.patch.object(model_runner, "invalid_rows", stub_invalid_rows):
         for _ in range(steps):
             start = synced_clock(device)
             engine.step()
@@ -1840,9 +1853,10 @@ def host_overhead(cfg: BenchConfig) -> list[dict]:
 
 def host_table(rows: list[dict]) -> str:
     keys = ("batch context repetition_penalty stream schedule_ms inputs_ms sampling_tensors_ms "
-            "penalties_ms penalty_rows_ms count_sampled_ms update_ms record_ms host_ms "
-            "device_ms host_warm_ms")
-    return table("Host work per decode step, ms (medians; device: sample(), penalty_rows (the "
+            "penalties_ms penalty_rows_ms invalid_rows_ms count_sampled_ms update_ms record_ms "
+            "host_ms device_ms host_warm_ms")
+    return table("Host work per decode step, ms (medians; device: sample(), invalid_rows(), "
+                 "penalty_rows (the "
                  "penalty state's gathers, within penalties) and count_sampled; host_warm: "
                  "the step with sample() handed its result, no (batch, vocab) pass evicting "
                  "the host's caches, as on a GPU)", rows, keys)
