@@ -15,8 +15,8 @@ from conftest import (NEAR_TIE, PROMPTS, assert_no_leaks, chat_checkpoint, check
                       nanoserve_main, server_in_process, tiny, token_ids)
 from input_batch import InputBatch
 from nanoserve import Engine
-from sampling import (SamplingParams, SamplingTensors, apply_top_k_top_p, invalid_rows, sample,
-                      sampling_tensors)
+from sampling import (Penalties, SamplingParams, SamplingTensors, apply_penalties,
+                      apply_top_k_top_p, invalid_rows, sample, sampling_tensors)
 from tokenizer import EOT
 
 
@@ -623,3 +623,27 @@ def test_each_rows_logit_bias_and_min_tokens_ban_apply_to_that_row_alone():
         together = token_ids(llm.generate([PROMPTS[i] for i in order],
                                           [params[i] for i in order]))
         assert together == [alone[i] for i in order], order
+
+
+def test_presence_penalty_subtracts_once_whatever_the_count():
+    """OpenAI's presence penalty is presence x [count > 0]: a token generated 3 times loses
+    presence once; the frequency penalty takes frequency x count."""
+    logits = torch.zeros(1, 4)
+    counts = torch.tensor([[0.0, 1.0, 3.0, 0.0]])
+    penalties = Penalties(output_counts=counts, seen=None, presence=torch.tensor([0.5]),
+                          frequency=torch.tensor([0.0]), repetition=torch.tensor([1.0]),
+                          input_batch_rows=torch.tensor([0]), any_repetition=False,
+                          any_frequency_or_presence=True)
+    assert apply_penalties(logits, penalties).tolist() == [[0.0, -0.5, -0.5, 0.0]]
+    penalties.presence, penalties.frequency = torch.tensor([0.0]), torch.tensor([0.5])
+    assert apply_penalties(logits, penalties).tolist() == [[0.0, -0.5, -1.5, 0.0]]
+
+
+def test_a_greedy_request_stays_greedy_beside_sampled_ones():
+    """A batch of temperature 0 beside temperature 1 (not all greedy): the greedy request's
+    tokens are those it makes alone."""
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    hot = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True, seed=1)
+    alone = tiny().generate([PROMPTS[0]], greedy)[0].outputs[0].token_ids
+    mixed = tiny().generate([PROMPTS[0], PROMPTS[1]], [greedy, hot])
+    assert mixed[0].outputs[0].token_ids == alone

@@ -216,3 +216,16 @@ def test_failed_admission_leaves_the_lru_order_of_cached_blocks_unchanged():
     assert scheduler.schedule().num_scheduled_tokens == {decode: 1}
     assert list(block_pool.free_queue) == lru_order and len(block_pool.hash_to_block_id) == 4
     assert waiting.status == SequenceStatus.WAITING and waiting.block_table.block_ids == []
+
+
+def test_a_preempted_sequences_tokens_go_back_to_the_budget():
+    """Six blocks of 4, a budget of 10. C (a decode, admitted last) is scheduled first, 1
+    token; A's 9-token chunk needs 3 blocks, so C, the newest, is preempted and its token goes
+    back to the budget: B gets the budget's last token."""
+    scheduler, block_pool = make_scheduler(num_blocks=6, budget=10)
+    a = running_seq(scheduler, block_pool, "a", 20, 4)   # 1 block
+    b = running_seq(scheduler, block_pool, "b", 20, 4)   # 1 block
+    c = running_seq(scheduler, block_pool, "c", 8, 7)    # 2 blocks, its last token to go
+    output = scheduler.schedule()
+    assert output.preempted == [c]
+    assert output.num_scheduled_tokens == {a: 9, b: 1}

@@ -22,7 +22,7 @@ from conftest import (HERE, address, assert_no_leaks, connection, http, json_or_
                       parse_events, request, server_in_process, server_thread, start_server,
                       stop, tiny)
 from nanoserve import LLM
-from openai_protocol import SAMPLING_FIELDS, render_chat, token_text
+from openai_protocol import SAMPLING_FIELDS, chat_max_tokens, render_chat, token_text
 from sampling import SamplingParams
 from server import MAX_BODY_BYTES
 
@@ -930,3 +930,11 @@ def test_api_key_must_match_whole_not_as_a_prefix():
         assert http(url, "/v1/models", headers={"Authorization": "Bearer sk-test"})[0] == 200
     finally:
         stop(proc)
+
+
+def test_chat_max_completion_tokens_wins_over_max_tokens():
+    """OpenAI's newer name wins when a chat request gives both, in either order."""
+    assert chat_max_tokens({"max_tokens": 3, "max_completion_tokens": 5}, 16) == 5
+    assert chat_max_tokens({"max_completion_tokens": 5, "max_tokens": 3}, 16) == 5
+    assert chat_max_tokens({"max_tokens": 3}, 16) == 3
+    assert chat_max_tokens({}, 16) == 16
