@@ -10,6 +10,8 @@ writes GPT-2's layout (train.py saves with it).
 
 The engine (nanoserve.py) calls load_model once, as it starts.
 """
+import ctypes
+import ctypes.util
 import json
 import math
 import mmap
@@ -19,10 +21,11 @@ import sys
 import urllib.request
 import zipfile
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
-from model import GPT, PRESETS, GPTConfig
+from model import GPT, PRESETS, GPTConfig, merge_split
 from tokenizer import (EOT, ChatTemplate, Tokenizer, byte_tokenizer, gpt2_byte_chars,
                        load_chat_template, load_tokenizer, read_json)
 
@@ -356,12 +359,23 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: str =
                                                 to_gpt2_state(model.state_dict()), path))
     else:
         tensors = checked_llama_state(tensors, model, path)
+    # safetensors' views, never overlapping (read_safetensors checks): their pages may go
+    is_safetensors = os.path.exists(os.path.join(path, "model.safetensors")) or \
+        os.path.exists(os.path.join(path, "model.safetensors.index.json"))
     placed = {}
+    file_views = set()  # the data pointers of placed tensors that are the mapped file's pages
     for name in list(tensors):  # one at a time: each view is let go once placed
+        view = tensors.pop(name)
         # contiguous: GPT-2's Conv1D weights arrive transposed, as views
-        placed[name] = tensors.pop(name).to(device, dtype).contiguous()
+        placed[name] = view.to(device, dtype).contiguous()
+        if is_safetensors and placed[name].data_ptr() == view.data_ptr():
+            file_views.add(view.data_ptr())
     if model.config.tie_word_embeddings:  # one tensor under two names
         placed["lm_head.weight"] = placed["model.embed_tokens.weight"]
+    # q/k/v and gate/up concatenated (qkv_proj, gate_up_proj) here, each piece's pages let go
+    # as it is copied: read pages count in the process's memory, and the pieces' would add
+    # 60% of a Llama file's size to the load's peak
+    merge_split(model, placed, "", release=partial(release_file_pages, file_views))
     model.load_state_dict(placed, assign=True)
     if model.config.tie_word_embeddings:  # one parameter, as GPT() ties them
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -384,6 +398,29 @@ def check_sizes(config: GPTConfig, tensors: dict, path: str) -> None:
     if query is not None and query.shape[0] != query_width:
         raise ValueError(f"{path}: config.json's heads make queries {query_width} wide; the "
                          f"weights' are {query.shape[0]}")
+
+
+MADV_DONTNEED = 4  # madvise(2): these pages may go; a file's are read again if touched
+PAGE_SIZE = mmap.PAGESIZE
+LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+def release_file_pages(file_views: set[int], tensor: torch.Tensor) -> None:
+    """Let the whole pages inside a tensor that is a view of a memory-mapped checkpoint go
+    from the process's memory (file_views: the data pointers of such views). The mapping is
+    private and never written, so a page let go holds the file's bytes again if read; only
+    the pages wholly inside the tensor's bytes go (tensors of a file never overlap). A tensor
+    not in file_views (a copy: converted, or read whole) is left alone."""
+    start = tensor.data_ptr()
+    if start not in file_views:
+        return
+    end = start + tensor.numel() * tensor.element_size()
+    first_page = (start + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE  # rounded up
+    last_page = end // PAGE_SIZE * PAGE_SIZE                       # rounded down
+    if last_page <= first_page:
+        return
+    LIBC.madvise(ctypes.c_void_p(first_page), ctypes.c_size_t(last_page - first_page),
+                 MADV_DONTNEED)
 
 
 def read_weights(path: str) -> dict[str, torch.Tensor]:

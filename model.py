@@ -330,18 +330,24 @@ def split_merged(model: nn.Module, state: dict, prefix: str, _metadata) -> None:
                 state[f"{parent}.{name}.{param}"] = pieces[i]
 
 
-def merge_split(model: nn.Module, state: dict, prefix: str, *_) -> None:
+def merge_split(model: nn.Module, state: dict, prefix: str, *_, release=None) -> None:
     """A load_state_dict pre-hook, split_merged undone: Hugging Face's q_proj, k_proj, v_proj
     (gate_proj, up_proj) tensors concatenated into the MergedLinear's, a copy made once as the
-    weights load. A state dict in merged names loads as it is."""
+    weights load. A state dict in merged names loads as it is. release: called with each
+    concatenated piece, which nothing reads again (the loader lets its file's pages go)."""
     for name, m in model.named_modules():
         if not isinstance(m, MergedLinear):
             continue
         parent = prefix + name.rpartition(".")[0]
         for param in ("weight", "bias"):
             keys = [f"{parent}.{part}.{param}" for part in m.parts]
-            if all(key in state for key in keys):
-                state[f"{prefix}{name}.{param}"] = torch.cat([state.pop(key) for key in keys])
+            if not all(key in state for key in keys):
+                continue
+            pieces = [state.pop(key) for key in keys]
+            state[f"{prefix}{name}.{param}"] = torch.cat(pieces)
+            for piece in pieces:
+                if release is not None:
+                    release(piece)
 
 
 class Attention(nn.Module):

@@ -965,3 +965,38 @@ def test_smollm2_as_published_serves_a_chat_end_to_end(tmp_path):
     assert reply["choices"][0]["finish_reason"] == "stop"
     assert reply["usage"]["completion_tokens"] == 1
     assert_no_leaks(engine)
+
+
+def resident_bytes(address: int) -> int:
+    """The bytes of this process's memory (smaps' Rss) in the mapping that holds address."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header: start-end perms ...
+                start, end = (int(bound, 16) for bound in fields[0].split("-"))
+                inside = start <= address < end
+            elif inside and fields[0] == "Rss:":
+                return int(fields[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's smaps")
+def test_a_merged_pieces_file_pages_leave_the_process_memory(tmp_path):
+    """q/k/v and gate/up are copied into qkv_proj and gate_up_proj at load; the pieces' pages
+    of the mapped file, read for the copy, are let go (else a load held them beside the copy:
+    1.64x a SmolLM2 file at its peak, against 1.12x). A tensor that is not a view of the file
+    is left alone."""
+    path = str(tmp_path / "w.safetensors")
+    checkpoint.write_safetensors({"piece": torch.randn(64, 4096), "kept": torch.ones(4096)}, path)
+    tensors = checkpoint.read_safetensors(path)
+    piece = tensors["piece"]
+    piece.sum()  # read: its pages are resident
+    before = resident_bytes(piece.data_ptr())
+    checkpoint.release_file_pages({piece.data_ptr()}, piece)
+    assert before - resident_bytes(piece.data_ptr()) >= 60 * 4096 * 4 // 2
+    assert torch.equal(tensors["kept"], torch.ones(4096))
+    copy = torch.randn(64, 4096)
+    kept = copy.clone()
+    checkpoint.release_file_pages({piece.data_ptr()}, copy)  # not a file view: untouched
+    assert torch.equal(copy, kept)
