@@ -360,3 +360,15 @@ class OpLog(TorchDispatchMode):
         dtype = tensors[0].dtype if tensors else None
         self.ops.append((func.__name__, device, numel, dtype))
         return func(*args, **(kwargs or {}))
+
+
+def type_lines(monkeypatch, lines: list[str]) -> None:
+    """input() returns each of lines in turn, then raises EOFError (Ctrl-D): a REPL session."""
+    remaining = iter(lines)
+
+    def next_line(prompt: str) -> str:
+        line = next(remaining, None)
+        if line is None:
+            raise EOFError
+        return line
+    monkeypatch.setattr("builtins.input", next_line)

@@ -19,7 +19,7 @@ import torch
 
 import display
 from conftest import (HERE, chat_checkpoint, checkpoint_llm, nanoserve_main, progress_frames,
-                      run_to_end, tiny)
+                      run_to_end, tiny, type_lines)
 from nanoserve import LLM, Engine
 from sampling import SamplingParams
 
@@ -405,14 +405,7 @@ def test_the_repl_with_ignore_chat_template_completes_each_line_as_it_is(instruc
                                                                         monkeypatch):
     import cli
     engine = checkpoint_llm(instruct).engine
-    lines = iter(["Hi", "Bye"])
-
-    def next_line(prompt: str) -> str:
-        line = next(lines, None)
-        if line is None:
-            raise EOFError
-        return line
-    monkeypatch.setattr("builtins.input", next_line)
+    type_lines(monkeypatch, ["Hi", "Bye"])
     sent = sent_prompts(monkeypatch)
     cli.run_terminal(engine, cli.parse_args([*GREEDY_FLAGS, "--ignore-chat-template"]))
     assert sent == ["Hi", "Bye"]  # no template, so no conversation either

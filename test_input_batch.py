@@ -133,16 +133,21 @@ def test_a_batch_that_fails_after_taking_new_blocks_leaves_no_row_behind(monkeyp
     assert_no_leaks(llm.engine)
 
 
-def test_a_row_left_by_a_penalised_sequence_penalises_nothing_for_its_next_owner():
+@pytest.mark.parametrize("running_penalty", [dict(presence_penalty=0.5),
+                                             dict(repetition_penalty=1.5)],
+                         ids=["presence", "repetition"])
+def test_a_row_left_by_a_penalised_sequence_penalises_nothing_for_its_next_owner(
+        running_penalty):
     """Two rows. A penalised request runs throughout; a second, with a strong repetition
     penalty, finishes, and an unpenalised one takes its row while the first still samples
-    with penalties: the unpenalised one's tokens are those it makes alone."""
+    with penalties: the unpenalised one's tokens are those it makes alone. With a repetition
+    penalty running, the step reads the row's repetition value, which must be back to 1."""
     plain = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     alone = tiny().generate([[9] * 12], plain)[0].outputs[0].token_ids
     llm = tiny(max_num_seqs=2)
     engine = llm.engine
     engine.add_request([5] * 20, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
-                                                presence_penalty=0.5))
+                                                **running_penalty))
     engine.add_request([9] * 12, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,
                                                 repetition_penalty=3.0))
     engine.add_request([9] * 12, plain, request_id="plain")
@@ -163,21 +168,3 @@ def test_slot_of_a_token_follows_its_block_table():
     slots = batch.slot_mapping(torch.tensor([1, 1, 1]), torch.tensor([36, 15, 16]))
     assert slots.tolist() == [148, 127, 32] and slots.dtype == torch.int64
 
-
-def test_a_row_left_by_a_penalised_sequence_has_neutral_repetition_for_its_next_owner():
-    """The row of a request with a repetition penalty of 3 goes to one without penalties while
-    another request with a repetition penalty keeps running (so the step applies the penalty):
-    the newcomer's row holds repetition 1, and its tokens are those it makes alone."""
-    plain = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    alone = tiny().generate([[9] * 12], plain)[0].outputs[0].token_ids
-    engine = tiny(max_num_seqs=2).engine
-    engine.add_request([5] * 20, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
-                                                repetition_penalty=1.5))
-    engine.add_request([9] * 12, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,
-                                                repetition_penalty=3.0))
-    engine.add_request([9] * 12, plain, request_id="plain")
-    outputs = []
-    while engine.has_unfinished():
-        outputs += [out for out in engine.step() if out.request_id == "plain"]
-    assert [t for out in outputs for t in out.outputs[0].token_ids] == alone
-    assert_no_leaks(engine)

@@ -11,7 +11,7 @@ import pytest
 
 import cli
 from conftest import (HERE, MODEL_FIXTURES, chat_checkpoint, checkpoint_llm, http, nanoserve_main,
-                      server_in_process, write_byte_tokenizer)
+                      server_in_process, type_lines, write_byte_tokenizer)
 from openai_protocol import render_chat
 from sampling import SamplingParams
 from tokenizer import (ChatTemplate, Detokenizer, Tokenizer, chat_template_environment,
@@ -155,14 +155,7 @@ def test_the_repl_chats_through_the_template_one_conversation_until_clear(tmp_pa
     greedy = SamplingParams(max_tokens=4, temperature=0)
     hi = [dict(role="user", content="Hi")]
     reply = llm.generate(chatml(hi), greedy)[0].outputs[0].text
-    lines = iter(["Hi", "And?", "/clear", "Again"])
-
-    def next_line(prompt: str) -> str:
-        line = next(lines, None)
-        if line is None:
-            raise EOFError
-        return line
-    monkeypatch.setattr("builtins.input", next_line)
+    type_lines(monkeypatch, ["Hi", "And?", "/clear", "Again"])
     seen = []
     add_request = llm.engine.add_request
 
