@@ -260,6 +260,40 @@ def _dot(a, b, IN_FP32: tl.constexpr):
     return tl.dot(a, b, input_precision="ieee")
 
 
+@triton.jit
+def _attend_key_tile(q, m_i, l_i, acc, offs_n, mask_n, visible, seq, kv_head, offs_d, mask_d,
+                     sm_scale, k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_bts,
+                     stride_kb, stride_kt, stride_kh, stride_kd,
+                     stride_vb, stride_vt, stride_vh, stride_vd,
+                     BLOCK_SIZE: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    """One step of the online softmax, shared by both kernels: the K/V of key positions offs_n
+    (TILE_KEYS,) of sequence `seq` gathered through its block table (mask_n: the keys to
+    read), scored against q (R, TILE_DIM) where `visible` (R, TILE_KEYS) allows, and folded
+    into the running max m_i (R,), sum l_i (R,) and unnormalized output acc (R, TILE_DIM), all
+    fp32. The first step must give every row a visible key, so that its max is finite from
+    then on (exp(-inf - -inf) would be NaN)."""
+    # Block ids (TILE_KEYS,) of these tokens: masked past the end, where the table may be padding.
+    block_ids = tl.load(block_tables_ptr + seq * stride_bts + offs_n // BLOCK_SIZE,
+                        mask=mask_n, other=0).to(tl.int64)  # int64: big caches pass 2**31
+    offs_in_block = offs_n % BLOCK_SIZE
+    # K tile, loaded transposed (TILE_DIM, TILE_KEYS): masked past the end and the real head dim.
+    k_offs = (block_ids * stride_kb + offs_in_block * stride_kt)[None, :] \
+        + kv_head * stride_kh + offs_d[:, None] * stride_kd
+    k = tl.load(k_cache_ptr + k_offs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
+    scores = _dot(q, k, DOT_IN_FP32) * sm_scale  # (R, TILE_KEYS) fp32
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp(m_i - m_new)  # rescales what was summed under the old max
+    p = tl.exp(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    # V tile (TILE_KEYS, TILE_DIM): masked like K; masked keys give 0 and have p == 0 anyway.
+    v_offs = (block_ids * stride_vb + offs_in_block * stride_vt)[:, None] \
+        + kv_head * stride_vh + offs_d[None, :] * stride_vd
+    v = tl.load(v_cache_ptr + v_offs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_IN_FP32)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["first_seq"])  # any first_seq, one compile
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
@@ -316,28 +350,13 @@ def _paged_attention_kernel(
     for start_n in range(0, kv_end, TILE_KEYS):
         offs_n = start_n + tl.arange(0, TILE_KEYS)  # token positions in this step
         mask_n = offs_n < kv_end
-        # Block ids (TILE_KEYS,) of these tokens: masked past kv_end, where the table may be padding.
-        block_ids = tl.load(block_tables_ptr + seq * stride_bts + offs_n // BLOCK_SIZE,
-                            mask=mask_n, other=0).to(tl.int64)  # int64: big caches pass 2**31
-        offs_in_block = offs_n % BLOCK_SIZE
-        # K tile, loaded transposed (TILE_DIM, TILE_KEYS): masked past kv_end and the real head dim.
-        k_offs = (block_ids * stride_kb + offs_in_block * stride_kt)[None, :] \
-            + kv_head * stride_kh + offs_d[:, None] * stride_kd
-        k = tl.load(k_cache_ptr + k_offs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
-        scores = _dot(q, k, DOT_IN_FP32) * sm_scale  # (TILE_M, TILE_KEYS) fp32
         visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]  # causal + tail
-        scores = tl.where(visible, scores, float("-inf"))
-        # Online softmax: every pair sees position 0 in the first step, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)  # rescales what was summed under the old max
-        m_i = m_new
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        # V tile (TILE_KEYS, TILE_DIM): masked like K; masked keys give 0 and have p == 0 anyway.
-        v_offs = (block_ids * stride_vb + offs_in_block * stride_vt)[:, None] \
-            + kv_head * stride_vh + offs_d[None, :] * stride_vd
-        v = tl.load(v_cache_ptr + v_offs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_IN_FP32)
+        # every pair sees position 0 in the first step, so each row has a visible key
+        m_i, l_i, acc = _attend_key_tile(
+            q, m_i, l_i, acc, offs_n, mask_n, visible, seq, kv_head, offs_d, mask_d, sm_scale,
+            k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_bts,
+            stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh,
+            stride_vd, BLOCK_SIZE, DOT_IN_FP32)
     o_offs = tokens[:, None] * stride_on + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
     tl.store(out_ptr + o_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_qd)
 
@@ -407,27 +426,12 @@ def _paged_attention_decode_kernel(
     for start_n in range(start, end, TILE_KEYS):
         offs_n = start_n + tl.arange(0, TILE_KEYS)  # token positions in this step
         mask_n = offs_n < end  # past the split's end (or the context's)
-        # Block ids (TILE_KEYS,) of these tokens: masked past end, where the table may be padding.
-        block_ids = tl.load(block_tables_ptr + seq * stride_bts + offs_n // BLOCK_SIZE,
-                            mask=mask_n, other=0).to(tl.int64)  # int64: big caches pass 2**31
-        offs_in_block = offs_n % BLOCK_SIZE
-        # K tile, loaded transposed (TILE_DIM, TILE_KEYS): masked past end and the real head dim.
-        k_offs = (block_ids * stride_kb + offs_in_block * stride_kt)[None, :] \
-            + kv_head * stride_kh + offs_d[:, None] * stride_kd
-        k = tl.load(k_cache_ptr + k_offs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
-        scores = _dot(q, k, DOT_IN_FP32) * sm_scale  # (TILE_G, TILE_KEYS) fp32
-        scores = tl.where(mask_n[None, :], scores, float("-inf"))
-        # Online softmax: start_n < end, so each step has a key and m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)  # rescales what was summed under the old max
-        m_i = m_new
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        # V tile (TILE_KEYS, TILE_DIM): masked like K; masked keys give 0 and have p == 0 anyway.
-        v_offs = (block_ids * stride_vb + offs_in_block * stride_vt)[:, None] \
-            + kv_head * stride_vh + offs_d[None, :] * stride_vd
-        v = tl.load(v_cache_ptr + v_offs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_IN_FP32)
+        # one query sees every key of its split: no causal mask; start_n < end, so a key each
+        m_i, l_i, acc = _attend_key_tile(
+            q, m_i, l_i, acc, offs_n, mask_n, mask_n[None, :], seq, kv_head, offs_d, mask_d,
+            sm_scale, k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_bts,
+            stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh,
+            stride_vd, BLOCK_SIZE, DOT_IN_FP32)
     if PARTIAL:
         # This split's entry of each real head in the dense scratch (num_decodes, H, num_splits).
         parts = (seq * tl.num_programs(1) * GROUP_SIZE + heads) * num_splits + split
