@@ -21,9 +21,9 @@ eagerly; the logits and sampling run outside the graph (their shapes vary with t
 requests' parameters). `enforce_eager` (vLLM's flag) turns graphs off. The padded path also
 runs eagerly on a CPU (use_padded_decode, for the tests): its tokens are the unpadded path's.
 """
-import contextlib
 import itertools
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -240,7 +240,7 @@ class ModelRunner:
         self.buffers = DecodeBuffers.make(sizes[-1], width, self.device)
         self._fill_padding(0)
         if not capture:
-            self.graphs = {size: self._eager_decode(size) for size in sizes}
+            self.graphs = {size: partial(self._run_decode, size) for size in sizes}
             return
         pool = None
         for size in reversed(sizes):  # largest first: the smaller ones reuse its memory
@@ -251,11 +251,6 @@ class ModelRunner:
             pool = graph.pool()
             self.graphs[size] = graph.replay
         torch.cuda.synchronize(self.device)
-
-    def _eager_decode(self, size: int):
-        def run():
-            self._run_decode(size)
-        return run
 
     @torch.inference_mode()
     def _run_decode(self, size: int) -> None:
