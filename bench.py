@@ -94,6 +94,12 @@ SHAPES = {
                               **LLAMA_LAYOUT | dict(norm_eps=1e-5))}
 STEP_MAX_MODEL_LEN = 32768  # --step-shapes: the longest sequence served (block tables that wide)
 STEP_MODES = ("eager", "graphed")  # decode steps run eagerly, or replayed from CUDA graphs
+SPEC_NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'
+SPEC_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data",
+                         "tinyshakespeare.txt")
+SPEC_WORKLOADS = ("copy", "free")  # what the speculative experiment's prompts ask for
+SPEC_TOPICS = ("a lighthouse keeper", "a lost letter", "the first day of spring", "a chess game",
+               "a city at night", "an old clock", "a storm at sea", "a village baker")
 
 # HBM bandwidth, GB/s, as NVIDIA's datasheets give it, by a piece of torch's device name (the
 # first that matches): what a memory-bound kernel is measured against. A GPU not listed gets
@@ -185,6 +191,16 @@ class BenchConfig:
     jsonl: str = option("", "--kernel, --step-gemms, --sampling: append each row to this file "
                         "as one JSON line as soon as it is measured, so a run cut short keeps "
                         "what it measured")
+    speculative: bool = option(False, "only speculative decoding: copy-heavy and free-writing "
+                               "prompts of real text (--spec-text) on --model (else --preset), "
+                               "greedy, at --spec-batches: tokens/s without and with each of "
+                               "--spec-configs, acceptance, accepted length, drafts wasted")
+    spec_batches: tuple = option((1, 8, 32), "speculative: requests served together")
+    spec_configs: tuple = option((SPEC_NGRAM,), "speculative: speculative_config JSON objects "
+                                 "to compare with none")
+    spec_max_tokens: int = option(128, "speculative: tokens each request generates at most")
+    spec_text: str = option(SPEC_TEXT, "speculative: the text passages come from (absent: a "
+                            "passage of this file's docstring)")
 
 
 def parse_args(argv=None) -> BenchConfig:
@@ -1843,6 +1859,99 @@ def count_ops_table(figures: dict) -> str:
     return table(title, rows, "layer count")
 
 
+# ----------------------------------------------------------------------------- speculative decoding
+
+def text_passages(path: str, n: int, lines: int = 6) -> list[str]:
+    """n passages of `lines` lines each, evenly spread through the text at `path` (this
+    file's docstring where it is absent)."""
+    text = __doc__
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    all_lines = [line for line in text.splitlines() if line.strip()]
+    step = max(1, (len(all_lines) - lines) // n)
+    return ["\n".join(all_lines[i * step:i * step + lines]) for i in range(n)]
+
+
+def spec_prompts(cfg: BenchConfig, engine: Engine, workload: str, n: int) -> list[str]:
+    """n prompts of a workload. copy: a passage to repeat (an instruct model is asked to; a
+    base model gets it once and then its first line again, which it goes on copying); free:
+    a story to write (a base model: a passage's first line to go on from)."""
+    passages = text_passages(cfg.spec_text, n)
+    template = engine.chat_template
+    prompts = []
+    for i, passage in enumerate(passages):
+        first_line = passage.splitlines()[0]
+        if template is None and workload == "copy":
+            prompts.append(f"{passage}\n\n{first_line}\n")
+        elif template is None:
+            prompts.append(first_line + "\n")
+        elif workload == "copy":
+            request = f"Repeat the following passage exactly, word for word:\n\n{passage}"
+            prompts.append(template.render([dict(role="user", content=request)], {}))
+        else:
+            request = f"Write a short story about {SPEC_TOPICS[i % len(SPEC_TOPICS)]}."
+            prompts.append(template.render([dict(role="user", content=request)], {}))
+    return prompts
+
+
+def spec_run(engine: Engine, prompts: list[str], batch: int, max_tokens: int) -> dict:
+    """Serve prompts `batch` at a time, greedy: output tokens/s, and the speculation counters."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    engine.stats = type(engine.stats)()
+    start = time.perf_counter()
+    outputs = {}
+    for first in range(0, len(prompts), batch):
+        for prompt in prompts[first:first + batch]:
+            engine.add_request(prompt, params, stream=False)
+        while engine.has_unfinished():
+            for output in engine.step():
+                outputs[output.request_id] = output.outputs[0].token_ids
+    wall = time.perf_counter() - start
+    stats = engine.stats
+    drafts = stats.spec_decode_num_draft_tokens
+    accepted = stats.spec_decode_num_accepted_tokens
+    return dict(tokens_per_s=stats.num_generated_tokens / wall, steps=stats.num_steps,
+                output_tokens=stats.num_generated_tokens, draft_tokens=drafts,
+                acceptance_rate=accepted / drafts if drafts else None,
+                mean_accepted_length=accepted / stats.spec_decode_num_drafts
+                if stats.spec_decode_num_drafts else None,
+                drafts_wasted=drafts - accepted,
+                outputs=[outputs[i] for i in sorted(outputs, key=int)])
+
+
+def speculative_sweep(cfg: BenchConfig) -> list[dict]:
+    """Each workload at each batch size: the engine without speculation, then with each of
+    --spec-configs, on the same prompts (4 a batch size's worth, at least 4); greedy, so each
+    must give the same tokens (checked)."""
+    base = dict(model=cfg.model or None, preset=None if cfg.model else cfg.preset,
+                device=cfg.device, seed=cfg.seed)
+    engines = {"none": Engine(EngineConfig(**base))}
+    for spec in cfg.spec_configs:
+        engines[spec] = Engine(EngineConfig(**base, speculative_config=spec))
+    rows = []
+    for workload in SPEC_WORKLOADS:
+        for batch in cfg.spec_batches:
+            n = max(4, batch)
+            prompts = spec_prompts(cfg, engines["none"], workload, n)
+            without = None  # the run without speculation: its outputs and tokens/s
+            for name, engine in engines.items():
+                figures = spec_run(engine, prompts, batch, cfg.spec_max_tokens)
+                outputs = figures.pop("outputs")
+                without = without or (outputs, figures["tokens_per_s"])
+                speedup = figures["tokens_per_s"] / without[1]
+                row = dict(workload=workload, batch=batch, speculative_config=name, **figures,
+                           speedup=speedup, same_tokens=outputs == without[0])
+                rows.append(emit(cfg, "speculative", row))
+    return rows
+
+
+def speculative_table(rows: list[dict]) -> str:
+    return table("speculative decoding: greedy output tokens/s without and with drafts", rows,
+                 "workload batch speculative_config tokens_per_s speedup acceptance_rate "
+                 "mean_accepted_length drafts_wasted steps same_tokens")
+
+
 def host_overhead(cfg: BenchConfig) -> list[dict]:
     """Each batch and context: plain, with a penalty, and plain without streaming (one output
     a request, as LLM.generate asks)."""
@@ -1884,7 +1993,7 @@ def versions(cfg: BenchConfig) -> dict:
 
 # The flags of the measurements that run alone (run_single_measurement), each BenchConfig's
 SINGLE_MEASUREMENTS = ("lm_head", "host_overhead", "detokenizer", "step_gemms", "kernel",
-                       "count_ops", "sampling")
+                       "count_ops", "sampling", "speculative")
 
 
 def run_single_measurement(cfg: BenchConfig) -> bool:
@@ -1897,7 +2006,8 @@ def run_single_measurement(cfg: BenchConfig) -> bool:
              "step_gemms": (step_sweep, step_gemms_table),
              "kernel": (kernel_sweep, kernel_table),
              "count_ops": (count_ops, count_ops_table),
-             "sampling": (lm_head_and_sampling, sampling_table)}
+             "sampling": (lm_head_and_sampling, sampling_table),
+             "speculative": (speculative_sweep, speculative_table)}
     for name in SINGLE_MEASUREMENTS:
         if not getattr(cfg, name):
             continue

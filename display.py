@@ -72,7 +72,8 @@ class Progress:
         self.width = 0
 
 
-TRACE_LEGEND = "= prompt chunk  o generated token  * end  x preempted  . waiting  c cache hit"
+TRACE_LEGEND = ("= prompt chunk  o generated token  2-9 that many (accepted drafts)  * end  "
+                "x preempted  . waiting  c cache hit")
 
 
 def trace_mark(request_id: str, record: "StepRecord") -> str:  # noqa: F821 (nanoserve.py)
@@ -83,6 +84,8 @@ def trace_mark(request_id: str, record: "StepRecord") -> str:  # noqa: F821 (nan
         return "*"
     if request_id in record.num_cached_tokens:
         return "c"
+    if request_id in record.num_accepted_tokens and record.num_accepted_tokens[request_id]:
+        return str(min(9, 1 + record.num_accepted_tokens[request_id]))
     if request_id in record.sampled:
         return "o"
     if request_id in record.scheduled:

@@ -90,6 +90,18 @@ class InputBatch:
         self.num_blocks[row] = len(block_ids)
         return row, first_column, block_ids[first_column:]
 
+    def truncate(self, seq: Sequence) -> None:
+        """seq's table lost its last blocks (speculative decoding's rollback): its row forgets
+        them, so the blocks it takes next are written again."""
+        row = self.rows.get(seq)
+        if row is None:
+            return
+        num_blocks = len(seq.block_table.block_ids)
+        if num_blocks >= self.num_blocks[row]:
+            return
+        self.block_tables[row, num_blocks:self.num_blocks[row]] = 0
+        self.num_blocks[row] = num_blocks
+
     def step_block_tables(self, rows: torch.Tensor, new_rows: torch.Tensor,
                           new_columns: torch.Tensor, new_block_ids: torch.Tensor,
                           max_num_blocks: int) -> torch.Tensor:
@@ -148,6 +160,22 @@ class InputBatch:
         rows = penalties.input_batch_rows
         self.output_counts.index_put_((rows, token_ids), ones, accumulate=True)
         self.seen[rows, token_ids] = True
+
+    def count_emitted(self, seqs: list[Sequence], emitted: list[list[int]]) -> None:
+        """After a speculative step with penalties: each sequence's emitted tokens (a run of
+        them, known only on the host) counted in its output and seen. One upload."""
+        rows = []
+        token_ids = []
+        for seq, tokens in zip(seqs, emitted):
+            row = self.rows[seq]
+            if not self.holds_penalties[row]:
+                continue
+            rows += [row] * len(tokens)
+            token_ids += tokens
+        index = upload(dict(rows=rows, token_ids=token_ids), torch.int64, self.device)
+        ones = torch.ones(len(rows), device=self.device)
+        self.output_counts.index_put_((index["rows"], index["token_ids"]), ones, accumulate=True)
+        self.seen[index["rows"], index["token_ids"]] = True
 
     def penalty_rows(self, rows: torch.Tensor, counts: bool, seen: bool
                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:

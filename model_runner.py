@@ -32,6 +32,7 @@ from kernels import AttentionMetadata, select_attention
 from paged_cache import allocate_kv_cache, cdiv, kv_bytes_per_token
 from sampling import invalid_rows, sample, sampling_tensors, upload
 from scheduler import Sequence
+from spec_decode import SpecRows, accept_runs, count_drafts, output_offsets, verify
 
 KV_CACHE_BYTES = 1 << 30  # the CPU's KV cache, by default: a full context for every sequence,
                           # within 1 GiB (on CUDA: gpu_memory_utilization of the GPU's memory)
@@ -44,23 +45,28 @@ class Batch:
     input_ids: torch.Tensor         # (N,) the new tokens of every scheduled sequence
     positions: torch.Tensor         # (N,) each token's position in its sequence
     attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor    # (n,) the flat-batch index of the last token of each
-                                    # sequence that samples (vLLM's name)
+    logits_indices: torch.Tensor    # (R,) the flat-batch index of the last token of each
+                                    # sequence that samples (vLLM's name), and of each of its
+                                    # drafts: R = n + the step's drafts
     sample_seqs: list[Sequence]     # (n,) the sequences with no uncomputed token left
     prompt_logits_indices: torch.Tensor  # (m,) the tokens whose next is a prompt token to
                                     # score (prompt_logprobs)
     prompt_targets: torch.Tensor    # (m,) those next tokens
     prompt_seqs: list[Sequence]     # (m,) their sequences
     is_decode: bool = False         # every sequence has one new token: a graph may run it
+    # (n,) each sampling sequence's drafts verified this step ([] for none); None: no drafts
+    # in the step, a row a sequence
+    sample_drafts: list[list[int]] | None = None
 
 
 @dataclass
 class ModelOutput:
-    """What execute_model gives the engine's update(): the token sampled for each sequence with
-    no uncomputed token left, the log-probabilities asked for, and the sequences that failed."""
-    sampled_token_ids: dict[Sequence, int] = field(default_factory=dict)
-    logits: torch.Tensor | None = None  # (len(sampled_token_ids), vocab) fp32, in that order
-    logprobs: dict[Sequence, dict[int, float]] = field(default_factory=dict)  # sampled token's
+    """What execute_model gives the engine's update(): the tokens emitted by each sequence with
+    no uncomputed token left (one, or with drafts the accepted ones and one more), the
+    log-probabilities asked for, and the sequences that failed."""
+    sampled_token_ids: dict[Sequence, list[int]] = field(default_factory=dict)
+    logits: torch.Tensor | None = None  # (R, vocab) fp32: the sampling rows' (Batch)
+    logprobs: dict[Sequence, list[dict]] = field(default_factory=dict)  # each emitted token's
     prompt_logprobs: dict[Sequence, list[dict]] = field(default_factory=dict)  # scored this step
     failed: dict[Sequence, str] = field(default_factory=dict)  # failed alone -> the error
 
@@ -231,6 +237,10 @@ class ModelRunner:
         """seq left the running batch (finished, preempted or failed): its row is free."""
         self.input_batch.remove(seq)
 
+    def truncate(self, seq: Sequence) -> None:
+        """seq's table lost blocks (rejected drafts): its row forgets them."""
+        self.input_batch.truncate(seq)
+
     def use_padded_decode(self, capture: bool = False) -> None:
         """Run decode steps padded to capture_sizes through static buffers: captured in CUDA
         graphs (capture, on CUDA), or run eagerly (the tests' way to check, on a CPU, that the
@@ -311,22 +321,27 @@ class ModelRunner:
             return logits
         return logits[:, :self.vocab_size].contiguous()
 
-    def execute_model(self, num_scheduled_tokens: dict[Sequence, int]) -> ModelOutput:
+    def execute_model(self, num_scheduled_tokens: dict[Sequence, int],
+                      spec_decode_tokens: dict[Sequence, list[int]] | None = None
+                      ) -> ModelOutput:
         """Build the inputs, run the model over every scheduled token, sample a token for each
-        sequence with no uncomputed token left, gather the log-probabilities asked for. A
-        sequence whose logits are NaN fails alone (output.failed)."""
-        batch = self._prepare_inputs(num_scheduled_tokens)
+        sequence with no uncomputed token left (verify its drafts, spec_decode_tokens, if it
+        has any), gather the log-probabilities asked for. A sequence whose logits are NaN
+        fails alone (output.failed)."""
+        batch = self._prepare_inputs(num_scheduled_tokens, spec_decode_tokens)
         hidden = self._forward(batch)                                      # (N, C)
-        logits = self.compute_logits(hidden[batch.logits_indices])         # (n, vocab) fp32
+        logits = self.compute_logits(hidden[batch.logits_indices])         # (R, vocab) fp32
         output = ModelOutput(logits=logits)
+        if batch.sample_drafts is not None:
+            return self._verify(batch, hidden, logits, output)
         if not batch.sample_seqs and not batch.prompt_seqs:
             return output
         token_ids = batch.prompt_targets[:0]  # none sampled: an empty id tensor, on the device
         invalid = token_ids
         if batch.sample_seqs:
             token_ids, invalid = self._sample(batch.sample_seqs, logits)
-        if any(seq.params.logprobs is not None for seq in batch.sample_seqs) or batch.prompt_seqs:
-            self._gather_logprobs(batch, hidden, logits, token_ids, output)
+        if wants_logprobs(batch):
+            self._gather_logprobs(batch, hidden, logits, token_ids, batch.sample_seqs, output)
         # The step's wait for the sampled tokens and whether each row's logits were NaN, in
         # one read (log-probabilities, if asked for, were read above: two more).
         sampled, is_invalid = to_host(torch.stack([token_ids, invalid]))
@@ -334,8 +349,75 @@ class ModelRunner:
             if nan:
                 output.failed[seq] = NAN_LOGITS
                 continue
-            output.sampled_token_ids[seq] = token
+            output.sampled_token_ids[seq] = [token]
         return output
+
+    def _verify(self, batch: Batch, hidden: torch.Tensor, logits: torch.Tensor,
+                output: ModelOutput) -> ModelOutput:
+        """A step with drafts: sample at every row of the sampling sequences (k + 1 rows for
+        k drafts, each as if its tokens had come one step at a time), keep each sequence's
+        accepted run (spec_decode.verify, accept_runs), then count its tokens and gather
+        their log-probabilities."""
+        seqs = batch.sample_seqs
+        drafts = batch.sample_drafts
+        num_rows = [1 + len(seq_drafts) for seq_drafts in drafts]
+        row_seqs = [seq for seq, n in zip(seqs, num_rows) for _ in range(n)]
+        tensors = sampling_tensors(row_seqs, self.vocab_size, self.eos_token_ids, self.device,
+                                   output_offsets(num_rows))
+        if any(seq.params.has_penalties for seq in seqs):
+            tensors.penalties = count_drafts(self.input_batch.penalties(seqs), num_rows, drafts)
+        drawn, accepted = verify(logits, tensors, self._spec_rows(seqs, drafts), self.generator)
+        invalid = invalid_rows(logits).to(drawn.dtype)
+        drawn, accepted, invalid = to_host(torch.stack([drawn, accepted, invalid]))
+        emitted = accept_runs(num_rows, drafts, drawn, accepted)
+        if tensors.penalties is not None:
+            self.input_batch.count_emitted(seqs, emitted)
+        first_row = 0
+        emitted_rows = []  # each emitted token's logits row, the token, and its sequence
+        emitted_targets = []
+        emitted_seqs = []
+        for seq, n, tokens in zip(seqs, num_rows, emitted):
+            rows = range(first_row, first_row + len(tokens))
+            first_row += n
+            if any(invalid[row] for row in rows):
+                output.failed[seq] = NAN_LOGITS
+                continue
+            output.sampled_token_ids[seq] = tokens
+            emitted_rows += rows
+            emitted_targets += tokens
+            emitted_seqs += [seq] * len(tokens)
+        if wants_logprobs(batch):
+            emitted_ids = upload(dict(rows=emitted_rows, targets=emitted_targets), torch.int64,
+                                 self.device)
+            self._gather_logprobs(batch, hidden, logits[emitted_ids["rows"]],
+                                  emitted_ids["targets"], emitted_seqs, output)
+        return output
+
+    def _spec_rows(self, seqs: list[Sequence], drafts: list[list[int]]) -> SpecRows:
+        """What verify() needs of a step's drafts, a row each: the draft after the row's
+        token (0 on a sequence's last row), whether there is one, and the proposer's q."""
+        row_drafts = []
+        is_draft_row = []
+        for seq_drafts in drafts:
+            row_drafts += seq_drafts + [0]
+            is_draft_row += [1] * len(seq_drafts) + [0]
+        ints = upload(dict(drafts=row_drafts, is_draft_row=is_draft_row), torch.int64,
+                      self.device)
+        draft_probs = None
+        if any(seq.draft_probs is not None for seq in seqs):
+            draft_probs = torch.cat([self._draft_probs_rows(seq, len(seq_drafts))
+                                     for seq, seq_drafts in zip(seqs, drafts)])
+        return SpecRows(num_rows=[1 + len(d) for d in drafts], draft_token_ids=ints["drafts"],
+                        is_draft_row=ints["is_draft_row"].bool(), draft_probs=draft_probs)
+
+    def _draft_probs_rows(self, seq: Sequence, num_drafts: int) -> torch.Tensor:
+        """(1 + num_drafts, vocab): seq's draft distributions, then a row of zeros (its last
+        row has no draft); all zeros for a sequence without them."""
+        zeros = torch.zeros(1 + num_drafts, self.vocab_size, device=self.device)
+        if seq.draft_probs is None:
+            return zeros
+        zeros[:num_drafts] = seq.draft_probs[:num_drafts]
+        return zeros
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -349,15 +431,18 @@ class ModelRunner:
         return token_ids, invalid_rows(logits).to(token_ids.dtype)
 
     def _gather_logprobs(self, batch: Batch, hidden: torch.Tensor, logits: torch.Tensor,
-                         token_ids: torch.Tensor, output: ModelOutput) -> None:
-        """Fill output.logprobs (each sampled token's) and output.prompt_logprobs (each prompt
-        token scored this step): the token's own log-probability and the top k of its row,
-        from the model's log-softmax (before temperature, top-k and top-p, as vLLM returns
-        them). One topk over all rows; token ids and values are read in one copy each."""
-        seqs = batch.sample_seqs + batch.prompt_seqs  # a row each
-        num_sampled = len(batch.sample_seqs)
+                         token_ids: torch.Tensor, sampled_seqs: list[Sequence],
+                         output: ModelOutput) -> None:
+        """Fill output.logprobs (each sampled token's: token_ids (n,), from logits (n, vocab),
+        of sampled_seqs (n,), a sequence once a token it emitted) and output.prompt_logprobs
+        (each prompt token scored this step): the token's own log-probability and the top k of
+        its row, from the model's log-softmax (before temperature, top-k and top-p, as vLLM
+        returns them). One topk over all rows; token ids and values are read in one copy
+        each."""
+        seqs = sampled_seqs + batch.prompt_seqs  # a row each
+        num_sampled = len(sampled_seqs)
         # per row: how many top log-probabilities it asked for (None: none at all)
-        wants = [sampled.params.logprobs for sampled in batch.sample_seqs]
+        wants = [sampled.params.logprobs for sampled in sampled_seqs]
         wants += [scored.params.prompt_logprobs for scored in batch.prompt_seqs]
         prompt_logits = self.compute_logits(hidden[batch.prompt_logits_indices])  # (m, vocab)
         logprobs = torch.cat([logits, prompt_logits]).log_softmax(dim=-1)    # (n + m, vocab)
@@ -373,11 +458,12 @@ class ModelRunner:
             entry = {ids[row][0]: values[row][0]}  # the token itself, then its row's top
             entry |= dict(zip(ids[row][1:1 + row_top_k], values[row][1:1 + row_top_k]))
             if row < num_sampled:
-                output.logprobs[seq] = entry
+                output.logprobs.setdefault(seq, []).append(entry)
             else:
                 output.prompt_logprobs.setdefault(seq, []).append(entry)
 
-    def _prepare_inputs(self, num_scheduled_tokens: dict[Sequence, int]) -> Batch:
+    def _prepare_inputs(self, num_scheduled_tokens: dict[Sequence, int],
+                        spec_decode_tokens: dict[Sequence, list[int]] | None = None) -> Batch:
         """The step's inputs, flattened over the scheduled sequences (those of one new token
         first: attention launches them apart) and sent to the device in one pinned,
         non-blocking copy. Example, block_size 4, three sequences:
@@ -403,7 +489,11 @@ class ModelRunner:
         batch (input_batch.py), and the slots are read from them there: a step costs what is
         new in it, not its sequences' blocks."""
         decodes_first = sorted(num_scheduled_tokens.items(), key=has_many_new_tokens)
-        ints, sample_seqs, prompt_seqs = self._flatten_inputs(decodes_first)
+        spec_decode_tokens = spec_decode_tokens or {}
+        ints, sample_seqs, prompt_seqs = self._flatten_inputs(decodes_first, spec_decode_tokens)
+        sample_drafts = None
+        if spec_decode_tokens:
+            sample_drafts = [spec_decode_tokens.get(seq, []) for seq in sample_seqs]
         tensors = upload(ints, torch.int64, self.device)
         # the blocks attention reads: those of the longest context (a table holds no more)
         max_num_blocks = cdiv(max(ints["context_lens"]), self.block_pool.block_size)
@@ -423,13 +513,15 @@ class ModelRunner:
                      sample_seqs=sample_seqs,
                      prompt_logits_indices=tensors["prompt_logits_indices"],
                      prompt_targets=tensors["prompt_targets"], prompt_seqs=prompt_seqs,
-                     is_decode=max_query_len == 1)
+                     is_decode=max_query_len == 1, sample_drafts=sample_drafts)
 
-    def _flatten_inputs(self, scheduled: list[tuple[Sequence, int]]
+    def _flatten_inputs(self, scheduled: list[tuple[Sequence, int]],
+                        spec_decode_tokens: dict[Sequence, list[int]]
                         ) -> tuple[dict[str, list[int]], list[Sequence], list[Sequence]]:
         """_prepare_inputs' host half: its lists of ints by name (input_ids, positions, ...),
         the sequences that sample and those whose prompt tokens are scored: one pass over the
-        scheduled sequences, the example above's lists built side by side."""
+        scheduled sequences, the example above's lists built side by side. A sequence's
+        drafts follow its own new token, and each of them samples too (a logits row each)."""
         input_ids = []
         positions = []
         context_lens = []
@@ -447,9 +539,11 @@ class ModelRunner:
         for seq, num_new in scheduled:
             start = seq.num_computed_tokens
             end = start + num_new
+            drafts = spec_decode_tokens.get(seq, [])
+            end_of_tokens = end - len(drafts)  # the drafts are not in token_ids
             first_token = query_start_loc[-1]
             row, first_column, gained = self.input_batch.new_blocks(seq)
-            input_ids += seq.token_ids[start:end]
+            input_ids += seq.token_ids[start:end_of_tokens] + drafts
             positions += range(start, end)
             context_lens.append(end)
             query_start_loc.append(first_token + num_new)
@@ -459,11 +553,12 @@ class ModelRunner:
                 new_block_rows += [row] * len(gained)
                 new_block_columns += range(first_column, first_column + len(gained))
                 new_block_ids += gained
-            if end == len(seq.token_ids):  # no uncomputed token left: sample the next one
-                logits_indices.append(first_token + num_new - 1)
+            if end_of_tokens == len(seq.token_ids):  # none uncomputed left: sample the next
+                last_token = first_token + num_new - 1
+                logits_indices += range(last_token - len(drafts), last_token + 1)
                 sample_seqs.append(seq)
             if seq.params.prompt_logprobs is not None:
-                for position in prompt_positions_to_score(seq, start, end):
+                for position in prompt_positions_to_score(seq, start, end_of_tokens):
                     prompt_logits_indices.append(first_token + position - start)
                     prompt_targets.append(seq.token_ids[position + 1])
                     prompt_seqs.append(seq)
@@ -473,6 +568,13 @@ class ModelRunner:
                     new_block_ids=new_block_ids, logits_indices=logits_indices,
                     prompt_logits_indices=prompt_logits_indices, prompt_targets=prompt_targets)
         return ints, sample_seqs, prompt_seqs
+
+
+def wants_logprobs(batch: Batch) -> bool:
+    """Whether a step gathers log-probabilities: some sequence asked for its sampled tokens'
+    or has prompt tokens to score."""
+    return any(seq.params.logprobs is not None for seq in batch.sample_seqs) \
+        or bool(batch.prompt_seqs)
 
 
 def has_many_new_tokens(scheduled: tuple[Sequence, int]) -> bool:

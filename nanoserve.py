@@ -19,7 +19,10 @@ vLLM's shape and argument names, so moving to vLLM is an import away:
     from nanoserve import LLM, SamplingParams
     outputs = LLM().generate(["ROMEO:"], SamplingParams(max_tokens=64, temperature=0))
 
-Left out: beam search, speculative decoding, tensor parallelism, multi-modal inputs, LoRA.
+Speculative decoding (spec_decode.py) is two hooks here: propose() at the end of a step sets
+the next step's drafts, and update() appends a verified run of tokens one at a time.
+
+Left out: beam search, tensor parallelism, multi-modal inputs, LoRA.
 """
 import dataclasses
 import itertools
@@ -31,13 +34,16 @@ import torch
 
 from checkpoint import DTYPES, load_model
 from display import Progress, progress_wanted, render_trace
+from draft_proposer import DraftModelProposer
 from kernels import keep_freed_memory
 from model import PRESETS
 from model_runner import ModelOutput, ModelRunner
+from ngram_proposer import NgramProposer
 from options import check_fields, option
 from paged_cache import BlockTable
 from sampling import SamplingParams, generation_config_defaults
 from scheduler import POLICIES, Scheduler, SchedulerOutput, Sequence, SequenceStatus, check_stop
+from spec_decode import SpeculativeConfig, Speculator, parse_speculative_config
 from tokenizer import Detokenizer
 
 __version__ = "0.1.0"     # pyproject.toml reads it from here
@@ -84,8 +90,13 @@ class EngineConfig:
                                     "unset; auto: the checkpoint's generation_config.json where "
                                     "it gives one; vllm: ignore the file (vLLM's flag)",
                                     choices=["auto", "vllm"])
+    speculative_config: SpeculativeConfig | None = option(
+        None, "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\""
+        ": 4} or {\"model\": PATH, \"num_speculative_tokens\": 4} (spec_decode.py)",
+        type=parse_speculative_config)
 
     def __post_init__(self):
+        self.speculative_config = parse_speculative_config(self.speculative_config)
         check_fields(self)
         if self.model == "":
             raise ValueError("model is empty: give a checkpoint or leave it out (the shipped "
@@ -168,6 +179,9 @@ class StepRecord:
     # each scheduled sequence's phase this step (scheduled_phase): "prefill", "decode",
     # "recompute"
     phases: dict[str, str] = field(default_factory=dict)
+    # speculative decoding: the draft tokens each sequence verified, and how many it accepted
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    num_accepted_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -181,6 +195,11 @@ class EngineStats:
     num_batched_seqs: int = 0       # summed over steps: divide by num_steps for the mean
     num_batched_tokens: int = 0     # tokens computed, recomputation after preemption included
     peak_batch_size: int = 0
+    # speculative decoding, vLLM's counters: sequences that verified drafts (summed over
+    # steps), their draft tokens, and of those the accepted
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -195,7 +214,10 @@ class EngineStats:
         self.num_steps += 1
         self.num_queried_tokens += step.num_queried_tokens
         self.num_cached_tokens += sum(step.num_cached_tokens.values())
-        self.num_generated_tokens += len(step.sampled)
+        self.num_generated_tokens += len(step.sampled) + sum(step.num_accepted_tokens.values())
+        self.spec_decode_num_drafts += len(step.num_draft_tokens)
+        self.spec_decode_num_draft_tokens += sum(step.num_draft_tokens.values())
+        self.spec_decode_num_accepted_tokens += sum(step.num_accepted_tokens.values())
         self.num_batched_seqs += len(step.scheduled)
         self.num_batched_tokens += sum(step.scheduled.values())
         self.peak_batch_size = max(self.peak_batch_size, len(step.scheduled))
@@ -270,6 +292,16 @@ class Engine:
         self._lock = threading.Lock()  # abort() from other threads against step()
         self._aborted_outputs: list[RequestOutput] = []  # for the next step() to return
         self.dead: str | None = None  # why the engine cannot step any more (a device error)
+        self.speculator: Speculator | None = None  # speculative decoding, if configured
+        spec_config = config.speculative_config
+        if spec_config is not None:
+            self.speculator = Speculator(spec_config, self._proposer(spec_config))
+
+    def _proposer(self, spec_config: SpeculativeConfig):
+        """The proposer speculative_config names: n-gram lookup, or a draft model."""
+        if spec_config.method == "ngram":
+            return NgramProposer(spec_config.prompt_lookup_min, spec_config.prompt_lookup_max)
+        return DraftModelProposer(spec_config.model, self)
 
     def _vocab_size(self, num_embeddings: int) -> int:
         """The token ids a prompt may hold and a step may sample: the tokenizer's. Qwen's
@@ -316,6 +348,7 @@ class Engine:
             scheduler_output = self.scheduler.schedule()
             model_output = self.execute(scheduler_output)
             outputs += self.update(scheduler_output, model_output)
+            self.propose()
             self.record(scheduler_output, model_output, outputs)
             return outputs
 
@@ -323,22 +356,23 @@ class Engine:
         """Run the model once over every scheduled token and sample. If the batch fails, run
         each sequence alone: the ones that fail alone are the ones that fail."""
         for seq in scheduler_output.preempted:  # readmitted, it will start from a new row
-            self.model_runner.remove(seq)
+            self._remove(seq)
         num_scheduled_tokens = scheduler_output.num_scheduled_tokens
+        spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
         if not num_scheduled_tokens:
             return ModelOutput()
         # A batch may fail after sampling: its seeded sequences' generators have then drawn,
         # and alone they must draw the same again, as if the batch had never run.
         generator_states = seeded_generator_states(num_scheduled_tokens)
         try:
-            return self.model_runner.execute_model(num_scheduled_tokens)
+            return self.model_runner.execute_model(num_scheduled_tokens, spec_decode_tokens)
         except Exception as e:  # noqa: BLE001 (find the request that fails; it alone fails)
             self._fail_fast_on_device_error(e)
             for seq in num_scheduled_tokens:  # whatever the failed batch wrote of their rows
                 self.model_runner.remove(seq)
             for generator, state in generator_states:
                 generator.set_state(state)
-            return self._run_one_at_a_time(num_scheduled_tokens)
+            return self._run_one_at_a_time(num_scheduled_tokens, spec_decode_tokens)
 
     def _fail_fast_on_device_error(self, error: Exception) -> None:
         """A device error ends the engine: EngineDeadError now, and at every later step()."""
@@ -351,24 +385,38 @@ class Engine:
     def update(self, scheduler_output: SchedulerOutput, model_output: ModelOutput
                ) -> list[RequestOutput]:
         """Apply a step's results: failed sequences fail; the scheduler advances the others
-        and appends their tokens; each sampled sequence detokenizes, finishes or not
-        (check_stop), and makes its output if it streams or finished."""
+        (past their accepted drafts only); each sampled sequence takes its tokens one at a
+        time, detokenizing and checking each (check_stop), and makes its output if it
+        streams or finished."""
         outputs = []
         for seq, error in model_output.failed.items():
             outputs.append(self._fail(seq, error))
         ran = dict(scheduler_output.num_scheduled_tokens)
         for seq in model_output.failed:
             del ran[seq]
-        self.scheduler.update(ran, model_output.sampled_token_ids)
+        spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
+        self.scheduler.update(ran, model_output.sampled_token_ids, spec_decode_tokens)
+        for seq, drafts in spec_decode_tokens.items():
+            if seq in model_output.sampled_token_ids:
+                self._verified(seq, drafts, model_output.sampled_token_ids[seq])
         for seq, entries in model_output.prompt_logprobs.items():
             seq.prompt_logprobs += entries
-        for seq, entry in model_output.logprobs.items():
-            seq.logprobs.append(entry)
-        for seq in model_output.sampled_token_ids:
-            output = self._detokenize(seq)
+        for seq, tokens in model_output.sampled_token_ids.items():
+            output = self._append_tokens(seq, tokens, model_output.logprobs.get(seq))
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def _verified(self, seq: Sequence, drafts: list[int], emitted: list[int]) -> None:
+        """seq verified its drafts: its input-batch row forgets the blocks the scheduler freed
+        past the accepted ones, and the speculator learns how many were accepted."""
+        self.model_runner.truncate(seq)
+        self.speculator.verified(seq, len(drafts), len(emitted) - 1)
+
+    def propose(self) -> None:
+        """Speculative decoding: the drafts of each running sequence's next step."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
 
     def record(self, scheduler_output: SchedulerOutput, model_output: ModelOutput,
                outputs: list[RequestOutput]) -> None:
@@ -392,7 +440,12 @@ class Engine:
             num_waiting=len(self.scheduler.waiting),
             num_kv_tokens=sum(seq.num_computed_tokens for seq in self.scheduler.running),
             kv_blocks_used=self.block_pool.num_blocks - self.block_pool.num_free_blocks,
-            phases={seq.seq_id: phase for seq, phase in scheduler_output.phases.items()})
+            phases={seq.seq_id: phase for seq, phase in scheduler_output.phases.items()},
+            num_draft_tokens={seq.seq_id: len(drafts) for seq, drafts
+                              in scheduler_output.scheduled_spec_decode_tokens.items()},
+            num_accepted_tokens={seq.seq_id: len(model_output.sampled_token_ids[seq]) - 1
+                                 for seq in scheduler_output.scheduled_spec_decode_tokens
+                                 if seq in model_output.sampled_token_ids})
         self.stats.record(self.last_step)
         if self.step_records is not None:
             self.step_records.append(self.last_step)
@@ -534,13 +587,15 @@ class Engine:
         with self._lock:  # not between an abort's finish and its output's queueing
             return self.scheduler.has_unfinished() or bool(self._aborted_outputs)
 
-    def _run_one_at_a_time(self, num_scheduled_tokens: dict[Sequence, int]) -> ModelOutput:
+    def _run_one_at_a_time(self, num_scheduled_tokens: dict[Sequence, int],
+                           spec_decode_tokens: dict[Sequence, list[int]]) -> ModelOutput:
         """The batch failed: run each sequence alone; those that fail alone fail."""
         merged = ModelOutput()
         logits = []
         for seq, num_new in num_scheduled_tokens.items():
+            drafts = {seq: spec_decode_tokens[seq]} if seq in spec_decode_tokens else {}
             try:
-                alone = self.model_runner.execute_model({seq: num_new})
+                alone = self.model_runner.execute_model({seq: num_new}, drafts)
             except Exception as e:  # noqa: BLE001
                 self._fail_fast_on_device_error(e)
                 merged.failed[seq] = f"{type(e).__name__}: {e}"
@@ -554,26 +609,36 @@ class Engine:
             merged.logits = torch.cat(logits)
         return merged
 
-    def _detokenize(self, seq: Sequence) -> RequestOutput | None:
-        """Add seq's new token to its text, finish it if check_stop says so, make its output
-        (a sequence that does not stream has none until it finishes); an error here fails
-        this request alone."""
+    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[dict] | None
+                       ) -> RequestOutput | None:
+        """Append seq's new tokens (one, or a verified run) one at a time, each with its text
+        and log-probabilities, finishing it at the first that check_stop ends it with (the
+        rest are dropped, from `tokens` too: the output ends where it would have without
+        speculation); its output, if it streams or finished. An error here fails this request alone."""
         try:
-            token = seq.token_ids[-1]
-            stop_string = self._append_text(seq, token)
-            finish = check_stop(seq, token, stop_string, self.eos_token_ids)
-            if finish is None and not seq.stream:
+            for i, token in enumerate(tokens):
+                seq.token_ids.append(token)
+                if logprobs is not None:
+                    seq.logprobs.append(logprobs[i])
+                stop_string = self._append_text(seq, token)
+                finish = check_stop(seq, token, stop_string, self.eos_token_ids)
+                if finish is not None:
+                    del tokens[i + 1:]  # never output: the step's record counts what was
+                    return self._finish(seq, finish, stop_string)
+            if not seq.stream:
                 return None
-            if finish is None:
-                return self._output(seq)
-            status, seq.stop_reason = finish
-            self.scheduler.finish(seq, status)
-            if stop_string is None:  # a stop string cut the text; else it ends here, whole
-                seq.detokenizer.flush()
             return self._output(seq)
         except Exception as e:  # noqa: BLE001 (this request alone fails)
             seq.detokenizer = Detokenizer(self.tokenizer, [])  # not the one that failed
             return self._fail(seq, f"{type(e).__name__}: {e}")
+
+    def _finish(self, seq: Sequence, finish: tuple, stop_string: str | None) -> RequestOutput:
+        """End seq as check_stop said (status, stop_reason); its last output."""
+        status, seq.stop_reason = finish
+        self.scheduler.finish(seq, status)
+        if stop_string is None:  # a stop string cut the text; else it ends here, whole
+            seq.detokenizer.flush()
+        return self._output(seq)
 
     @staticmethod
     def _append_text(seq: Sequence, token: int) -> str | None:
@@ -614,11 +679,18 @@ class Engine:
         return RequestOutput(seq.request_id, seq.prompt, seq.returned_prompt_token_ids,
                              [completion], request_finished, prompt_logprobs)
 
+    def _remove(self, seq: Sequence) -> None:
+        """seq left the running batch (finished, preempted or failed): its input-batch row, its
+        drafts and its proposer state go."""
+        self.model_runner.remove(seq)
+        if self.speculator is not None:
+            self.speculator.remove(seq)
+
     def _release(self, seq: Sequence) -> bool:
         """A finished sequence leaves the engine. Whether it was the last of its request: only
         the output that ends a request's last sample says the request is finished."""
         self.seqs.pop(seq.seq_id, None)
-        self.model_runner.remove(seq)
+        self._remove(seq)
         samples = self.requests.get(seq.request_id, [])
         # by identity: a finished sample's id may name another request's sequence by now
         if any(self.seqs.get(sample.seq_id) is sample for sample in samples):

@@ -189,6 +189,15 @@ class BlockTable:
         self.block_ids += self.block_pool.allocate(missing)
         return True
 
+    def truncate(self, num_tokens: int) -> None:
+        """Free the blocks past those that hold num_tokens tokens (speculative decoding's
+        rollback: blocks taken for drafts that were rejected), the last first."""
+        num_kept = cdiv(num_tokens, self.block_pool.block_size)
+        if num_kept >= len(self.block_ids):
+            return
+        self.block_pool.free(self.block_ids[num_kept:][::-1])
+        del self.block_ids[num_kept:]
+
     def take_cached_prefix(self, block_hashes: list[bytes], block_ids: list[int]) -> None:
         """Start an empty table with a cached prefix that BlockPool.find_cached_prefix found,
         sharing its blocks with their other owners."""

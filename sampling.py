@@ -241,29 +241,49 @@ def sample(logits: torch.Tensor, t: SamplingTensors, generator: torch.Generator)
     and no row depends on another's parameters or logits: its tokens do not depend on its
     batch, and a row of NaN logits gets some token while the others keep theirs (the engine
     fails it: invalid_rows()). The logits are not changed in place: log-probabilities are the
-    model's own, before all this."""
+    model's own, before all this. Speculative decoding's verify() (spec_decode.py) uses the
+    same three parts: adjust_logits, sampling_probs, draw."""
+    logits = adjust_logits(logits, t)
+    greedy = logits.argmax(dim=-1) if t.any_greedy else None
+    if t.all_greedy:
+        return greedy
+    drawn = draw(sampling_probs(logits, t), t.generators, generator)
+    return drawn if greedy is None else torch.where(t.greedy, greedy, drawn)
+
+
+def adjust_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """logit_bias (and min_tokens' bans), then the penalties: the logits greedy rows take the
+    argmax of."""
     if t.logit_bias is not None:
         logits = logits + t.logit_bias
     if t.penalties is not None:
         logits = apply_penalties(logits, t.penalties)
-    greedy = logits.argmax(dim=-1) if t.any_greedy else None
-    if t.all_greedy:
-        return greedy
+    return logits
+
+
+def sampling_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Adjusted logits (n, vocab) -> the distribution each row draws from (n, vocab):
+    temperature, min_p, top-k, top-p, softmax."""
     logits = logits / t.temperature[:, None]
     if t.min_p is not None:
         logits = apply_min_p(logits, t.min_p)
     if t.any_top_k_top_p:
         logits = apply_top_k_top_p(logits, t.top_k, t.top_p, t.max_top_k)
-    probs = logits.softmax(dim=-1)
+    return logits.softmax(dim=-1)
+
+
+def draw(probs: torch.Tensor, generators: list, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of probs (n, vocab) -> (n,), by the Gumbel-max trick: argmax(probs / E),
+    E ~ Exponential(1); a seeded row's E from its own generator. probs need not sum to 1
+    (speculative decoding draws from max(p - q, 0) unnormalised). probs is overwritten."""
     uniform = torch.rand(probs.shape, generator=generator, device=probs.device) \
-        if None in t.generators else torch.empty_like(probs)
-    for row, gen in enumerate(t.generators):
+        if None in generators else torch.empty_like(probs)
+    for row, gen in enumerate(generators):
         if gen is not None:
             uniform[row].uniform_(generator=gen)
     # E = -log U ~ Exp(1) > 0 (no NaN), and probs / log U = -(probs / E) bit for bit: its
     # argmin is argmax(probs / E), without a pass to negate
-    drawn = probs.div_(uniform.log_()).argmin(dim=-1)
-    return drawn if greedy is None else torch.where(t.greedy, greedy, drawn)
+    return probs.div_(uniform.log_()).argmin(dim=-1)
 
 
 def invalid_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -373,9 +393,11 @@ def upload(host_lists: dict[str, list], dtype: torch.dtype, device: str
 
 
 def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int],
-                     device: str) -> SamplingTensors:
+                     device: str, output_offsets: list[int] | None = None) -> SamplingTensors:
     """The sampling parameters of the sequences that sample (a row each), as device tensors;
-    the penalties' state, kept from step to step, is the persistent batch's (input_batch.py)."""
+    the penalties' state, kept from step to step, is the persistent batch's (input_batch.py).
+    output_offsets: per row, the tokens its sequence emits before it in this step (a
+    speculative step's rows: spec_decode.output_offsets); None: 0 each."""
     params = [seq.params for seq in seqs]
     greedy = [p.temperature < GREEDY_BELOW for p in params]
     temperature = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
@@ -396,23 +418,26 @@ def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[
     if any(p.min_p > 0 for p in params):
         min_p = [p.min_p for p in params]
         tensors.min_p = upload(dict(min_p=min_p), torch.float32, device)["min_p"]
-    tensors.logit_bias = logit_bias_rows(seqs, vocab_size, eos_token_ids, device)
+    if output_offsets is None:
+        output_offsets = [0] * len(seqs)
+    tensors.logit_bias = logit_bias_rows(seqs, vocab_size, eos_token_ids, device, output_offsets)
     return tensors
 
 
 def logit_bias_rows(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int],
-                    device: str) -> torch.Tensor | None:
+                    device: str, output_offsets: list[int]) -> torch.Tensor | None:
     """(n, vocab): each row's logit_bias, and -inf on the tokens that would end it while it
-    has fewer than min_tokens (end-of-text unless ignored, its stop_token_ids); None if no row
-    has either. One scatter from one upload."""
+    has fewer than min_tokens (end-of-text unless ignored, its stop_token_ids), counting the
+    row's output_offsets tokens emitted before it; None if no row has either. One scatter from
+    one upload."""
     rows = []
     token_ids = []
     biases = []
-    for row, seq in enumerate(seqs):
+    for row, (seq, offset) in enumerate(zip(seqs, output_offsets)):
         params = seq.params
         if not params.logit_bias and not params.min_tokens:  # most rows: nothing to add
             continue
-        holds_back = seq.num_output_tokens < params.min_tokens
+        holds_back = seq.num_output_tokens + offset < params.min_tokens
         banned = []
         if holds_back:
             banned = list(params.stop_token_ids)

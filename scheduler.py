@@ -73,6 +73,10 @@ class Sequence:
                                               # the same as seq_id (n = 1)
     index: int = 0                            # which of the request's samples it is
     num_preemptions: int = 0                  # times it was preempted (then recomputed)
+    # speculative decoding (spec_decode.py): the draft tokens proposed for its next step, and
+    # the proposer's distribution of each, (k, vocab) on the device (None: one-hot, ngram's)
+    spec_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
     # len(prompt_token_ids), kept beside the sequence's other numbers: every step reads it,
     # and a long prompt's list sits far from them in memory (BENCHMARKS.md, section 8)
     num_prompt_tokens: int = field(init=False)
@@ -114,15 +118,22 @@ class SchedulerOutput:
     # each scheduled sequence -> what its new tokens are (scheduled_phase): "decode",
     # "prefill" or "recompute"
     phases: dict[Sequence, str] = field(default_factory=dict)
+    # decoding sequences that verify draft tokens this step -> the drafts (vLLM's name); they
+    # are among num_scheduled_tokens' tokens: a decode with k drafts runs 1 + k tokens
+    scheduled_spec_decode_tokens: dict[Sequence, list[int]] = field(default_factory=dict)
 
-    def schedule(self, seq: Sequence, num_new: int) -> None:
-        """seq runs num_new of its uncomputed tokens this step."""
-        self.num_scheduled_tokens[seq] = num_new
+    def schedule(self, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> None:
+        """seq runs num_new of its uncomputed tokens this step, then its drafts if any."""
         self.phases[seq] = scheduled_phase(seq, num_new)
+        if drafts:
+            self.scheduled_spec_decode_tokens[seq] = drafts
+            num_new += len(drafts)
+        self.num_scheduled_tokens[seq] = num_new
 
     def unschedule(self, seq: Sequence) -> int:
         """seq, preempted, does not run after all: the tokens it had been given (0 if none)."""
         self.phases.pop(seq, None)
+        self.scheduled_spec_decode_tokens.pop(seq, None)
         return self.num_scheduled_tokens.pop(seq, 0)
 
 
@@ -301,6 +312,11 @@ class Scheduler:
             num_new = self._num_new_tokens(seq.num_uncomputed_tokens, budget)
             if num_new == 0:
                 continue
+            drafts = self._take_drafts(seq, budget - num_new)
+            if drafts:
+                output.schedule(seq, num_new, drafts)
+                budget -= num_new + len(drafts)
+                continue
             while not seq.block_table.ensure(seq.num_computed_tokens + num_new):
                 victim = self.running[-1]  # the newest: the least work to redo
                 budget += output.unschedule(victim)  # if it was scheduled
@@ -313,6 +329,18 @@ class Scheduler:
             output.schedule(seq, num_new)
             budget -= num_new
         return budget
+
+    def _take_drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """The drafts seq verifies this step (its spec_token_ids, taken): as many as the budget
+        has room for after its own token, and none unless their blocks are free now. A draft
+        is a guess: it never preempts anyone."""
+        drafts = seq.spec_token_ids[:budget]
+        seq.spec_token_ids = []
+        if not drafts:
+            return drafts
+        if not seq.block_table.ensure(seq.num_computed_tokens + 1 + len(drafts)):
+            return []
+        return drafts
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         """Admit waiting sequences in policy order while max_num_seqs, the budget and the
@@ -403,6 +431,7 @@ class Scheduler:
         """Preemption by recompute: free its blocks and forget its progress; its tokens stay."""
         seq.block_table.release()
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         self.running.remove(seq)
         self.waiting.push(seq, front=True)
@@ -410,15 +439,29 @@ class Scheduler:
         self.num_preemptions += 1
 
     def update(self, num_scheduled_tokens: dict[Sequence, int],
-               sampled: dict[Sequence, int]) -> None:
-        """After the model ran: advance each scheduled sequence's num_computed_tokens and cache
-        the blocks it filled, append the sampled tokens. Whether a token ends its sequence is
-        check_stop's to say, once the engine has its text."""
+               sampled: dict[Sequence, list[int]],
+               spec_decode_tokens: dict[Sequence, list[int]]) -> None:
+        """After the model ran: advance each scheduled sequence's num_computed_tokens past the
+        tokens whose K/V are now good, and cache the blocks they fill. A sequence that verified
+        drafts keeps the K/V of those accepted (all its emitted tokens but the last); the
+        rejected ones' were written but are never read: its progress stops before them and
+        its blocks past it are freed. The engine appends the sampled tokens (a run of them
+        with drafts), checking each with check_stop.
+
+        Example, block_size 4: 5 tokens computed and 1 new, drafts [a, b, c], emitted [a, x]
+        (b rejected): 5 + 4 tokens were computed, 5 + 1 + 1 = 7 are good; the table keeps 2
+        blocks of its 3, and blocks full of good tokens are cached."""
         for seq, num_new in num_scheduled_tokens.items():
-            seq.num_computed_tokens += num_new
-            seq.block_table.cache_full_blocks(seq.token_ids, seq.num_computed_tokens)
-        for seq, token in sampled.items():
-            seq.token_ids.append(token)
+            drafts = spec_decode_tokens.get(seq)
+            if not drafts:
+                seq.num_computed_tokens += num_new
+                seq.block_table.cache_full_blocks(seq.token_ids, seq.num_computed_tokens)
+                continue
+            accepted = sampled[seq][:-1]
+            num_rejected = len(drafts) - len(accepted)
+            seq.num_computed_tokens += num_new - num_rejected
+            seq.block_table.truncate(seq.num_computed_tokens)
+            seq.block_table.cache_full_blocks(seq.token_ids + accepted, seq.num_computed_tokens)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """End a sequence (running or waiting) and free its blocks; an already finished one

@@ -232,7 +232,12 @@ class EngineThread(threading.Thread):
                   ("generation_tokens_total", "counter", engine.stats.num_generated_tokens),
                   ("prefix_cache_queries_total", "counter", engine.stats.num_queried_tokens),
                   ("prefix_cache_hits_total", "counter", engine.stats.num_cached_tokens),
-                  ("num_preemptions_total", "counter", engine.scheduler.num_preemptions)]
+                  ("num_preemptions_total", "counter", engine.scheduler.num_preemptions),
+                  ("spec_decode_num_drafts_total", "counter", engine.stats.spec_decode_num_drafts),
+                  ("spec_decode_num_draft_tokens_total", "counter",
+                   engine.stats.spec_decode_num_draft_tokens),
+                  ("spec_decode_num_accepted_tokens_total", "counter",
+                   engine.stats.spec_decode_num_accepted_tokens)]
         lines = []
         for name, kind, value in values:
             lines.append(f"# TYPE nanoserve:{name} {kind}")

@@ -645,3 +645,21 @@ def test_bench_count_ops_counts_each_layers_aten_calls_in_a_decode_step(tmp_path
     assert figures["per_layer"] == [82, 59, 59, 59]
     assert figures["ops"]["linear.default"] == 4  # qkv, o, gate_up, down
     assert "| 3 | 59 |" in printed.getvalue()
+
+
+def test_bench_speculative_compares_tokens_per_s_with_and_without_drafts(tmp_path):
+    """--speculative on the tiny preset: each workload at each batch size, without drafts and
+    with the n-gram proposer, on the same prompts; greedy, so the tokens are the same, and
+    the drafting run's counters are there."""
+    out = tmp_path / "spec.json"
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        bench.main(["--speculative", "--spec-batches", "1", "2", "--spec-max-tokens", "8",
+                    "--threads", "1", "--out", str(out)])
+    rows = json.loads(out.read_text())["speculative"]
+    assert [(r["workload"], r["batch"], r["speculative_config"]) for r in rows] == [
+        (workload, batch, config) for workload in ("copy", "free") for batch in (1, 2)
+        for config in ("none", bench.SPEC_NGRAM)]
+    assert all(r["same_tokens"] for r in rows)
+    assert all(r["draft_tokens"] == 0 and r["speedup"] == 1 for r in rows[::2])
+    assert any(r["draft_tokens"] > 0 for r in rows[1::2])
+    assert "speculative decoding" in printed.getvalue()

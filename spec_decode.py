@@ -1,0 +1,293 @@
+"""Speculative decoding: guess several tokens cheaply, verify them all in one step of the model,
+and keep exactly the model's distribution (Leviathan et al. 2023, Chen et al. 2023).
+
+Decoding reads every weight to make one token a sequence; reading them once for k + 1 tokens
+of the same sequence costs little more, so each guess the model accepts is a step saved. A
+proposer guesses (ngram_proposer.py: tokens that followed the same words earlier in the text;
+draft_proposer.py: a small model that shares the tokenizer); the scheduler gives a decoding
+sequence with k draft tokens k + 1 query tokens, through the ordinary paged path like a prompt
+chunk; the model runner samples at all k + 1 positions, and verify() below keeps the longest
+run of drafts the model agrees with, plus one token of the model's own.
+
+Worked example, greedy, drafts [the, cat, sat] after "... on":
+    query tokens      on    the   cat   sat       (4 positions, one forward)
+    model's argmax    the   cat   ran   down
+    accepted          the   cat                   (sat != ran: stop at the first difference)
+    emitted           the   cat   ran             3 tokens for one step; had all 3 matched,
+                                                  the 4th position's "down" was a bonus token
+The K/V of "sat" were written to the cache but are never read: the sequence's
+num_computed_tokens moves back past them, and blocks past the accepted tokens are freed.
+
+Sampled rows keep the target's distribution p by rejection sampling: a draft token d drawn
+from the proposer's q is accepted with probability min(1, p(d) / q(d)); if rejected, the
+token is drawn from max(p - q, 0), normalised. An n-gram guess is one token with q(d) = 1:
+accepted with probability p(d), else drawn from p with d removed. Every sampling field
+(temperature, top-k/p, min_p, penalties, logit_bias, min_tokens, seeds) shapes p at each
+position as if the tokens had come one step at a time: position j sees the drafts before it
+counted by the penalties and in min_tokens.
+
+In this file: SpeculativeConfig (vLLM's speculative_config), make_proposer, the engine's
+Speculator (who drafts, and backs off when drafts keep failing), then the model runner's side:
+expand_rows (each speculating sequence's rows), verify (the rejection sampler) and accept_runs
+(the emitted tokens). The scheduler (scheduler.py) schedules drafts; the engine's update()
+appends the emitted tokens one at a time, checking stops after each.
+"""
+import dataclasses
+import json
+from dataclasses import dataclass
+
+import torch
+
+from options import check_int
+from sampling import Penalties, SamplingTensors, adjust_logits, draw, sampling_probs
+
+METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16
+MAX_PROMPT_LOOKUP = 64     # ngram: the longest suffix looked up, at most
+# A sequence whose drafts were all rejected pauses drafting for this many steps, doubled each
+# time it happens again in a row (up to MAX_BACKOFF_STEPS), reset by any accepted draft: free
+# text rarely repeats, and a draft that fails costs its verification tokens every step.
+FIRST_BACKOFF_STEPS = 1
+MAX_BACKOFF_STEPS = 32
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"model": PATH, "num_speculative_tokens":
+    4} (method draft_model)."""
+    num_speculative_tokens: int
+    method: str = "ngram"
+    model: str | None = None               # draft_model: a checkpoint sharing the tokenizer
+    prompt_lookup_max: int | None = None   # ngram: the longest suffix looked up
+    prompt_lookup_min: int | None = None   # ngram: the shortest
+    disable_by_batch_size: int | None = None  # no drafts while more sequences run than this
+
+    def __post_init__(self):
+        if self.model is not None and self.method == "ngram":
+            self.method = "draft_model"  # as vLLM infers it from a model given alone
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config: unknown method {self.method!r}; choose one "
+                             f"of {', '.join(METHODS)}")
+        check_int("speculative_config's num_speculative_tokens", self.num_speculative_tokens,
+                  1, MAX_SPECULATIVE_TOKENS)
+        if self.disable_by_batch_size is not None:
+            check_int("speculative_config's disable_by_batch_size", self.disable_by_batch_size, 1)
+        if self.method == "draft_model":
+            self._check_draft_model()
+            return
+        self._check_prompt_lookup()
+
+    def _check_draft_model(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("speculative_config's model: method draft_model needs a checkpoint "
+                             f"path, got {self.model!r}")
+        if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
+            raise ValueError("speculative_config's prompt_lookup_max and prompt_lookup_min are "
+                             "for method ngram, not draft_model")
+
+    def _check_prompt_lookup(self) -> None:
+        """One bound given: the other takes it; neither: 2 to 4 (vLLM takes 5 for both, which
+        finds fewer matches in a small model's shorter texts)."""
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if value is not None:
+                check_int(f"speculative_config's {name}", value, 1, MAX_PROMPT_LOOKUP)
+        if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
+            self.prompt_lookup_min, self.prompt_lookup_max = 2, 4
+        if self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        if self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config's prompt_lookup_min ({self.prompt_lookup_min})"
+                             f" is more than prompt_lookup_max ({self.prompt_lookup_max})")
+
+
+def parse_speculative_config(value) -> SpeculativeConfig | None:
+    """None, a SpeculativeConfig, a dict or its JSON text (the command line's) -> a validated
+    SpeculativeConfig or None; ValueError naming the field for anything else."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+    known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"speculative_config: unknown key {unknown[0]!r}; known: "
+                         f"{', '.join(sorted(known))}")
+    if "num_speculative_tokens" not in value:
+        raise ValueError("speculative_config needs num_speculative_tokens")
+    return SpeculativeConfig(**value)
+
+
+# --- the engine's side: who drafts ---------------------------------------------------------
+
+class Speculator:
+    """Asks the proposer for the next step's drafts of every running sequence that decodes,
+    within what each may still emit, and pauses a sequence whose drafts keep failing."""
+
+    def __init__(self, config: SpeculativeConfig, proposer):
+        self.config = config
+        self.proposer = proposer
+        self.backoff: dict = {}   # seq -> (steps it still waits, steps it waits next time)
+
+    def propose(self, running: list) -> None:
+        """Set spec_token_ids of each running sequence that will decode at the next step."""
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(running) > limit:
+            return
+        wanted = {}
+        for seq in running:
+            num_drafts = self._num_drafts(seq)
+            if num_drafts > 0:
+                wanted[seq] = num_drafts
+        if wanted:
+            self.proposer.propose(wanted)
+
+    def _num_drafts(self, seq) -> int:
+        """How many drafts seq may take: none unless it decodes next (one uncomputed token),
+        is not waiting out a backoff, and may emit more than the one token a step gives."""
+        if seq.num_uncomputed_tokens != 1:
+            return 0
+        waits, _ = self.backoff.get(seq, (0, 0))
+        if waits > 0:
+            self.backoff[seq] = (waits - 1, self.backoff[seq][1])
+            return 0
+        room = seq.params.max_tokens - seq.num_output_tokens - 1  # the step's own token aside
+        return min(self.config.num_speculative_tokens, room)
+
+    def verified(self, seq, num_drafts: int, num_accepted: int) -> None:
+        """After a step verified num_drafts of seq's drafts: all rejected pauses it, for
+        FIRST_BACKOFF_STEPS, then twice as long each time in a row; any accepted resets."""
+        if num_accepted > 0:
+            self.backoff.pop(seq, None)
+            return
+        _, next_wait = self.backoff.get(seq, (0, FIRST_BACKOFF_STEPS))
+        self.backoff[seq] = (next_wait, min(2 * next_wait, MAX_BACKOFF_STEPS))
+
+    def remove(self, seq) -> None:
+        """seq finished or was preempted: its proposer state (a draft's cache) goes."""
+        self.backoff.pop(seq, None)
+        seq.spec_token_ids = []
+        seq.draft_probs = None
+        self.proposer.remove(seq)
+
+
+# --- the model runner's side: verification ----------------------------------------------------
+
+@dataclass
+class SpecRows:
+    """The sampling rows of a step with drafts: a sequence with k drafts has k + 1 rows, row j
+    the position after its j-th token (j = 0: after the token sampled last step)."""
+    num_rows: list[int]             # per sampling sequence: 1 + its number of drafts
+    draft_token_ids: torch.Tensor   # (R,) int64: row j's draft (the next row's token); any
+                                    # token on a sequence's last row, which has none
+    is_draft_row: torch.Tensor      # (R,) bool: the row holds a draft to accept or reject
+    draft_probs: torch.Tensor | None  # (R, vocab) the proposer's q on draft rows (a draft
+                                    # model's), 0 elsewhere; None: every draft one-hot (ngram)
+
+
+def output_offsets(num_rows: list[int]) -> list[int]:
+    """Each row's tokens emitted before it in its own step: [0, 1, .., k] for a sequence of
+    k drafts (min_tokens and the penalties see the drafts before a position)."""
+    return [j for n in num_rows for j in range(n)]
+
+
+def count_drafts(penalties: Penalties, num_rows: list[int], drafts: list[list[int]]) -> Penalties:
+    """The Penalties of a step's sequences (a row each) spread over their rows, each row with
+    the drafts before it counted: position j's penalties are those it would have had with the
+    drafts before it sampled one step at a time. Example, drafts [5, 9]: row 0 as the
+    sequence's own, row 1 with token 5 counted once more, row 2 with 5 and 9."""
+    device = penalties.presence.device
+    repeats = torch.tensor(num_rows, device=device)
+    spread = dataclasses.replace(
+        penalties, presence=penalties.presence.repeat_interleave(repeats),
+        frequency=penalties.frequency.repeat_interleave(repeats),
+        repetition=penalties.repetition.repeat_interleave(repeats),
+        input_batch_rows=penalties.input_batch_rows.repeat_interleave(repeats))
+    rows = []
+    token_ids = []
+    first_row = 0
+    for n, seq_drafts in zip(num_rows, drafts):
+        for j in range(1, n):  # row first_row + j has drafts 0..j-1 before it
+            rows += [first_row + j] * j
+            token_ids += seq_drafts[:j]
+        first_row += n
+    index = (torch.tensor(rows, dtype=torch.int64, device=device),
+             torch.tensor(token_ids, dtype=torch.int64, device=device))
+    if penalties.output_counts is not None:
+        counts = penalties.output_counts.repeat_interleave(repeats, dim=0)
+        ones = torch.ones(len(rows), device=device)
+        spread.output_counts = counts.index_put_(index, ones, accumulate=True)
+    if penalties.seen is not None:
+        seen = penalties.seen.repeat_interleave(repeats, dim=0)
+        seen[index] = True
+        spread.seen = seen
+    return spread
+
+
+def verify(logits: torch.Tensor, t: SamplingTensors, rows: SpecRows,
+           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rejection sampler over a step's rows, logits (R, vocab) -> (drawn (R,), accepted
+    (R,)), both int64 on the device. accepted: a draft row's draft stands (greedy: it is the
+    argmax; sampled: uniform u < p(d) / q(d)). drawn: the row's token if its run stops there:
+    a draft row's is drawn from max(p - q, 0) (the rejection's distribution), any other row's
+    from p (a bonus token after all drafts, or an ordinary sample); greedy rows' is the
+    argmax. p is the target's distribution after every sampling field (sampling.py), q the
+    proposer's (one-hot for ngram)."""
+    logits = adjust_logits(logits, t)
+    greedy = logits.argmax(dim=-1)
+    is_greedy_match = greedy == rows.draft_token_ids
+    if t.all_greedy:
+        return greedy, is_greedy_match.to(torch.int64)
+    probs = sampling_probs(logits, t)
+    d = rows.draft_token_ids[:, None]
+    p_draft = probs.gather(1, d)[:, 0]
+    q = rows.draft_probs
+    if q is None:  # ngram: q is one-hot at d
+        q = torch.zeros_like(probs).scatter_(1, d, 1.0) * rows.is_draft_row[:, None]
+    q_draft = q.gather(1, d)[:, 0]
+    uniform = uniform_per_row(len(probs), t.generators, generator, probs.device)
+    is_sampled_match = uniform * q_draft < p_draft  # u < p / q, without dividing by q = 0
+    accepted = torch.where(t.greedy, is_greedy_match, is_sampled_match) & rows.is_draft_row
+    residual = (probs - q).clamp_(min=0)  # q is 0 on rows without a draft: p itself
+    drawn = draw(residual, t.generators, generator)
+    drawn = torch.where(t.greedy, greedy, drawn)
+    return drawn, accepted.to(torch.int64)
+
+
+def uniform_per_row(num_rows: int, generators: list, generator: torch.Generator,
+                    device) -> torch.Tensor:
+    """(R,) uniforms in [0, 1): a seeded row's from its own generator, in row order."""
+    uniform = torch.rand(num_rows, generator=generator, device=device)
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            uniform[row] = torch.rand(1, generator=gen, device=device)[0]
+    return uniform
+
+
+def accept_runs(num_rows: list[int], drafts: list[list[int]], drawn: list[int],
+                accepted: list[int]) -> list[list[int]]:
+    """Each sequence's emitted tokens, from verify()'s rows read on the host: its drafts up to
+    the first rejected one, then that row's drawn token (or, all accepted, the last row's).
+    Example: drafts [7, 8, 9], accepted [1, 0, ..], drawn [.., 4, ..] -> [7, 4]."""
+    emitted = []
+    first_row = 0
+    for n, seq_drafts in zip(num_rows, drafts):
+        tokens = []
+        for j in range(n):
+            row = first_row + j
+            if j < len(seq_drafts) and accepted[row]:
+                tokens.append(seq_drafts[j])
+                continue
+            tokens.append(drawn[row])
+            break
+        emitted.append(tokens)
+        first_row += n
+    return emitted
