@@ -295,7 +295,7 @@ class Engine:
         self.speculator: Speculator | None = None  # speculative decoding, if configured
         spec_config = config.speculative_config
         if spec_config is not None:
-            self.speculator = Speculator(spec_config, self._proposer(spec_config))
+            self.speculator = Speculator(spec_config, self._proposer(spec_config), config.device)
 
     def _proposer(self, spec_config: SpeculativeConfig):
         """The proposer speculative_config names: n-gram lookup, or a draft model."""

@@ -49,6 +49,12 @@ MAX_PROMPT_LOOKUP = 64     # ngram: the longest suffix looked up, at most
 # text rarely repeats, and a draft that fails costs its verification tokens every step.
 FIRST_BACKOFF_STEPS = 1
 MAX_BACKOFF_STEPS = 32
+# disable_by_batch_size left unset, on a CPU: drafts only while at most this many sequences
+# run. A CPU's step is compute-bound at a few sequences, so verification tokens cost what
+# they compute: SmolLM2-135M free writing at batch 8 ran at 0.64x with n-gram drafts, copying
+# at batch 32 at 1.14x (BENCHMARKS.md, section 12). A GPU reads the weights at the same cost
+# for far more tokens: no limit there unless set.
+CPU_DISABLE_BY_BATCH_SIZE = 4
 
 
 @dataclass
@@ -61,7 +67,8 @@ class SpeculativeConfig:
     model: str | None = None               # draft_model: a checkpoint sharing the tokenizer
     prompt_lookup_max: int | None = None   # ngram: the longest suffix looked up
     prompt_lookup_min: int | None = None   # ngram: the shortest
-    disable_by_batch_size: int | None = None  # no drafts while more sequences run than this
+    disable_by_batch_size: int | None = None  # no drafts while more sequences run than this;
+                                              # None: CPU_DISABLE_BY_BATCH_SIZE on a CPU
 
     def __post_init__(self):
         if self.model is not None and self.method == "ngram":
@@ -132,14 +139,17 @@ class Speculator:
     """Asks the proposer for the next step's drafts of every running sequence that decodes,
     within what each may still emit, and pauses a sequence whose drafts keep failing."""
 
-    def __init__(self, config: SpeculativeConfig, proposer):
+    def __init__(self, config: SpeculativeConfig, proposer, device: str):
         self.config = config
         self.proposer = proposer
         self.backoff: dict = {}   # seq -> (steps it still waits, steps it waits next time)
+        self.disable_by_batch_size = config.disable_by_batch_size
+        if self.disable_by_batch_size is None and device.startswith("cpu"):
+            self.disable_by_batch_size = CPU_DISABLE_BY_BATCH_SIZE
 
     def propose(self, running: list) -> None:
         """Set spec_token_ids of each running sequence that will decode at the next step."""
-        limit = self.config.disable_by_batch_size
+        limit = self.disable_by_batch_size
         if limit is not None and len(running) > limit:
             return
         wanted = {}

@@ -19,8 +19,9 @@ from paged_cache import NO_PARENT, hash_block
 from sampling import SamplingParams, SamplingTensors
 from spec_decode import SpecRows, Speculator, SpeculativeConfig, accept_runs, verify
 
+# drafts at any batch size (on a CPU they stop past 4 sequences unless told otherwise)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-         "prompt_lookup_min": 2}
+         "prompt_lookup_min": 2, "disable_by_batch_size": 1024}
 GREEDY = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
 
 
@@ -43,7 +44,7 @@ def greedy_alone() -> list[list[int]]:
 
 
 def draft_config(path: str, k: int = 3) -> dict:
-    return {"model": path, "num_speculative_tokens": k}
+    return {"model": path, "num_speculative_tokens": k, "disable_by_batch_size": 1024}
 
 
 def spec_stats(llm) -> tuple[int, int]:
@@ -274,7 +275,7 @@ def test_a_sequence_whose_drafts_keep_failing_pauses_longer_each_time():
             self.wanted = wanted
 
     proposer = Proposer()
-    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4), proposer)
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4), proposer, "cpu")
     seq = new_decoding_seq()
     pauses = []
     for _ in range(4):
@@ -375,3 +376,21 @@ def test_the_trace_the_metrics_and_the_step_record_count_accepted_drafts(drafts)
     assert counters == {"nanoserve:spec_decode_num_drafts_total": 4,
                         "nanoserve:spec_decode_num_draft_tokens_total": 16,
                         "nanoserve:spec_decode_num_accepted_tokens_total": 16}
+
+
+def test_on_a_cpu_drafts_stop_past_four_sequences_unless_told_otherwise():
+    """A CPU's step is compute-bound at a few sequences: by default no drafts while more than
+    4 run; disable_by_batch_size sets the limit, on any device."""
+    class Proposer:
+        def propose(self, wanted):
+            self.wanted = wanted
+
+    seqs = [new_decoding_seq() for _ in range(5)]
+    for device, limit, drafting in (("cpu", None, 4), ("cuda", None, 5), ("cpu", 8, 5)):
+        proposer = Proposer()
+        proposer.wanted = {}
+        config = SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=limit)
+        speculator = Speculator(config, proposer, device)
+        speculator.propose(seqs[:drafting])
+        speculator.propose(seqs)
+        assert len(proposer.wanted) == drafting
