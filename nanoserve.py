@@ -38,6 +38,7 @@ from options import check_fields, option
 from paged_cache import BlockTable
 from sampling import SamplingParams, generation_config_defaults
 from scheduler import POLICIES, Scheduler, SchedulerOutput, Sequence, SequenceStatus, check_stop
+from structured_output import StructuredOutputManager, accept_token, new_grammar
 from tokenizer import Detokenizer
 
 __version__ = "0.1.0"     # pyproject.toml reads it from here
@@ -249,6 +250,9 @@ class Engine:
         self.sampling_defaults = generation_config_defaults(  # generation_config.json's
             checkpoint.generation_config, checkpoint.path, config.generation_config)
         self.chat_template = checkpoint.chat_template  # None: the server's transcript
+        # compiles requests' structured outputs (JSON schemas, regexes...), cached by text
+        self.structured_output_manager = StructuredOutputManager(
+            self.tokenizer, self.eos_token_ids, self.vocab_size)
         if config.max_model_len is not None and config.max_model_len > c.n_positions:
             raise ValueError(f"max_model_len {config.max_model_len} > the context {c.n_positions}")
         # the device side: the KV cache (sized here), the persistent batch, the graphs
@@ -414,6 +418,8 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)  # a copy, validated again
+        # before the lock, so a step never waits for it; a repeated constraint is cached
+        compiled = self.structured_output_manager.compile(params.structured_outputs)
         # Under the lock from the id's check to its request's insertion: two threads adding
         # one id would both pass the check, and the second would hide the first from abort().
         with self._lock:
@@ -424,6 +430,7 @@ class Engine:
                     for index in range(params.n)]
             self.requests[request_id] = seqs
             for seq in seqs:
+                seq.grammar = new_grammar(compiled)  # each sample matches on its own
                 self.seqs[seq.seq_id] = seq
                 self.scheduler.add(seq)
             self.stats.num_prompt_tokens += len(token_ids)
@@ -560,6 +567,7 @@ class Engine:
         this request alone."""
         try:
             token = seq.token_ids[-1]
+            accept_token(seq, token)  # structured output: a token outside it fails seq alone
             stop_string = self._append_text(seq, token)
             finish = check_stop(seq, token, stop_string, self.eos_token_ids)
             if finish is None and not seq.stream:
