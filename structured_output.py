@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import llguidance
 import llguidance.tiktoken
+import numpy as np
 import torch
 
 # Limits, checked before a request is queued: a constraint's text (a schema, a regular
@@ -199,7 +200,7 @@ class StructuredOutputManager:
                                        limits=llguidance.LLParserLimits(**LIMITS))
         seconds = time.perf_counter() - start
         if matcher.is_error():
-            raise ValueError(f"{field}: {first_line(matcher.get_error())}")
+            raise ValueError(f"{field}: {error_summary(matcher.get_error())}")
         if seconds > MAX_COMPILE_SECONDS:
             raise ValueError(f"{field} took {seconds:.1f} s to compile; at most "
                              f"{MAX_COMPILE_SECONDS} s")
@@ -207,9 +208,12 @@ class StructuredOutputManager:
         return matcher
 
 
-def first_line(error: str) -> str:
-    """llguidance's error without the source excerpt it draws under it."""
-    return error.strip().splitlines()[0]
+def error_summary(error: str) -> str:
+    """llguidance's error on one line: its first, then the reason a regular expression's parser
+    gives on a line of its own ("error: unclosed group"), without the excerpts it draws."""
+    lines = error.strip().splitlines()
+    reasons = [line.removeprefix("error: ") for line in lines[1:] if line.startswith("error: ")]
+    return " ".join([lines[0], *reasons])
 
 
 class Grammar:
@@ -260,27 +264,27 @@ def new_grammar(compiled: llguidance.LLMatcher | None) -> Grammar | None:
     return Grammar(compiled)
 
 
-def grammar_bitmask(seqs: list, rows: list[int], vocab_size: int, device: str) -> torch.Tensor:
-    """The allowed tokens of the sequences at `rows` of seqs, one bitmask row each, (c, W) int32
-    on the device, W = cdiv(vocab, 32): filled on the host by each matcher (brought up to its
-    sequence's tokens first), sent in one copy."""
+def grammar_bitmask(seqs: list, rows: list[int], vocab_size: int) -> torch.Tensor:
+    """The allowed tokens of the sequences at `rows` of seqs, one row each, (c, W) int32 on the
+    host, W = cdiv(vocab, 32), each filled by its sequence's matcher (brought up to the
+    sequence's tokens first)."""
     num_words = (vocab_size + 31) // 32
     bitmask = torch.empty((len(rows), num_words), dtype=torch.int32)
     for i, row in enumerate(rows):
         seq = seqs[row]
         seq.grammar.sync(seq.token_ids[seq.num_prompt_tokens:])
         seq.grammar.fill_bitmask(bitmask, i)
-    if str(device).startswith("cuda"):
-        bitmask = bitmask.pin_memory()  # torch's caching host allocator: see sampling.upload
-    return bitmask.to(device, non_blocking=True)
+    return bitmask
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(c, W) int32 -> (c, vocab) bool, on the bitmask's device: True where a token is allowed.
-    Example: word 0 = 0b...0101 allows tokens 0 and 2 (bit i of word w is token 32w + i)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask[:, :, None] >> shifts) & 1                # (c, W, 32)
-    return bits.view(len(bitmask), -1)[:, :vocab_size] != 0  # (c, vocab)
+    """(c, W) int32 on the host -> (c, vocab) bool: True where a token's bit is set. Example:
+    word 0 = 0b...0101 sets tokens 0 and 2 (bit i of word w is token 32w + i). numpy's
+    unpackbits, over the words' bytes (little-endian, as on x86 and ARM) least bit first, puts
+    the bits in token order: 0.5 ms for (32, 49,152), where shifts in torch take 8."""
+    as_bytes = bitmask.numpy().view(np.uint8)                                # (c, 4W)
+    bits = np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :vocab_size]  # (c, vocab)
+    return torch.from_numpy(bits).view(torch.bool)
 
 
 # ----------------------------------------------------------------------------- the step's hooks
@@ -288,14 +292,21 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def apply_grammar_bitmask(seqs: list, logits: torch.Tensor) -> torch.Tensor:
     """The logits (n, vocab) of a step's sampling rows, with -inf on every token that a
     constrained row's grammar rules out; the same tensor, untouched, if no row is
-    constrained. Not in place: the log-probabilities returned are the model's own."""
+    constrained. Not in place: the log-probabilities returned are the model's own. The mask
+    (a byte a token, unpacked on the host) goes to the device in one copy."""
     rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
     if not rows:
         return logits
     vocab_size = logits.shape[1]
-    allowed = unpack_bitmask(grammar_bitmask(seqs, rows, vocab_size, logits.device), vocab_size)
+    bitmask = grammar_bitmask(seqs, rows, vocab_size)
+    ruled_out = unpack_bitmask(~bitmask, vocab_size)  # the negated words: set where ruled out
+    if logits.is_cuda:
+        ruled_out = ruled_out.pin_memory()  # torch's caching host allocator: sampling.upload
+    ruled_out = ruled_out.to(logits.device, non_blocking=True)
+    if len(rows) == len(seqs):  # every row constrained: one pass, no gather
+        return logits.masked_fill(ruled_out, float("-inf"))
     index = torch.tensor(rows, device=logits.device)
-    masked = logits[index].masked_fill(~allowed, float("-inf"))  # (c, vocab)
+    masked = logits[index].masked_fill(ruled_out, float("-inf"))  # (c, vocab)
     return logits.index_copy(0, index, masked)
 
 

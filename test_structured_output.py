@@ -218,7 +218,7 @@ BAD_CONSTRAINTS = [
     (dict(json="{not json"), "structured_outputs.json: "),
     (dict(json={"type": "integer", "minimum": 5, "maximum": 3}),
      "structured_outputs.json: Unsatisfiable schema: minimum (5) is greater than maximum (3)"),
-    (dict(regex="a(b"), "structured_outputs.regex: "),
+    (dict(regex="a(b"), "structured_outputs.regex: at 1(8): invalid regex"),
     (dict(grammar="start: undefined_rule"), "structured_outputs.grammar: "),
     (dict(choice=[]), "structured_outputs.choice must be a non-empty list of strings"),
     (dict(choice=["a", 1]), "structured_outputs.choice must be a non-empty list of strings"),
@@ -300,3 +300,113 @@ def test_a_grammar_that_fell_behind_is_rebuilt_from_the_tokens(llm):
     inside_a_string = structured_output.unpack_bitmask(masks[:1], 257)[0]
     assert inside_a_string[llm.engine.tokenizer.encode("e")[0]]  # a letter may come next
     assert not inside_a_string[llm.engine.tokenizer.encode("\n")[0]]  # JSON escapes newlines
+
+
+# ----------------------------------------------------------------------------- the HTTP API
+
+def schema_format(schema: dict) -> dict:
+    """OpenAI's response_format for a JSON schema."""
+    return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema,
+                                                   "strict": True}}
+
+
+def test_chat_response_format_json_schema_validates(llm):
+    body = dict(messages=[{"role": "user", "content": "Who are you?"}], max_tokens=300, n=3,
+                seed=0, response_format=schema_format(PERSON))
+    with server_in_process(llm.engine) as url:
+        status, response = http(url, "/v1/chat/completions", body)
+    assert status == 200, response
+    for choice in response["choices"]:
+        jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
+        assert choice["finish_reason"] == "stop"
+
+
+def test_completions_take_structured_outputs_and_stream(llm):
+    body = dict(prompt="ROMEO:", max_tokens=50, n=2, seed=0, stream=True,
+                structured_outputs={"regex": DATE})
+    with server_in_process(llm.engine) as url:
+        status, text = http(url, "/v1/completions", body)
+        status_object, whole = http(url, "/v1/completions", dict(
+            prompt="ROMEO:", max_tokens=200, response_format={"type": "json_object"}))
+    assert status == 200 and status_object == 200, text
+    streamed = {0: "", 1: ""}
+    for event in parse_events(text)[:-1]:
+        for choice in event["choices"]:
+            streamed[choice["index"]] += choice["text"]
+    assert all(re.fullmatch(DATE, t) for t in streamed.values()), streamed
+    assert whole["choices"][0]["text"].startswith("{")
+
+
+def test_response_format_text_is_unconstrained(llm):
+    body = dict(prompt="ROMEO:", max_tokens=20, temperature=0)
+    with server_in_process(llm.engine) as url:
+        _, free = http(url, "/v1/completions", body)
+        _, text = http(url, "/v1/completions", body | dict(response_format={"type": "text"}))
+    assert text["choices"][0]["text"] == free["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("fields, param, message", [
+    (dict(response_format=schema_format({"type": "array", "uniqueItems": True})),
+     "response_format", 'response_format.json_schema.schema: Unimplemented keys: ["uniqueItems"]'),
+    (dict(structured_outputs={"regex": "a(b"}), "structured_outputs",
+     'structured_outputs.regex: at 1(8): invalid regex "a(b" (in regex): regex parse error: '
+     "unclosed group"),
+    (dict(structured_outputs={"grammar": "start: nowhere"}), "structured_outputs",
+     "structured_outputs.grammar: "),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+     "response_format", "response_format.json_schema must be {"),
+    (dict(response_format={"type": "xml"}), "response_format",
+     'response_format.type must be "text", "json_object" or "json_schema"'),
+    (dict(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}),
+     "response_format", "give response_format or structured_outputs, not both"),
+    (dict(structured_outputs={"choice": "ab"}), "structured_outputs",
+     "structured_outputs.choice must be a non-empty list of strings"),
+    (dict(structured_outputs="a+"), "structured_outputs", "structured_outputs must be of type"),
+], ids=["unsupported-keyword", "bad-regex", "bad-grammar", "no-schema", "unknown-type", "both",
+        "choice-not-list", "not-an-object"])
+def test_bad_constraints_are_a_400_naming_the_field(llm, fields, param, message):
+    with server_in_process(llm.engine) as url:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            body = dict(prompt="x", messages=[{"role": "user", "content": "x"}]) | fields
+            del body["messages" if path == "/v1/completions" else "prompt"]
+            status, response = http(url, path, body)
+            assert (status, response["error"]["param"]) == (400, param), response
+            assert response["error"]["message"].startswith(message)
+    assert_no_leaks(llm.engine)  # refused before anything was queued
+
+
+def test_openai_client_parses_a_pydantic_model_from_the_server(llm):
+    openai = pytest.importorskip("openai", reason="the openai package is not a dependency: "
+                                 "pip install openai to run this client test")
+    pydantic = pytest.importorskip("pydantic")
+    from typing import Literal
+
+    class Verdict(pydantic.BaseModel):
+        speaker: Literal["Romeo", "Juliet", "Nurse"]
+        line_count: int = pydantic.Field(ge=1, le=9)
+        mood: str = pydantic.Field(max_length=8)
+        allies: list[Literal["Mercutio", "Benvolio"]] = pydantic.Field(max_length=2)
+
+    with server_in_process(llm.engine) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        completion = client.chat.completions.parse(
+            model=model, messages=[{"role": "user", "content": "Who speaks?"}],
+            response_format=Verdict, max_tokens=300, seed=0)
+    verdict = completion.choices[0].message.parsed
+    assert isinstance(verdict, Verdict), completion.choices[0].message.content
+
+
+# ----------------------------------------------------------------------------- --jsonl
+
+def test_jsonl_lines_take_structured_outputs(capsys, monkeypatch):
+    lines = [json.dumps(dict(prompt="ROMEO:", max_tokens=50, seed=0,
+                             structured_outputs={"regex": DATE})),
+             json.dumps(dict(prompt="ROMEO:", structured_outputs={"regex": "a(b"}))]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
+    status, out, err = nanoserve_main(capsys, "--jsonl")
+    got = [json.loads(line) for line in out.splitlines()]
+    assert re.fullmatch(DATE, got[0]["text"]) and got[0]["finish_reason"] == "stop"
+    assert got[1]["error"] == ('line 2: structured_outputs.regex: at 1(8): invalid regex "a(b" '
+                               "(in regex): regex parse error: unclosed group")
+    assert (status, err) == (1, "error: 1 of 2 lines failed\n")
