@@ -1287,22 +1287,31 @@ def structured_step(cfg: BenchConfig, engine: Engine, batch: int,
                     constraint: StructuredOutputsParams) -> dict:
     """One batch's row of structured_output_cost: the median decode step of `batch` greedy
     sequences unconstrained and under the constraint, the runs alternating (STRUCTURED_ROUNDS
-    of each: a shared machine's load falls on both alike), the constrained steps'
-    apply_grammar_bitmask timed."""
+    of each, each kind first in turn: a shared machine's load falls on both alike), the
+    constrained steps' apply_grammar_bitmask timed."""
     free_times = []
     constrained_times = []
     spent = {"masks": 0.0}
-    timed = partial(timed_call, model_runner.apply_grammar_bitmask, spent, "masks", cfg.device)
-    for _ in range(STRUCTURED_ROUNDS):
+    for round_number in range(STRUCTURED_ROUNDS):
+        if round_number % 2 == 1:  # constrained first in odd rounds: neither always goes first
+            constrained_times += structured_step_times(cfg, engine, batch, constraint, spent)
         free_times += decode_step_times(cfg, engine, batch, None)
-        with mock.patch.object(model_runner, "apply_grammar_bitmask", timed):
-            constrained_times += decode_step_times(cfg, engine, batch, constraint, spent)
+        if round_number % 2 == 0:
+            constrained_times += structured_step_times(cfg, engine, batch, constraint, spent)
     free_ms = 1e3 * float(np.median(free_times))
     constrained_ms = 1e3 * float(np.median(constrained_times))
     mask_ms = 1e3 * spent["masks"] / len(constrained_times)
     return dict(batch=batch, vocab=engine.vocab_size, step_ms=free_ms,
                 constrained_step_ms=constrained_ms, mask_ms=mask_ms,
                 mask_pct=100 * mask_ms / free_ms, slowdown_pct=100 * (constrained_ms / free_ms - 1))
+
+
+def structured_step_times(cfg: BenchConfig, engine: Engine, batch: int,
+                          constraint: StructuredOutputsParams, spent: dict) -> list[float]:
+    """decode_step_times under the constraint, its apply_grammar_bitmask timed into spent."""
+    timed = partial(timed_call, model_runner.apply_grammar_bitmask, spent, "masks", cfg.device)
+    with mock.patch.object(model_runner, "apply_grammar_bitmask", timed):
+        return decode_step_times(cfg, engine, batch, constraint, spent)
 
 
 def decode_step_times(cfg: BenchConfig, engine: Engine, batch: int,

@@ -80,6 +80,20 @@ def test_a_schema_given_as_text_is_the_same_constraint(llm):
     assert texts(as_dict) == texts(as_text)
 
 
+def test_objects_hold_only_their_named_properties_unless_the_schema_allows_others(llm):
+    """As vLLM's default backend reads a schema (xgrammar's strict mode): an object that names
+    its properties and says nothing of others gets none; a schema may still allow them."""
+    named = {"type": "object", "properties": {"act": {"enum": [1, 2, 3]}}}
+    outputs = llm.generate(["ROMEO:"], constrained(json=named, n=8, max_tokens=100))
+    assert all(set(json.loads(text)) <= {"act"} for text in texts(outputs)), texts(outputs)
+    tricky = {"properties": {"properties": {"enum": [{"properties": 1}]}},
+              "additionalProperties": True, "$defs": {"x": {"properties": {}}}}
+    assert structured_output.closed_objects(tricky) == {
+        "properties": {"properties": {"enum": [{"properties": 1}]}},
+        "additionalProperties": True,
+        "$defs": {"x": {"properties": {}, "additionalProperties": False}}}
+
+
 def test_json_object_outputs_are_objects(llm):
     # any object: its values unbounded, so many run to max_tokens; those that end are objects
     outputs = llm.generate(["ROMEO:"], constrained(json_object=True, n=8, max_tokens=60))
