@@ -10,13 +10,17 @@ bring them back. The token sampled advances the matcher; once the grammar accept
 nothing more, the sequence ends (finish_reason "stop"). A batch with no constrained row does
 none of this.
 
-In this file, in order: StructuredOutputsParams (what a request asks, vLLM's names), the
-limits, StructuredOutputManager (the engine's: llguidance's tokenizer, built from ours once,
-and the compiled constraints, cached by their text), Grammar (one sequence's matcher), then
-the step's two hooks: apply_grammar_bitmask (ModelRunner._sample, before sampling) and
-accept_token (the engine, at each sampled token). A constraint compiles before its request
-is queued (Engine.add_request; the server compiles it off its event loop and the engine's
-thread first), so a compilation never stalls the other requests' steps.
+In this file, in order: the limits, StructuredOutputsParams (what a request asks, vLLM's
+names), how a constraint becomes llguidance's grammar (closed_objects, llguidance_grammar),
+StructuredOutputManager (the engine's: llguidance's tokenizer, built from ours once, and the
+compiled constraints, cached by their text), Grammar (one sequence's matcher), the bitmask
+(grammar_bitmask, unpack_bitmask), then the step's hooks: apply_grammar_bitmask and
+accept_token. Elsewhere, a line each: SamplingParams.structured_outputs; Sequence.grammar;
+Engine.add_request compiles (before its lock, before anything is queued; the server first
+compiles on a worker thread, Server.compile_structured_outputs, so neither its event loop
+nor the engine's steps wait) and gives each sample a Grammar; ModelRunner._sample calls
+apply_grammar_bitmask; Engine._detokenize calls accept_token; check_stop ends a sequence
+whose grammar is_terminated().
 
 Left out: structural tags and reasoning parsers (vLLM's: the constraint starts after
 </think>), jump-forward decoding, speculative drafts for constrained sequences.
