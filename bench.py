@@ -61,6 +61,7 @@ from options import check_fields, option
 from paged_cache import cdiv, kv_bytes_per_token
 from sampling import SamplingParams, sample, sampling_tensors
 from scheduler import Sequence
+from structured_output import StructuredOutputsParams
 from tokenizer import EOT, GPT2_PATTERN, Detokenizer, Tokenizer, byte_ranks, byte_tokenizer
 
 MODES = {  # mode -> (what it is, EngineConfig overrides); naive does not use the engine
@@ -188,6 +189,12 @@ class BenchConfig:
     sampling_hidden: int = option(896, "sampling: the LM head's input width (Qwen2.5-0.5B's)")
     reps: int = option(20, "--kernel, --step-gemms, --sampling: calls a figure times (--kernel "
                        "on CUDA: do_bench's, for 100 ms)")
+    structured_output: bool = option(False, "only structured output's cost on --model (or "
+                                     "--preset): a schema's first-use compile time, and decode "
+                                     "steps of --structured-batches sequences under it against "
+                                     "the same unconstrained: the masks' ms a step and share")
+    structured_batches: tuple = option((1, 8, 32), "structured output: batch sizes")
+    structured_steps: int = option(16, "structured output: decode steps timed at each batch")
     jsonl: str = option("", "--kernel, --step-gemms, --sampling: append each row to this file "
                         "as one JSON line as soon as it is measured, so a run cut short keeps "
                         "what it measured")
@@ -218,10 +225,11 @@ def parse_args(argv=None) -> BenchConfig:
         p.error(str(e))
     if min(cfg.limits + cfg.host_output_lens) < 1 or not all(r > 0 for r in cfg.rates):
         p.error("--limits and --host-output-lens must be >= 1, --rates > 0")
-    sizes = cfg.kernel_batches + cfg.kernel_contexts + cfg.step_batches + cfg.sampling_batches
+    sizes = cfg.kernel_batches + cfg.kernel_contexts + cfg.step_batches + cfg.sampling_batches \
+        + cfg.structured_batches
     if min(sizes) < 1:
-        p.error("--kernel-batches, --kernel-contexts, --step-batches and --sampling-batches "
-                "must be >= 1")
+        p.error("--kernel-batches, --kernel-contexts, --step-batches, --sampling-batches and "
+                "--structured-batches must be >= 1")
     if cfg.kv_budget < prompt + max(cfg.limits):
         p.error(f"--kv-budget {cfg.kv_budget} holds no sequence of prompt + largest limit tokens")
     context = PRESETS[cfg.preset].n_positions  # (with --url, the server checks its own)
@@ -1244,6 +1252,120 @@ def sampling_table(rows: list[dict]) -> str:
                  "batch vocab what us gb_s")
 
 
+# ----------------------------------------------------------------------------- structured output
+
+STRUCTURED_ROUNDS = 2  # --structured-output: runs of each kind at a batch, alternating
+# --structured-output's schema: what a client asks for (a string, bounded integers, an enum, an
+# array with bounds, a nested object, required fields)
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                   "role": {"enum": ["admin", "user", "guest"]},
+                   "tags": {"type": "array", "items": {"type": "string", "maxLength": 10},
+                            "minItems": 1, "maxItems": 4},
+                   "address": {"type": "object",
+                               "properties": {"city": {"type": "string"},
+                                              "zip": {"type": "string", "pattern": "[0-9]{5}"}},
+                               "required": ["city", "zip"]}},
+    "required": ["name", "age", "role", "tags", "address"]}
+
+
+def structured_output_cost(cfg: BenchConfig) -> dict:
+    """Structured output on --model (or --preset): llguidance's tokenizer built from ours and
+    STRUCTURED_SCHEMA compiled at first use, then from the cache (ms); then, at each batch,
+    decode steps of that many sequences under the schema against the same sequences
+    unconstrained: the step (ms), the masks' build and application within it
+    (apply_grammar_bitmask, ms), their share of the unconstrained step and the slowdown."""
+    batches = cfg.structured_batches
+    room = cfg.prompt_len + cfg.structured_steps + 2 * cfg.block_size
+    engine = make_engine(cfg, max_num_seqs=max(batches), kv_cache_tokens=max(batches) * room,
+                         max_num_batched_tokens=max(max(batches) * cfg.prompt_len, 512))
+    manager = engine.structured_output_manager
+    constraint = StructuredOutputsParams(json=STRUCTURED_SCHEMA)
+    start = time.perf_counter()
+    manager.ll_tokenizer  # built at the first constrained request
+    tokenizer_s = time.perf_counter() - start
+    compile_s = timed_seconds(manager.compile, constraint)
+    cached_s = timed_seconds(manager.compile, constraint)
+    rows = [structured_step(cfg, engine, batch, constraint) for batch in batches]
+    return dict(vocab=engine.vocab_size, tokenizer_ms=1e3 * tokenizer_s,
+                compile_ms=1e3 * compile_s, cached_compile_ms=1e3 * cached_s, steps=rows)
+
+
+def timed_seconds(fn, *args) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+def structured_step(cfg: BenchConfig, engine: Engine, batch: int,
+                    constraint: StructuredOutputsParams) -> dict:
+    """One batch's row of structured_output_cost: the median decode step of `batch` greedy
+    sequences unconstrained and under the constraint, the runs alternating (STRUCTURED_ROUNDS
+    of each, each kind first in turn: a shared machine's load falls on both alike), the
+    constrained steps' apply_grammar_bitmask timed."""
+    free_times = []
+    constrained_times = []
+    spent = {"masks": 0.0}
+    for round_number in range(STRUCTURED_ROUNDS):
+        if round_number % 2 == 1:  # constrained first in odd rounds: neither always goes first
+            constrained_times += structured_step_times(cfg, engine, batch, constraint, spent)
+        free_times += decode_step_times(cfg, engine, batch, None)
+        if round_number % 2 == 0:
+            constrained_times += structured_step_times(cfg, engine, batch, constraint, spent)
+    free_ms = 1e3 * float(np.median(free_times))
+    constrained_ms = 1e3 * float(np.median(constrained_times))
+    mask_ms = 1e3 * spent["masks"] / len(constrained_times)
+    return dict(batch=batch, vocab=engine.vocab_size, step_ms=free_ms,
+                constrained_step_ms=constrained_ms, mask_ms=mask_ms,
+                mask_pct=100 * mask_ms / free_ms, slowdown_pct=100 * (constrained_ms / free_ms - 1))
+
+
+def structured_step_times(cfg: BenchConfig, engine: Engine, batch: int,
+                          constraint: StructuredOutputsParams, spent: dict) -> list[float]:
+    """decode_step_times under the constraint, its apply_grammar_bitmask timed into spent."""
+    timed = partial(timed_call, model_runner.apply_grammar_bitmask, spent, "masks", cfg.device)
+    with mock.patch.object(model_runner, "apply_grammar_bitmask", timed):
+        return decode_step_times(cfg, engine, batch, constraint, spent)
+
+
+def decode_step_times(cfg: BenchConfig, engine: Engine, batch: int,
+                      constraint: StructuredOutputsParams | None, spent: dict | None = None
+                      ) -> list[float]:
+    """The seconds of --structured-steps decode steps of `batch` sequences of --prompt-len
+    random tokens; spent["masks"] (if given) counts those steps' masks alone. Every sequence
+    is aborted at the end."""
+    params = SamplingParams(max_tokens=cfg.structured_steps + 8, temperature=0, ignore_eos=True,
+                            structured_outputs=constraint)
+    ids = [engine.add_request(prompt, params) for prompt in make_workload(cfg, batch, 1)[0]]
+    times = []
+    while len(times) < cfg.structured_steps and engine.has_unfinished():
+        before = dict(spent or {})
+        start = synced_clock(cfg.device)
+        engine.step()
+        seconds = synced_clock(cfg.device) - start
+        phases = list(engine.last_step.phases.values())
+        if phases.count("decode") == batch:  # every sequence decoding: a step to time
+            times.append(seconds)
+        elif spent is not None:  # a prefill's masks are not the decode steps'
+            spent.update(before)
+    for request_id in ids:
+        engine.abort(request_id)
+    engine.step()
+    return times
+
+
+def structured_output_table(figures: dict) -> str:
+    compile_line = (f"vocabulary {figures['vocab']}: llguidance's tokenizer "
+                    f"{figures['tokenizer_ms']:.0f} ms; the schema's first compile "
+                    f"{figures['compile_ms']:.1f} ms, cached {figures['cached_compile_ms']:.3f} ms")
+    steps = table("Decode steps under a JSON schema (ms; the masks' time as a % of the "
+                  "unconstrained step; the constrained step's slowdown, %)", figures["steps"],
+                  "batch step_ms constrained_step_ms mask_ms mask_pct slowdown_pct")
+    return compile_line + "\n" + steps
+
+
 # ----------------------------------------------------------------------------- host overhead
 
 HOST_VOCAB = 50257  # GPT-2's vocabulary: the stub's logits and its tokenizer's ids
@@ -1993,7 +2115,7 @@ def versions(cfg: BenchConfig) -> dict:
 
 # The flags of the measurements that run alone (run_single_measurement), each BenchConfig's
 SINGLE_MEASUREMENTS = ("lm_head", "host_overhead", "detokenizer", "step_gemms", "kernel",
-                       "count_ops", "sampling", "speculative")
+                       "count_ops", "sampling", "speculative", "structured_output")
 
 
 def run_single_measurement(cfg: BenchConfig) -> bool:
@@ -2007,7 +2129,8 @@ def run_single_measurement(cfg: BenchConfig) -> bool:
              "kernel": (kernel_sweep, kernel_table),
              "count_ops": (count_ops, count_ops_table),
              "sampling": (lm_head_and_sampling, sampling_table),
-             "speculative": (speculative_sweep, speculative_table)}
+             "speculative": (speculative_sweep, speculative_table),
+             "structured_output": (structured_output_cost, structured_output_table)}
     for name in SINGLE_MEASUREMENTS:
         if not getattr(cfg, name):
             continue

@@ -76,10 +76,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     sampling.add_argument("--stop", action="append", help="stop before this string (repeatable)")
     sampling.add_argument("--stop-token-ids", type=int, nargs="+", metavar="ID",
                           help="stop after any of these tokens")
-    # logit_bias is a map: --jsonl lines, the REPL's /set and the HTTP API take it
+    # logit_bias and structured_outputs are maps: --jsonl lines, the REPL's /set and the HTTP
+    # API take them
     add_config_args(sampling, SamplingParams, skip=(
         "max_tokens", "stop", "seed", "logprobs", "prompt_logprobs", "stop_token_ids",
-        "logit_bias"))
+        "logit_bias", "structured_outputs"))
     p.set_defaults(temperature=0.8, top_p=0.95)
     engine = p.add_argument_group("engine (EngineConfig)")
     add_config_args(engine, EngineConfig)

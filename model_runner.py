@@ -33,6 +33,7 @@ from paged_cache import allocate_kv_cache, cdiv, kv_bytes_per_token
 from sampling import invalid_rows, sample, sampling_tensors, upload
 from scheduler import Sequence
 from spec_decode import SpecRows, accept_runs, count_drafts, output_offsets, verify
+from structured_output import apply_grammar_bitmask
 
 KV_CACHE_BYTES = 1 << 30  # the CPU's KV cache, by default: a full context for every sequence,
                           # within 1 GiB (on CUDA: gpu_memory_utilization of the GPU's memory)
@@ -366,7 +367,8 @@ class ModelRunner:
                                    output_offsets(num_rows))
         if any(seq.params.has_penalties for seq in seqs):
             tensors.penalties = count_drafts(self.input_batch.penalties(seqs), num_rows, drafts)
-        drawn, accepted = verify(logits, tensors, self._spec_rows(seqs, drafts), self.generator)
+        masked = apply_grammar_bitmask(row_seqs, logits)  # a constrained row has no drafts
+        drawn, accepted = verify(masked, tensors, self._spec_rows(seqs, drafts), self.generator)
         invalid = invalid_rows(logits).to(drawn.dtype)
         drawn, accepted, invalid = to_host(torch.stack([drawn, accepted, invalid]))
         emitted = accept_runs(num_rows, drafts, drawn, accepted)
@@ -425,7 +427,8 @@ class ModelRunner:
         tensors = sampling_tensors(seqs, self.vocab_size, self.eos_token_ids, self.device)
         if any(seq.params.has_penalties for seq in seqs):
             tensors.penalties = self.input_batch.penalties(seqs)
-        token_ids = sample(logits, tensors, self.generator)
+        masked = apply_grammar_bitmask(seqs, logits)  # structured output: first of all
+        token_ids = sample(masked, tensors, self.generator)
         if tensors.penalties is not None:
             self.input_batch.count_sampled(tensors.penalties, token_ids)
         return token_ids, invalid_rows(logits).to(token_ids.dtype)

@@ -44,6 +44,7 @@ from paged_cache import BlockTable
 from sampling import SamplingParams, generation_config_defaults
 from scheduler import POLICIES, Scheduler, SchedulerOutput, Sequence, SequenceStatus, check_stop
 from spec_decode import SpeculativeConfig, Speculator, parse_speculative_config
+from structured_output import StructuredOutputManager, accept_token, new_grammar
 from tokenizer import Detokenizer
 
 __version__ = "0.1.0"     # pyproject.toml reads it from here
@@ -271,6 +272,9 @@ class Engine:
         self.sampling_defaults = generation_config_defaults(  # generation_config.json's
             checkpoint.generation_config, checkpoint.path, config.generation_config)
         self.chat_template = checkpoint.chat_template  # None: the server's transcript
+        # compiles requests' structured outputs (JSON schemas, regexes...), cached by text
+        self.structured_output_manager = StructuredOutputManager(
+            self.tokenizer, self.eos_token_ids, self.vocab_size)
         if config.max_model_len is not None and config.max_model_len > c.n_positions:
             raise ValueError(f"max_model_len {config.max_model_len} > the context {c.n_positions}")
         # the device side: the KV cache (sized here), the persistent batch, the graphs
@@ -467,6 +471,8 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)  # a copy, validated again
+        # before the lock, so a step never waits for it; a repeated constraint is cached
+        compiled = self.structured_output_manager.compile(params.structured_outputs)
         # Under the lock from the id's check to its request's insertion: two threads adding
         # one id would both pass the check, and the second would hide the first from abort().
         with self._lock:
@@ -477,6 +483,7 @@ class Engine:
                     for index in range(params.n)]
             self.requests[request_id] = seqs
             for seq in seqs:
+                seq.grammar = new_grammar(compiled)  # each sample matches on its own
                 self.seqs[seq.seq_id] = seq
                 self.scheduler.add(seq)
             self.stats.num_prompt_tokens += len(token_ids)
@@ -614,10 +621,12 @@ class Engine:
         """Append seq's new tokens (one, or a verified run) one at a time, each with its text
         and log-probabilities, finishing it at the first that check_stop ends it with (the
         rest are dropped, from `tokens` too: the output ends where it would have without
-        speculation); its output, if it streams or finished. An error here fails this request alone."""
+        speculation), each checked against its structured output if it has one; its output,
+        if it streams or finished. An error here fails this request alone."""
         try:
             for i, token in enumerate(tokens):
                 seq.token_ids.append(token)
+                accept_token(seq, token)  # structured output: a token outside it fails seq alone
                 if logprobs is not None:
                     seq.logprobs.append(logprobs[i])
                 stop_string = self._append_text(seq, token)

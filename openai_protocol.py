@@ -25,7 +25,7 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
                    "stop_token_ids", "include_stop_str_in_output", "logit_bias")
 FIELDS = {"model", "n", "stream", "stream_options", "user", "stop", "logprobs",
-          *SAMPLING_FIELDS}  # both endpoints serve these
+          "response_format", "structured_outputs", *SAMPLING_FIELDS}  # both endpoints serve these
 CHAT_FIELDS = {"messages", "top_logprobs", "max_completion_tokens", "chat_template_kwargs"}
 COMPLETION_FIELDS = {"prompt", "echo"}
 NEUTRAL = dict(best_of=1, suffix="")  # accepted at these values only
@@ -132,6 +132,7 @@ def parse_request(body: dict, engine: Engine, model_name: str, chat: bool,
     echo = typed(body, "echo", False, bool)
     stream = typed(body, "stream", False, bool)
     typed(body, "user", None, str)  # OpenAI's end-user id: checked, not used
+    fields["structured_outputs"], constraint_field = structured_outputs_of(body)
     if chat:  # as token ids, encoded once and as the engine encodes text (special tokens too)
         prompts = [encode_text(engine, chat_prompt(body, template), "messages")]
         default_max_tokens = engine.max_tokens_within_context(defaults.get("max_tokens"),
@@ -146,7 +147,7 @@ def parse_request(body: dict, engine: Engine, model_name: str, chat: bool,
                             "logprobs")
         fields["prompt_logprobs"] = fields["logprobs"] if echo else None
     options = dict(stream=stream, chat=chat, n=n, k=fields["logprobs"] or 0, echo=echo,
-                   include_usage=include_usage(body, stream))
+                   include_usage=include_usage(body, stream), constraint_field=constraint_field)
     transcript = chat and template is None  # a reply there ends at its turn's blank line
     params = sample_params(fields, n, transcript, typed(body, "top_logprobs", 0, int))
     if len(prompts) * n > MAX_SEQUENCES:
@@ -234,6 +235,41 @@ def include_usage(body: dict, stream: bool) -> bool:
         raise HTTPError(400, f"stream_options.include_usage must be of type bool, got "
                         f"{value!r}", "stream_options")
     return bool(value)
+
+
+def structured_outputs_of(body: dict) -> tuple[dict | None, str | None]:
+    """The request's constraint as StructuredOutputsParams' fields (None: none), from vLLM's
+    structured_outputs or OpenAI's response_format (not both), and the field that names it
+    in a compile error (None: vLLM's, structured_outputs.<kind>). HTTPError 400 naming a
+    malformed one; whether it compiles is the server's to ask, off its event loop."""
+    structured_outputs = typed(body, "structured_outputs", None, dict)
+    response_format = typed(body, "response_format", None, dict)
+    if response_format is None:
+        return structured_outputs, None
+    if structured_outputs is not None:
+        raise HTTPError(400, "give response_format or structured_outputs, not both",
+                        "response_format")
+    return response_format_fields(response_format)
+
+
+def response_format_fields(response_format: dict) -> tuple[dict | None, str | None]:
+    """OpenAI's response_format -> (StructuredOutputsParams' fields, the field compile errors
+    name): {"type": "text"}, none; {"type": "json_object"}, any JSON object; {"type":
+    "json_schema", "json_schema": {"name", "schema", "strict", "description"}}, the schema
+    (enforced whether strict or not, as vLLM does)."""
+    kind = response_format.get("type")
+    if kind == "text":
+        return None, None
+    if kind == "json_object":
+        return dict(json_object=True), "response_format"
+    if kind != "json_schema":
+        raise HTTPError(400, 'response_format.type must be "text", "json_object" or '
+                        f'"json_schema", got {kind!r}', "response_format")
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise HTTPError(400, 'response_format.json_schema must be {"name": ..., "schema": an '
+                        f'object, "strict": ...}}, got {spec!r:.80}', "response_format")
+    return dict(json=spec["schema"]), "response_format.json_schema.schema"
 
 
 def completion_prompts(body: dict) -> list:

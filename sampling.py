@@ -23,6 +23,7 @@ import torch
 
 from options import check_fields, check_float, check_int, option
 from scheduler import Sequence
+from structured_output import StructuredOutputsParams
 
 GREEDY_BELOW = 1e-5       # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20         # top log-probabilities per token at most (vLLM's max_logprobs)
@@ -78,6 +79,10 @@ class SamplingParams:
                                               "the end of the text")
     logit_bias: dict[int, float] | None = option(None, "token id -> a bias in [-100, 100] "
                                                  "added to its logit (OpenAI's)", type=dict)
+    structured_outputs: StructuredOutputsParams | None = option(
+        None, "a JSON schema, regex, choice or grammar the output must match (a "
+        "StructuredOutputsParams or a dict of its fields; structured_output.py)",
+        type=StructuredOutputsParams)
 
     def __post_init__(self):
         self.stop = parse_stop(self.stop)
@@ -93,6 +98,7 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} token ids; at most "
                              f"{MAX_STOP_TOKEN_IDS}")
         self.logit_bias = parse_logit_bias(self.logit_bias)
+        self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
         check_fields(self)
         self.top_k = max(self.top_k, 0)  # vLLM's -1 and 0 both mean off
         # past float32's largest a temperature is inf there, and a banned token's -inf / inf

@@ -77,6 +77,8 @@ class Sequence:
     # the proposer's distribution of each, (k, vocab) on the device (None: one-hot, ngram's)
     spec_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
+    grammar: "Grammar | None" = None          # noqa: F821 its structured output's matcher
+                                              # (structured_output.Grammar); None: unconstrained
     # len(prompt_token_ids), kept beside the sequence's other numbers: every step reads it,
     # and a long prompt's list sits far from them in memory (BENCHMARKS.md, section 8)
     num_prompt_tokens: int = field(init=False)
@@ -478,8 +480,9 @@ def check_stop(seq: Sequence, token: int, stop_string: str | None, eos_token_ids
                ) -> tuple[SequenceStatus, str | int | None] | None:
     """Why seq finishes with its new token, as (status, stop_reason), or None if it goes on:
     the one place that decides. In order: a stop string its text now holds (stop_string, which
-    the Detokenizer found), end-of-text (unless ignore_eos), one of its stop_token_ids, then
-    max_tokens. Before min_tokens nothing here can happen but max_tokens: the sampler bans
+    the Detokenizer found), end-of-text (unless ignore_eos), one of its stop_token_ids, its
+    grammar accepting and allowing nothing more (structured output), then max_tokens. Before
+    min_tokens nothing here can happen but max_tokens and the grammar's end: the sampler bans
     end-of-text and the stop ids, and the engine does not look for stop strings.
 
     Example: max_tokens 3 and stop ["!"]; the third token is "!": a stop string ends it
@@ -491,6 +494,8 @@ def check_stop(seq: Sequence, token: int, stop_string: str | None, eos_token_ids
         return SequenceStatus.FINISHED_STOPPED, None
     if token in params.stop_token_ids:
         return SequenceStatus.FINISHED_STOPPED, token
+    if seq.grammar is not None and seq.grammar.is_terminated():  # structured output, complete
+        return SequenceStatus.FINISHED_STOPPED, None
     if seq.num_output_tokens == params.max_tokens:
         return SequenceStatus.FINISHED_LENGTH, None
     return None

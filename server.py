@@ -749,6 +749,7 @@ class Server:
         self.in_flight.add(served)
         self.idle.clear()
         try:
+            await self.compile_structured_outputs(requests, options["constraint_field"])
             await self.add(served, requests, chat)
             head = dict(id=f"cmpl-{served.ids[0]}", object="text_completion")
             if chat and options["stream"]:
@@ -762,6 +763,21 @@ class Server:
             raise
         finally:
             self.forget(served)
+
+    async def compile_structured_outputs(self, requests: list, field: str | None) -> None:
+        """Compile the request's structured output, if any, on a worker thread: neither the
+        event loop nor the engine's thread (whose steps would wait) runs it; the engine's
+        add_request then finds it in its cache. HTTPError 400 naming the field if it does not
+        compile (field: the one compile errors name; None, vLLM's structured_outputs)."""
+        constraint = requests[0][1].structured_outputs  # one for all of a request's prompts
+        if constraint is None:
+            return
+        manager = self.engine.structured_output_manager
+        try:
+            await asyncio.to_thread(manager.compile, constraint, field)
+        except ValueError as e:
+            param = (field or "structured_outputs").split(".")[0]
+            raise HTTPError(400, str(e), param) from None
 
     async def add(self, served: ServedRequest, requests: list, chat: bool) -> None:
         """Hand the request's sequences to the engine; HTTPError if it refuses them."""

@@ -162,8 +162,9 @@ class Speculator:
 
     def _num_drafts(self, seq) -> int:
         """How many drafts seq may take: none unless it decodes next (one uncomputed token),
-        is not waiting out a backoff, and may emit more than the one token a step gives."""
-        if seq.num_uncomputed_tokens != 1:
+        has no structured output (its grammar would have to check each draft first), is not
+        waiting out a backoff, and may emit more than the one token a step gives."""
+        if seq.num_uncomputed_tokens != 1 or seq.params.structured_outputs is not None:
             return 0
         waits, _ = self.backoff.get(seq, (0, 0))
         if waits > 0:

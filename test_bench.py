@@ -536,6 +536,21 @@ def test_bench_detokenizer_times_a_token_at_each_length_of_unreturned_text(tmp_p
     assert "| 64000 | 1 |" in printed.getvalue()
 
 
+def test_bench_structured_output_times_the_masks_at_each_batch(tmp_path):
+    """--structured-output on the tiny preset: the schema's compile times, then a row per
+    batch with the unconstrained and constrained decode step and the masks' part of it."""
+    out = tmp_path / "structured.json"
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        bench.main(["--structured-output", "--structured-batches", "1", "3", "--prompt-len", "8",
+                    "--structured-steps", "4", "--out", str(out)])
+    figures = json.loads(out.read_text())["structured_output"]
+    assert figures["vocab"] == 257 and figures["compile_ms"] > 0
+    assert [row["batch"] for row in figures["steps"]] == [1, 3]
+    for row in figures["steps"]:
+        assert 0 < row["mask_ms"] < row["constrained_step_ms"] and row["step_ms"] > 0
+    assert "the schema's first compile" in printed.getvalue()
+
+
 def test_bench_step_gemms_times_a_decode_step_against_its_linears_alone(tmp_path):
     """--step-gemms on a CPU: a row per batch for eager steps (graphed ones need CUDA, and are
     skipped, saying so): the step, every nn.Linear of the model (the LM head too) alone,

@@ -18,6 +18,7 @@ from ngram_proposer import NgramProposer
 from paged_cache import NO_PARENT, hash_block
 from sampling import SamplingParams, SamplingTensors
 from spec_decode import SpecRows, Speculator, SpeculativeConfig, accept_runs, verify
+from structured_output import StructuredOutputsParams
 
 # drafts at any batch size (on a CPU they stop past 4 sequences unless told otherwise)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
@@ -394,3 +395,20 @@ def test_on_a_cpu_drafts_stop_past_four_sequences_unless_told_otherwise():
         speculator.propose(seqs[:drafting])
         speculator.propose(seqs)
         assert len(proposer.wanted) == drafting
+
+
+def test_a_structured_output_request_drafts_nothing_and_stays_valid_beside_drafting_ones():
+    """A constrained sequence would need its grammar to check each draft: it takes none, and
+    its rows are masked in a step where its neighbours verify drafts."""
+    regex = "(to be or not ){2}to be"
+    constrained = SamplingParams(max_tokens=40, temperature=0,
+                                 structured_outputs=StructuredOutputsParams(regex=regex))
+    prompts = ["ROMEO: " * 4, "to be or not to be, to be or not to be, to be"]
+    params = [constrained, GREEDY]
+    expected = token_ids(tiny().generate(prompts, params))
+    llm = tiny(speculative_config=NGRAM)
+    outputs = llm.generate(prompts, params, trace=True)
+    assert token_ids(outputs) == expected
+    assert outputs[0].outputs[0].text == "to be or not to be or not to be"
+    drafting = [r.num_draft_tokens for r in llm.engine.step_records if r.num_draft_tokens]
+    assert drafting and all("0" not in r for r in drafting)
