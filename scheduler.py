@@ -178,13 +178,15 @@ class WaitingQueue:
         seq.queue_entry = None
         self._len -= 1
 
-    def peek(self, step: int) -> Sequence | None:
-        """The sequence to admit next at scheduler step `step`, or None if none waits."""
+    def peek(self, step: int, passed_over: set[str] = frozenset()) -> Sequence | None:
+        """The sequence to admit next at scheduler step `step`, or None if none waits; the
+        samples of the requests named in passed_over are passed over (they wait for a
+        sibling) and keep their places."""
         if self.policy == "sjf":
-            oldest = self._live_top(self._by_arrival)
+            oldest = self._live_top(self._by_arrival, passed_over)
             if oldest is not None and self._waited_too_long(oldest, step):
                 return oldest
-        return self._live_top(self._heap)
+        return self._live_top(self._heap, passed_over)
 
     def in_order(self, step: int) -> list[Sequence]:
         """Every waiting sequence, in the order peek(step) would give them if none were
@@ -210,12 +212,22 @@ class WaitingQueue:
         return step - seq.arrival_step >= self.max_wait_steps
 
     @staticmethod
-    def _live_top(heap: list) -> Sequence | None:
-        while heap and not is_live(heap[0]):
-            heapq.heappop(heap)  # a stale entry: its sequence was admitted, aborted or re-queued
-        if not heap:
-            return None
-        return heap[0][2]
+    def _live_top(heap: list, passed_over: set[str]) -> Sequence | None:
+        """The heap's first live sequence not of a request in passed_over. Those passed over
+        are popped to look beneath them, then pushed back as they were: same key, same entry,
+        so they keep their places."""
+        set_aside = []
+        while heap:
+            if not is_live(heap[0]):
+                heapq.heappop(heap)  # stale: its sequence was admitted, aborted or re-queued
+            elif heap[0][2].request_id in passed_over:
+                set_aside.append(heapq.heappop(heap))
+            else:
+                break
+        top = heap[0][2] if heap else None
+        for item in set_aside:
+            heapq.heappush(heap, item)
+        return top
 
 
 def is_live(item: tuple) -> bool:
@@ -264,7 +276,8 @@ class Scheduler:
     #    max_num_seqs and the token budget allow, each from the end of its longest cached
     #    prefix, with as much of the rest as the budget has left (a chunk), or none unless all
     #    of it fits when chunked prefill is off. Admission stops at the first that does not
-    #    fit (see _schedule_waiting).
+    #    fit (see _schedule_waiting); a request whose sibling sample is still computing the
+    #    shared prompt is passed over, and those behind it are admitted.
     # static (request-level batching) admits only when nothing runs, a whole batch at once.
     def schedule(self) -> SchedulerOutput:
         """The next step's batch, and who was admitted and preempted to make it."""
@@ -317,10 +330,14 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         """Admit waiting sequences in policy order while max_num_seqs, the budget and the
         blocks allow; each looks up its cached prefix before it takes anything."""
+        waiting_for_a_sibling = set()  # request ids: their samples are passed over
         while len(self.running) < self.max_num_seqs:
-            seq = self.waiting.peek(self.num_steps)
-            if seq is None or self._waits_for_a_sibling(seq):
+            seq = self.waiting.peek(self.num_steps, waiting_for_a_sibling)
+            if seq is None:
                 return
+            if self._waits_for_a_sibling(seq):  # only this request's samples wait
+                waiting_for_a_sibling.add(seq.request_id)
+                continue
             cached_hashes, cached_block_ids = self._find_cached_prefix(seq)
             num_cached = len(cached_block_ids) * self.block_pool.block_size
             num_new = self._num_new_tokens(len(seq.token_ids) - num_cached, budget)

@@ -229,3 +229,20 @@ def test_a_preempted_sequences_tokens_go_back_to_the_budget():
     output = scheduler.schedule()
     assert output.preempted == [c]
     assert output.num_scheduled_tokens == {a: 9, b: 1}
+
+
+def test_a_sample_waiting_for_its_sibling_holds_back_only_its_own_request():
+    """Request r (n = 2, a 3-block prompt): sample 0 computes the prompt in chunks while
+    sample 1 waits to share its blocks; request "other", queued behind, is admitted at once."""
+    scheduler, block_pool = make_scheduler(budget=9, max_num_seqs=8)
+    params = SamplingParams(n=2, max_tokens=4)
+    samples = [Sequence(f"{i}_r", "", list(range(13)), params, BlockTable(block_pool),
+                        request_id="r", index=i) for i in range(2)]
+    other = Sequence("other", "", [7, 8], SamplingParams(max_tokens=4), BlockTable(block_pool))
+    for seq in [*samples, other]:
+        scheduler.add(seq)
+    first = scheduler.schedule()  # sample 0 takes the whole budget: 9 of its 13 prompt tokens
+    scheduler.update(first.num_scheduled_tokens, {})
+    output = scheduler.schedule()
+    assert samples[1].status == SequenceStatus.WAITING
+    assert output.num_scheduled_tokens == {samples[0]: 4, other: 2}
