@@ -32,8 +32,8 @@ from http import HTTPStatus
 
 import watch
 from nanoserve import Engine, EngineDeadError, RequestOutput, __version__, accumulate
-from openai_protocol import (HTTPError, chat_prompt, check_model, choice, encode_text,
-                             error_body, parse_request, typed, usage_of)
+from openai_protocol import (HTTPError, chat_prompt, check_model, choice, choice_usage,
+                             encode_text, error_body, parse_request, typed, usage_of)
 from options import check_fields, option
 from sampling import print_sampling_defaults
 
@@ -810,10 +810,10 @@ class Server:
                 if failure is not None:
                     self.fail(exchange, served, failure)
                     return
+                accumulate(whole, out)
                 if stream:
                     self.stream_delta(exchange, head, out, options, first_choice[out.request_id],
-                                      num_sent)
-                accumulate(whole, out)
+                                      num_sent, whole[out.request_id])
             if exchange.unsent_bytes() > self.config.max_write_buffer:
                 self.drop(exchange, served)
                 return
@@ -829,16 +829,22 @@ class Server:
         exchange.end_stream()
 
     def stream_delta(self, exchange: Exchange, head: dict, out: RequestOutput, options: dict,
-                     first_choice: int, num_sent: dict) -> None:
+                     first_choice: int, num_sent: dict, so_far: RequestOutput) -> None:
         """A chunk for each sample in a delta; num_sent[(request id, sample)]: the characters
-        of that choice streamed so far (its logprobs' text offsets go on from there)."""
+        of that choice streamed so far (its logprobs' text offsets go on from there). With
+        continuous_usage_stats each chunk carries its choice's usage so far (so_far: the
+        request's whole output, this delta included), as vLLM counts it: its prompt, the
+        tokens that choice has streamed."""
         for completion in out.outputs:
             key = (out.request_id, completion.index)
             offset = num_sent.get(key, 0)
             chunk = choice(self.engine.tokenizer, first_choice + completion.index, out,
                            completion, options, key not in num_sent, offset)
             num_sent[key] = offset + len(chunk.get("text", ""))
-            exchange.event(head | dict(choices=[chunk]))
+            event = head | dict(choices=[chunk])
+            if options["continuous_usage"]:
+                event["usage"] = choice_usage(so_far, completion.index)
+            exchange.event(event)
 
     @staticmethod
     def failure(out: RequestOutput) -> str | None:
