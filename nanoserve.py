@@ -34,10 +34,11 @@ from display import Progress, progress_wanted, render_trace
 from kernels import keep_freed_memory
 from model import PRESETS
 from model_runner import ModelOutput, ModelRunner
-from options import check_fields, option
+from options import check_fields, check_int, option
 from paged_cache import BlockTable
 from sampling import SamplingParams, generation_config_defaults
-from scheduler import POLICIES, Scheduler, SchedulerOutput, Sequence, SequenceStatus, check_stop
+from scheduler import (MAX_PRIORITY, POLICIES, Scheduler, SchedulerOutput, Sequence,
+                       SequenceStatus, check_stop)
 from tokenizer import Detokenizer
 
 __version__ = "0.1.0"     # pyproject.toml reads it from here
@@ -398,16 +399,20 @@ class Engine:
             self.step_records.append(self.last_step)
 
     def add_request(self, prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, stream: bool = True) -> str:
+                    request_id: str | None = None, stream: bool = True, priority: int = 0
+                    ) -> str:
         """Queue a prompt (a string, a list of token ids, {"prompt": str} or
         {"prompt_token_ids": [...]}) with a copy of params (none: the checkpoint's sampling
         defaults over SamplingParams' own, its max_tokens at most what the context leaves);
         ValueError if it can never run. stream: step() returns an output for each sample
         every step it makes a token (a delta); False: only the one that finishes it, whole,
         which saves a caller that wants only the end (LLM.generate) making and dropping an
-        output per token."""
+        output per token. priority (vLLM's): lower is served first under --policy priority,
+        which may preempt a running request of a higher number for it; the other policies
+        ignore it."""
         if type(stream) is not bool:
             raise ValueError(f"stream must be True or False, got {stream!r}")
+        check_int("priority", priority, -MAX_PRIORITY, MAX_PRIORITY)
         text, token_ids = self.parse_prompt(prompt)
         if params is None:
             params = self.default_params(len(token_ids))
@@ -422,6 +427,8 @@ class Engine:
             self._validate(token_ids, params, request_id)
             seqs = [self._sample_sequence(request_id, index, text, token_ids, params, stream)
                     for index in range(params.n)]
+            for seq in seqs:
+                seq.priority = priority
             self.requests[request_id] = seqs
             for seq in seqs:
                 self.seqs[seq.seq_id] = seq
@@ -663,25 +670,33 @@ class LLM:
         return SamplingParams(**self.engine.sampling_defaults)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 trace: bool = False, use_tqdm: bool | None = None) -> list[RequestOutput]:
+                 trace: bool = False, use_tqdm: bool | None = None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """Serve all prompts (any form add_request takes) as one batch; whole outputs, in order.
         params None: Engine.default_params for each prompt (the checkpoint's defaults). trace:
         print the step-by-step timeline to stderr at the end. use_tqdm (vLLM's name): the
-        progress line on stderr (Progress); None: only when stderr is a terminal."""
+        progress line on stderr (Progress); None: only when stderr is a terminal. priority
+        (vLLM's): one per prompt (Engine.add_request); None: all 0."""
         show_progress = progress_wanted(use_tqdm)
         prompts = as_prompt_list(prompts)
         if not isinstance(params, (list, tuple)):  # None: each prompt's default_params
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if priority is None:
+            priority = [0] * len(prompts)
+        if not isinstance(priority, (list, tuple)) or len(priority) != len(prompts):
+            raise ValueError(f"priority must be a list of one integer a prompt ({len(prompts)}), "
+                             f"got {priority!r}")
         ids = []
         whole = {}
         self.engine.step_records = [] if trace else None
         progress = Progress(len(prompts), show_progress)
         try:
-            for prompt, prompt_params in zip(prompts, params):
+            for prompt, prompt_params, prompt_priority in zip(prompts, params, priority):
                 # whole outputs only: an output per token would be made to be merged here
-                ids.append(self.engine.add_request(prompt, prompt_params, stream=False))
+                ids.append(self.engine.add_request(prompt, prompt_params, stream=False,
+                                                   priority=prompt_priority))
             while any(i not in whole or not whole[i].finished for i in ids):
                 for delta in self.engine.step():
                     accumulate(whole, delta)

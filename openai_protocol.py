@@ -13,6 +13,7 @@ import dataclasses
 from nanoserve import CompletionOutput, Engine, RequestOutput, as_prompt_list
 from options import check_int
 from sampling import MAX_LOGPROBS, SamplingParams
+from scheduler import MAX_PRIORITY
 from tokenizer import ChatTemplate
 
 MAX_SEQUENCES = 256       # prompts x n of one request at most: what it may queue ahead of others
@@ -24,7 +25,7 @@ TEMPLATE_ROLES = (*TRANSCRIPT_ROLES, "tool")        # a checkpoint's template ma
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
                    "stop_token_ids", "include_stop_str_in_output", "logit_bias")
-FIELDS = {"model", "n", "stream", "stream_options", "user", "stop", "logprobs",
+FIELDS = {"model", "n", "stream", "stream_options", "user", "stop", "logprobs", "priority",
           *SAMPLING_FIELDS}  # both endpoints serve these
 CHAT_FIELDS = {"messages", "top_logprobs", "max_completion_tokens", "chat_template_kwargs"}
 COMPLETION_FIELDS = {"prompt", "echo"}
@@ -121,7 +122,7 @@ def chat_prompt(body: dict, template: ChatTemplate | None) -> str:
 def parse_request(body: dict, engine: Engine, model_name: str, chat: bool,
                   template: ChatTemplate | None, defaults: dict) -> tuple[list, dict]:
     """An OpenAI request -> its sequences [(prompt, SamplingParams)], n for each prompt, and
-    how to answer (stream, include_usage, continuous_usage, echo, logprobs k); HTTPError 400 if anything is off.
+    how to answer (stream, include_usage, continuous_usage, echo, logprobs k, priority); HTTPError 400 if anything is off.
     A chat's prompt is the checkpoint's template, if any (template); a sampling field absent
     or null is the checkpoint's default, if any (defaults: generation_config_defaults')."""
     check_known_fields(body, chat)
@@ -148,7 +149,8 @@ def parse_request(body: dict, engine: Engine, model_name: str, chat: bool,
         fields["prompt_logprobs"] = fields["logprobs"] if echo else None
     include_usage, continuous_usage = stream_usage(body, stream)
     options = dict(stream=stream, chat=chat, n=n, k=fields["logprobs"] or 0, echo=echo,
-                   include_usage=include_usage, continuous_usage=continuous_usage)
+                   include_usage=include_usage, continuous_usage=continuous_usage,
+                   priority=request_priority(body))
     transcript = chat and template is None  # a reply there ends at its turn's blank line
     params = sample_params(fields, n, transcript, typed(body, "top_logprobs", 0, int))
     if len(prompts) * n > MAX_SEQUENCES:
@@ -218,6 +220,17 @@ def chat_logprobs(body: dict) -> int | None:
     if top_logprobs is not None and top_logprobs > 0:  # a negative one: sample_params' error
         raise HTTPError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     return None
+
+
+def request_priority(body: dict) -> int:
+    """vLLM's priority field: an integer, lower served first (--policy priority); 0 if absent.
+    HTTPError 400 naming it otherwise (a bool, a float, a number past MAX_PRIORITY)."""
+    priority = typed(body, "priority", 0, int)
+    try:
+        check_int("priority", priority, -MAX_PRIORITY, MAX_PRIORITY)
+    except ValueError as e:
+        raise HTTPError(400, str(e), "priority") from None
+    return priority
 
 
 def stream_usage(body: dict, stream: bool) -> tuple[bool, bool]:

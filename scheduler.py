@@ -16,7 +16,7 @@ update() applies a step's results, and check_stop, the one place that says why a
 finishes. The engine (nanoserve.py) calls schedule(), runs the model on its output, calls
 update(), then check_stop() on each new token. Blocks come from paged_cache.py.
 
-Left out: swapping to CPU, priorities set by the client, lookahead slots.
+Left out: swapping to CPU, lookahead slots.
 """
 import enum
 import heapq
@@ -27,7 +27,8 @@ import torch
 
 from paged_cache import BlockPool, BlockTable, cdiv
 
-POLICIES = ("fcfs", "sjf", "static")
+POLICIES = ("fcfs", "sjf", "priority", "static")
+MAX_PRIORITY = 2**31 - 1  # a request's priority is an integer in [-MAX_PRIORITY, MAX_PRIORITY]
 
 
 class SequenceStatus(enum.Enum):
@@ -73,6 +74,7 @@ class Sequence:
                                               # the same as seq_id (n = 1)
     index: int = 0                            # which of the request's samples it is
     num_preemptions: int = 0                  # times it was preempted (then recomputed)
+    priority: int = 0                         # lower first (vLLM's); --policy priority reads it
     # len(prompt_token_ids), kept beside the sequence's other numbers: every step reads it,
     # and a long prompt's list sits far from them in memory (BENCHMARKS.md, section 8)
     num_prompt_tokens: int = field(init=False)
@@ -146,8 +148,9 @@ class WaitingQueue:
     policy (the most recently preempted first), since it was admitted before everything that
     waits. Then fcfs: arrival order. sjf: shortest estimated remaining job first, except that
     the oldest arrival goes first once it has waited `max_wait_steps` (a second heap, by
-    arrival, finds it). Removal is lazy: an entry is live only while it is its sequence's
-    `queue_entry`."""
+    arrival, finds it). priority: by priority (lower first), then as fcfs within a priority:
+    the preempted first, then by arrival (vLLM's (priority, arrival) order). Removal is lazy:
+    an entry is live only while it is its sequence's `queue_entry`."""
 
     def __init__(self, policy: str, max_wait_steps: int):
         self.policy = policy
@@ -169,6 +172,8 @@ class WaitingQueue:
             key = (1, seq.estimated_remaining(), seq.arrival_step)
         else:
             key = (1, entry)
+        if self.policy == "priority":
+            key = (seq.priority, *key)
         heapq.heappush(self._heap, (key, entry, seq))
         if self.policy == "sjf":
             heapq.heappush(self._by_arrival, (seq.arrival_step, entry, seq))
@@ -270,14 +275,16 @@ class Scheduler:
     # 1) Running sequences first, decodes before unfinished prefills: a decode costs one
     #    token of the budget and keeps its request's inter-token latency low, where a prefill
     #    chunk can wait a step at little cost. Each takes the blocks its new tokens need;
-    #    when none are free, the newest running sequence is preempted by recompute (see
-    #    _schedule_running).
+    #    when none are free, the newest running sequence of the lowest priority is preempted
+    #    (see _schedule_running and _victim).
     # 2) Then, unless this step preempted, admit waiting sequences in policy order while
     #    max_num_seqs and the token budget allow, each from the end of its longest cached
     #    prefix, with as much of the rest as the budget has left (a chunk), or none unless all
     #    of it fits when chunked prefill is off. Admission stops at the first that does not
     #    fit (see _schedule_waiting); a request whose sibling sample is still computing the
-    #    shared prompt is passed over, and those behind it are admitted.
+    #    shared prompt is passed over, and those behind it are admitted. Under --policy
+    #    priority a request that does not fit preempts running ones of a strictly lower
+    #    priority if that makes room (_preempt_lower_priority), and is the step's last.
     # static (request-level batching) admits only when nothing runs, a whole batch at once.
     def schedule(self) -> SchedulerOutput:
         """The next step's batch, and who was admitted and preempted to make it."""
@@ -298,7 +305,8 @@ class Scheduler:
 
     def _schedule_running(self, output: SchedulerOutput) -> int:
         """Schedule the running sequences, decodes first, preempting the newest running
-        sequence while blocks are short; return the token budget left.
+        sequence (of the lowest priority: _victim) while blocks are short; return the token
+        budget left.
 
         Worked example: four blocks of 4 tokens, all held. Running in admission order:
         A (8 tokens computed, 2 blocks), B (4 computed, 1 block), C (3 computed, 1 block),
@@ -315,11 +323,9 @@ class Scheduler:
             if num_new == 0:
                 continue
             while not seq.block_table.ensure(seq.num_computed_tokens + num_new):
-                victim = self.running[-1]  # the newest: the least work to redo
-                budget += output.unschedule(victim)  # if it was scheduled
-                self._preempt(victim)
-                output.preempted.append(victim)
-                if victim is seq:  # nothing newer was left to preempt
+                victim = self._victim()
+                budget += self._preempt_in_step(victim, output)
+                if victim is seq:  # nothing newer or of lower priority was left to preempt
                     break
             if seq.status != SequenceStatus.RUNNING:
                 continue
@@ -331,7 +337,7 @@ class Scheduler:
         """Admit waiting sequences in policy order while max_num_seqs, the budget and the
         blocks allow; each looks up its cached prefix before it takes anything."""
         waiting_for_a_sibling = set()  # request ids: their samples are passed over
-        while len(self.running) < self.max_num_seqs:
+        while True:
             seq = self.waiting.peek(self.num_steps, waiting_for_a_sibling)
             if seq is None:
                 return
@@ -341,13 +347,22 @@ class Scheduler:
             cached_hashes, cached_block_ids = self._find_cached_prefix(seq)
             num_cached = len(cached_block_ids) * self.block_pool.block_size
             num_new = self._num_new_tokens(len(seq.token_ids) - num_cached, budget)
-            if num_new == 0 or not self._fits_beside_running(seq, cached_block_ids):
+            if num_new == 0:
                 return
+            victims = []
+            if not self._has_room(seq, cached_block_ids):
+                victims = self._lower_priority_victims(seq, cached_block_ids)
+                if not victims:
+                    return
+            for victim in victims:
+                budget += self._preempt_in_step(victim, output)
             self._admit(seq, output, cached_hashes, cached_block_ids)
             took_blocks = seq.block_table.ensure(num_cached + num_new)
-            assert took_blocks, "_fits_beside_running counted these blocks as free"
+            assert took_blocks, "_has_room counted these blocks as free"
             output.schedule(seq, num_new)
             budget -= num_new
+            if victims:  # the step's last admission: its victims are not readmitted in it
+                return
 
     def _num_new_tokens(self, num_uncomputed: int, budget: int) -> int:
         """How many of a sequence's uncomputed tokens this step can take: all that the budget
@@ -378,9 +393,16 @@ class Scheduler:
             return [], []
         return self.block_pool.find_cached_prefix(seq.token_ids)
 
-    def _fits_beside_running(self, seq: Sequence, cached_block_ids: list[int]) -> bool:
-        """Whether the free blocks cover what seq (starting from its cached blocks) and every
-        running sequence need to compute all their tokens and take one more.
+    def _has_room(self, seq: Sequence, cached_block_ids: list[int]) -> bool:
+        """Whether seq may be admitted now: a sequence slot is free (max_num_seqs) and the
+        blocks are (_blocks_short)."""
+        has_seq_slot = len(self.running) < self.max_num_seqs
+        return has_seq_slot and self._blocks_short(seq, cached_block_ids) <= 0
+
+    def _blocks_short(self, seq: Sequence, cached_block_ids: list[int]) -> int:
+        """How many blocks the free ones fall short of what seq (starting from its cached
+        blocks) and every running sequence need to compute all their tokens and take one
+        more; 0 or less: they are enough.
 
         This is our admission rule. vLLM's watermark holds a fixed share of the blocks free
         (1%); ours reserves exactly the blocks the running sequences will ask for, because a
@@ -390,9 +412,78 @@ class Scheduler:
         block_size = self.block_pool.block_size
         needed = cdiv(len(seq.token_ids) + 1, block_size) - len(cached_block_ids)
         for running in self.running:
-            needed += running.block_table.num_missing_blocks(len(running.token_ids) + 1)
+            needed += blocks_to_finish(running)
         free = self.block_pool.num_free_blocks - self.block_pool.count_free(cached_block_ids)
-        return needed <= free
+        return needed - free
+
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt when blocks run out: under --policy priority the
+        newest of the lowest priority (the largest number); under the others the newest,
+        which is the same rule with every priority equal. The newest has the least work to
+        redo, and under priority the least important goes first."""
+        victim = self.running[-1]
+        if self.policy != "priority":
+            return victim
+        for seq in reversed(self.running):  # newest first: a tie keeps the newer
+            if seq.priority > victim.priority:
+                victim = seq
+        return victim
+
+    # The rule that keeps two priorities from preempting each other every step: a waiting
+    # sequence preempts only running ones of a strictly lower priority (a larger number), only
+    # when preempting them makes room for it all (else nobody), and its admission is the
+    # step's last. The victim waits at the front of its own priority, behind the one that
+    # preempted it, which it cannot preempt back; and when blocks run short later, _victim
+    # takes the lowest priority running, so it is never the higher one that gives way.
+    # Equals never preempt each other: with "lower or equal", two requests of one priority
+    # would take turns, each preempting the other and paying its prefill again every step.
+    #
+    # Worked example, --policy priority, room for two sequences: B1 then B2 (priority 1) run.
+    # I1 (priority 0) arrives and does not fit: B2, the newest of the lowest priority, is
+    # preempted and I1 admitted, in one step. I2 (priority 0) arrives: B1 goes for it. The
+    # queue is now B1, B2 (priority 1, the newest preempted first): neither can preempt I1 or
+    # I2, and an I3 (priority 0) arriving waits for I1 or I2 to finish, since it does not
+    # outrank them. When I1 finishes, I3 goes first, then B1.
+    def _lower_priority_victims(self, seq: Sequence, cached_block_ids: list[int]
+                                ) -> list[Sequence]:
+        """--policy priority: the running sequences of lower priority than seq whose
+        preemption makes room for it, the lowest priority and the newest first (_victim's
+        order); none if all of them together would not."""
+        if self.policy != "priority":
+            return []
+        lower = [running for running in self.running if running.priority > seq.priority]
+        lower.sort(key=self._preemption_order)
+        num_seqs = len(self.running)
+        short = self._blocks_short(seq, cached_block_ids)
+        victims = []
+        for victim in lower:
+            if num_seqs < self.max_num_seqs and short <= 0:
+                break
+            victims.append(victim)
+            num_seqs -= 1
+            short -= blocks_to_finish(victim) + self._blocks_freed(victim, cached_block_ids)
+        if num_seqs < self.max_num_seqs and short <= 0:
+            return victims
+        return []
+
+    def _preemption_order(self, seq: Sequence) -> tuple[int, int]:
+        """The sort key of _victim's order: the lowest priority first, then the newest."""
+        return -seq.priority, -self.running.index(seq)
+
+    def _blocks_freed(self, victim: Sequence, cached_block_ids: list[int]) -> int:
+        """The blocks preempting victim would put in the free queue: those it alone holds,
+        less any of seq's cached prefix (free, they are still taken by seq)."""
+        ref_counts = self.block_pool.ref_counts
+        return sum(1 for b in victim.block_table.block_ids
+                   if ref_counts[b] == 1 and b not in cached_block_ids)
+
+    def _preempt_in_step(self, victim: Sequence, output: SchedulerOutput) -> int:
+        """Preempt victim in this step: it leaves the step's output if it was in it; the tokens
+        it had been given, back to the budget (0 if none)."""
+        num_returned = output.unschedule(victim)
+        self._preempt(victim)
+        output.preempted.append(victim)
+        return num_returned
 
     def _admit_static_batch(self, output: SchedulerOutput) -> None:
         """static: admit up to max_num_seqs at once; _schedule_running then gives them blocks."""
@@ -446,6 +537,12 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.block_table.release()
         seq.status = status
+
+
+def blocks_to_finish(seq: Sequence) -> int:
+    """The blocks a running sequence still needs to compute all its tokens and take one
+    more (what admission keeps free for it)."""
+    return seq.block_table.num_missing_blocks(len(seq.token_ids) + 1)
 
 
 def check_stop(seq: Sequence, token: int, stop_string: str | None, eos_token_ids: list[int]

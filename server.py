@@ -194,15 +194,15 @@ class EngineThread(threading.Thread):
             return
         self.loop.call_soon_threadsafe(settle, future, result, None)
 
-    def add(self, requests: list, ids: list[str]) -> None:
-        """All of one HTTP request's engine requests (one a prompt), or none of them:
-        ValueError names what is wrong (EngineDeadError: the engine is gone)."""
+    def add(self, requests: list, ids: list[str], priority: int) -> None:
+        """All of one HTTP request's engine requests (one a prompt), or none of them, at its
+        priority: ValueError names what is wrong (EngineDeadError: the engine is gone)."""
         if self.engine.dead is not None:
             raise EngineDeadError(self.engine.dead)
         added = []
         try:
             for (prompt, params), request_id in zip(requests, ids):
-                self.engine.add_request(prompt, params, request_id)
+                self.engine.add_request(prompt, params, request_id, priority=priority)
                 added.append(request_id)
         except ValueError as e:  # another prompt of its HTTP request was refused
             self.abort(added)
@@ -744,7 +744,7 @@ class Server:
         self.in_flight.add(served)
         self.idle.clear()
         try:
-            await self.add(served, requests, chat)
+            await self.add(served, requests, chat, options["priority"])
             head = dict(id=f"cmpl-{served.ids[0]}", object="text_completion")
             if chat and options["stream"]:
                 head = dict(id=f"chatcmpl-{served.ids[0]}", object="chat.completion.chunk")
@@ -758,10 +758,12 @@ class Server:
         finally:
             self.forget(served)
 
-    async def add(self, served: ServedRequest, requests: list, chat: bool) -> None:
+    async def add(self, served: ServedRequest, requests: list, chat: bool, priority: int
+                  ) -> None:
         """Hand the request's sequences to the engine; HTTPError if it refuses them."""
         try:
-            await self.engine_thread.call(self.engine_thread.add, requests, served.ids)
+            await self.engine_thread.call(self.engine_thread.add, requests, served.ids,
+                                          priority)
         except ValueError as e:  # the prompt's, unless a token id field's (checked here)
             param = "messages" if chat else "prompt"
             for name in ("stop_token_ids", "logit_bias"):
