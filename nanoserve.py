@@ -37,8 +37,8 @@ from model_runner import ModelOutput, ModelRunner
 from options import check_fields, check_int, option
 from paged_cache import BlockTable
 from sampling import SamplingParams, generation_config_defaults
-from scheduler import (MAX_PRIORITY, POLICIES, Scheduler, SchedulerOutput, Sequence,
-                       SequenceStatus, check_stop)
+from scheduler import (MAX_PRIORITY, POLICIES, PREEMPTION_MODES, Scheduler, SchedulerOutput,
+                       Sequence, SequenceStatus, check_stop)
 from tokenizer import Detokenizer
 
 __version__ = "0.1.0"     # pyproject.toml reads it from here
@@ -80,6 +80,17 @@ class EngineConfig:
     enable_prefix_caching: bool = option(True, "reuse the cached KV blocks of earlier requests' "
                                          "prompt prefixes")
     policy: str = option("fcfs", "scheduling policy", choices=list(POLICIES))
+    # vLLM V1 recomputes only; V0 could swap. recompute is the default: unchanged behaviour,
+    # and with prefix caching a readmitted sequence often finds its blocks still cached.
+    preemption_mode: str = option("recompute", "how a preempted sequence gives its KV blocks "
+                                  "back: recompute them when readmitted, swap them to host "
+                                  "memory and back, or auto: swap when copying costs less",
+                                  choices=list(PREEMPTION_MODES))
+    # vLLM V0's default, 4 GiB; allocated only when preemption_mode may swap (pinned on CUDA;
+    # on a CPU its pages are touched only as blocks are swapped out)
+    swap_space: float = option(4.0, "GiB of host memory for swapped-out KV blocks "
+                               "(preemption_mode swap or auto); 0: none, always recompute",
+                               low=0)
     seed: int = option(0, "seeds random weights and requests without a seed", low=0)
     generation_config: str = option("auto", "sampling defaults of requests that leave a field "
                                     "unset; auto: the checkpoint's generation_config.json where "
@@ -169,6 +180,9 @@ class StepRecord:
     # each scheduled sequence's phase this step (scheduled_phase): "prefill", "decode",
     # "recompute"
     phases: dict[str, str] = field(default_factory=dict)
+    swapped_out: list[str] = field(default_factory=list)  # of the preempted: to host memory
+    swapped_in: list[str] = field(default_factory=list)   # readmitted from host memory
+    swap_blocks_used: int = 0       # host blocks holding swapped-out K/V (swap.py)
 
 
 @dataclass
@@ -260,7 +274,8 @@ class Engine:
         self.model_runner.prepare(self.max_model_len)
         self.scheduler = Scheduler(self.block_pool, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
-                                   config.policy)
+                                   config.policy, preemption_mode=config.preemption_mode,
+                                   swap_space=self.model_runner.swap_space)
         self.seqs: dict[str, Sequence] = {}            # sequence id -> its sequence
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n samples
         self.stats = EngineStats()
@@ -285,6 +300,14 @@ class Engine:
     def kv_cache_tokens(self) -> int:
         """The KV cache's capacity: whole blocks of block_size tokens."""
         return self.block_pool.num_blocks * self.block_pool.block_size
+
+    @property
+    def swap_blocks_used(self) -> int:
+        """Host blocks holding swapped-out sequences' K/V (0 without a swap space)."""
+        swap_space = self.model_runner.swap_space
+        if swap_space is None:
+            return 0
+        return swap_space.num_blocks - swap_space.num_free_blocks
 
     @property
     def kv_tokens_per_gib(self) -> int:
@@ -325,6 +348,7 @@ class Engine:
         each sequence alone: the ones that fail alone are the ones that fail."""
         for seq in scheduler_output.preempted:  # readmitted, it will start from a new row
             self.model_runner.remove(seq)
+        self.model_runner.swap(scheduler_output.swapped_out, scheduler_output.swapped_in)
         num_scheduled_tokens = scheduler_output.num_scheduled_tokens
         if not num_scheduled_tokens:
             return ModelOutput()
@@ -332,7 +356,7 @@ class Engine:
         # and alone they must draw the same again, as if the batch had never run.
         generator_states = seeded_generator_states(num_scheduled_tokens)
         try:
-            return self.model_runner.execute_model(num_scheduled_tokens)
+            return self.model_runner.execute_timed(num_scheduled_tokens)
         except Exception as e:  # noqa: BLE001 (find the request that fails; it alone fails)
             self._fail_fast_on_device_error(e)
             for seq in num_scheduled_tokens:  # whatever the failed batch wrote of their rows
@@ -393,7 +417,10 @@ class Engine:
             num_waiting=len(self.scheduler.waiting),
             num_kv_tokens=sum(seq.num_computed_tokens for seq in self.scheduler.running),
             kv_blocks_used=self.block_pool.num_blocks - self.block_pool.num_free_blocks,
-            phases={seq.seq_id: phase for seq, phase in scheduler_output.phases.items()})
+            phases={seq.seq_id: phase for seq, phase in scheduler_output.phases.items()},
+            swapped_out=[seq.seq_id for seq in scheduler_output.swapped_out],
+            swapped_in=[seq.seq_id for seq in scheduler_output.swapped_in],
+            swap_blocks_used=self.swap_blocks_used)
         self.stats.record(self.last_step)
         if self.step_records is not None:
             self.step_records.append(self.last_step)

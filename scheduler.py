@@ -7,16 +7,19 @@ one uncomputed token (the one it just sampled); a prefill has many, and may be g
 chunks over several steps. A preempted sequence gave its blocks back, so its next prefill
 computes its prompt and the tokens it had generated again, less what the prefix cache still
 holds: its full blocks were registered there, so unless evicted meanwhile it takes them back
-on readmission and resumes from them. This is vLLM v1's rule, after Orca and Sarathi.
+on readmission and resumes from them. This is vLLM v1's rule, after Orca and Sarathi. Under
+--preemption-mode swap or auto a preempted sequence may instead be swapped out: its blocks'
+K/V copied to host memory (swap.py), its progress kept, and copied back into fresh blocks
+when it is readmitted; SchedulerOutput lists the copies for the engine to make.
 
 In this file, in order: Sequence (one sample of a request), SchedulerOutput (what a step runs
 and what scheduling it changed) and scheduled_phase (what a sequence's new tokens are),
-WaitingQueue (admission order: fcfs, sjf), Scheduler, whose schedule() is the policy and whose
+WaitingQueue (admission order: fcfs, sjf, priority), Scheduler, whose schedule() is the policy and whose
 update() applies a step's results, and check_stop, the one place that says why a sequence
 finishes. The engine (nanoserve.py) calls schedule(), runs the model on its output, calls
 update(), then check_stop() on each new token. Blocks come from paged_cache.py.
 
-Left out: swapping to CPU, lookahead slots.
+Left out: lookahead slots.
 """
 import enum
 import heapq
@@ -26,8 +29,10 @@ from dataclasses import dataclass, field
 import torch
 
 from paged_cache import BlockPool, BlockTable, cdiv
+from swap import SwapSpace
 
 POLICIES = ("fcfs", "sjf", "priority", "static")
+PREEMPTION_MODES = ("recompute", "swap", "auto")  # vLLM V0's, auto ours (_swaps)
 MAX_PRIORITY = 2**31 - 1  # a request's priority is an integer in [-MAX_PRIORITY, MAX_PRIORITY]
 
 
@@ -74,6 +79,8 @@ class Sequence:
                                               # the same as seq_id (n = 1)
     index: int = 0                            # which of the request's samples it is
     num_preemptions: int = 0                  # times it was preempted (then recomputed)
+    host_block_ids: list[int] = field(default_factory=list)  # swapped out: the host blocks of
+                                              # its computed tokens' K/V (swap.py)
     priority: int = 0                         # lower first (vLLM's); --policy priority reads it
     # len(prompt_token_ids), kept beside the sequence's other numbers: every step reads it,
     # and a long prompt's list sits far from them in memory (BENCHMARKS.md, section 8)
@@ -97,6 +104,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status not in UNFINISHED
 
+    @property
+    def is_swapped_out(self) -> bool:
+        """Waiting with its K/V in host blocks, its progress kept (swap.py)."""
+        return bool(self.host_block_ids)
+
     def estimated_remaining(self) -> int:
         """SJF's job size: tokens still to prefill plus tokens still to generate."""
         return self.num_uncomputed_tokens + self.params.max_tokens - self.num_output_tokens
@@ -116,6 +128,11 @@ class SchedulerOutput:
     # each scheduled sequence -> what its new tokens are (scheduled_phase): "decode",
     # "prefill" or "recompute"
     phases: dict[Sequence, str] = field(default_factory=dict)
+    # of the preempted, those swapped out -> (device block, host block) pairs to copy out;
+    # readmitted from host memory -> (host block, device block) pairs to copy in. The engine
+    # copies them before the step's forward, every copy out first (ModelRunner.swap).
+    swapped_out: dict[Sequence, list[tuple[int, int]]] = field(default_factory=dict)
+    swapped_in: dict[Sequence, list[tuple[int, int]]] = field(default_factory=dict)
 
     def schedule(self, seq: Sequence, num_new: int) -> None:
         """seq runs num_new of its uncomputed tokens this step."""
@@ -251,9 +268,15 @@ class Scheduler:
 
     def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, policy: str = "fcfs",
-                 sjf_max_wait_steps: int = 256):
+                 sjf_max_wait_steps: int = 256, preemption_mode: str = "recompute",
+                 swap_space: SwapSpace | None = None):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {POLICIES}")
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"unknown preemption_mode {preemption_mode!r}; choose one of "
+                             f"{PREEMPTION_MODES}")
+        if preemption_mode != "recompute" and swap_space is None:
+            raise ValueError(f"preemption_mode {preemption_mode} needs a swap space")
         self.block_pool = block_pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -261,8 +284,12 @@ class Scheduler:
         self.policy = policy
         self.waiting = WaitingQueue(policy, sjf_max_wait_steps)
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
+        self.preemption_mode = preemption_mode
+        self.swap_space = swap_space
         self.num_steps = 0
-        self.num_preemptions = 0
+        self.num_preemptions = 0   # by recompute and by swapping
+        self.num_swapped_out = 0
+        self.num_swapped_in = 0
 
     def add(self, seq: Sequence) -> None:
         seq.arrival_step = self.num_steps
@@ -287,21 +314,30 @@ class Scheduler:
     #    priority if that makes room (_preempt_lower_priority), and is the step's last.
     # static (request-level batching) admits only when nothing runs, a whole batch at once.
     def schedule(self) -> SchedulerOutput:
-        """The next step's batch, and who was admitted and preempted to make it."""
+        """The next step's batch, and who was admitted, preempted and swapped to make it."""
         self.num_steps += 1
         output = SchedulerOutput()
+        self._schedule(output)
+        # The host blocks swapped in are free once the step is decided, not before: a swap-out
+        # decided after a swap-in in the same step could otherwise take a host block that the
+        # engine has yet to copy in from.
+        for pairs in output.swapped_in.values():
+            self.swap_space.free([host_block for host_block, _ in pairs])
+        return output
+
+    def _schedule(self, output: SchedulerOutput) -> None:
+        """schedule()'s policy, into output."""
         if self.policy == "static" and not self.running:
             self._admit_static_batch(output)
         budget = self._schedule_running(output)
         if self.policy == "static":
-            return output
+            return
         # A step that preempted admits no one: memory ran out, and the running sequences need
         # the free blocks for their next tokens. Whoever was admitted now would be the next
         # victim, its work lost (thrashing); the preempted ones wait at the front instead.
         if output.preempted:
-            return output
+            return
         self._schedule_waiting(output, budget)
-        return output
 
     def _schedule_running(self, output: SchedulerOutput) -> int:
         """Schedule the running sequences, decodes first, preempting the newest running
@@ -345,8 +381,10 @@ class Scheduler:
                 waiting_for_a_sibling.add(seq.request_id)
                 continue
             cached_hashes, cached_block_ids = self._find_cached_prefix(seq)
-            num_cached = len(cached_block_ids) * self.block_pool.block_size
-            num_new = self._num_new_tokens(len(seq.token_ids) - num_cached, budget)
+            num_computed = len(cached_block_ids) * self.block_pool.block_size
+            if seq.is_swapped_out:  # its blocks come back from host memory
+                num_computed = seq.num_computed_tokens
+            num_new = self._num_new_tokens(len(seq.token_ids) - num_computed, budget)
             if num_new == 0:
                 return
             victims = []
@@ -357,7 +395,7 @@ class Scheduler:
             for victim in victims:
                 budget += self._preempt_in_step(victim, output)
             self._admit(seq, output, cached_hashes, cached_block_ids)
-            took_blocks = seq.block_table.ensure(num_cached + num_new)
+            took_blocks = seq.block_table.ensure(num_computed + num_new)
             assert took_blocks, "_has_room counted these blocks as free"
             output.schedule(seq, num_new)
             budget -= num_new
@@ -378,8 +416,11 @@ class Scheduler:
         a 40-token prompt, blocks of 16: sample 0 computes 40 tokens; samples 1 and 2 then
         take its first two blocks and compute the last 8 each: 56 prompt tokens, not 120.
         Nothing waits without the prefix cache, or for prompt log-probabilities (which need
-        every prompt token computed), or for a prompt shorter than a block and a token."""
+        every prompt token computed), or for a prompt shorter than a block and a token, or
+        when swapped out (it brings its own blocks back)."""
         if not self.block_pool.enable_caching or seq.params.prompt_logprobs is not None:
+            return False
+        if seq.is_swapped_out:
             return False
         block_size = self.block_pool.block_size
         shareable = (seq.num_prompt_tokens - 1) // block_size * block_size  # not the last
@@ -388,8 +429,9 @@ class Scheduler:
 
     def _find_cached_prefix(self, seq: Sequence) -> tuple[list[bytes], list[int]]:
         """The block hashes and ids of seq's longest cached prefix; none for a request that
-        asked for prompt log-probabilities, which needs every prompt token computed."""
-        if seq.params.prompt_logprobs is not None:
+        asked for prompt log-probabilities, which needs every prompt token computed, or for a
+        swapped-out sequence, whose blocks all come back from host memory."""
+        if seq.params.prompt_logprobs is not None or seq.is_swapped_out:
             return [], []
         return self.block_pool.find_cached_prefix(seq.token_ids)
 
@@ -481,7 +523,7 @@ class Scheduler:
         """Preempt victim in this step: it leaves the step's output if it was in it; the tokens
         it had been given, back to the budget (0 if none)."""
         num_returned = output.unschedule(victim)
-        self._preempt(victim)
+        self._preempt(victim, output)
         output.preempted.append(victim)
         return num_returned
 
@@ -497,9 +539,12 @@ class Scheduler:
     def _admit(self, seq: Sequence, output: SchedulerOutput, cached_hashes: list[bytes],
                cached_block_ids: list[int]) -> None:
         """Move seq from waiting to running, its table and progress starting from the cached
-        prefix that _find_cached_prefix found."""
-        seq.block_table.take_cached_prefix(cached_hashes, cached_block_ids)
-        seq.num_computed_tokens = len(cached_block_ids) * self.block_pool.block_size
+        prefix that _find_cached_prefix found, or, swapped out, from its swapped blocks."""
+        if seq.is_swapped_out:
+            self._swap_in(seq, output)
+        else:
+            seq.block_table.take_cached_prefix(cached_hashes, cached_block_ids)
+            seq.num_computed_tokens = len(cached_block_ids) * self.block_pool.block_size
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
@@ -507,15 +552,53 @@ class Scheduler:
             seq.num_cached_tokens = seq.num_computed_tokens
             output.newly_admitted[seq] = seq.num_cached_tokens
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Preemption by recompute: free its blocks and forget its progress; its tokens stay."""
+    def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
+        """Free seq's blocks and send it to the front of the queue: swapped out, its progress
+        kept, if _swaps says so; else by recompute, its progress forgotten (its tokens stay)."""
+        if self._swaps(seq):
+            self._swap_out(seq, output)
+        else:
+            seq.num_computed_tokens = 0
+            seq.num_preemptions += 1
         seq.block_table.release()
-        seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.running.remove(seq)
         self.waiting.push(seq, front=True)
-        seq.num_preemptions += 1
         self.num_preemptions += 1
+
+    def _swaps(self, seq: Sequence) -> bool:
+        """Whether seq is preempted by swapping: never under recompute (the default) or static
+        (whose admission takes no blocks, so could not take a swapped sequence's back); under
+        swap whenever the swap space has room for its computed blocks (full, it falls back to
+        recompute); under auto, when it has room and copying is cheaper (swap_is_cheaper)."""
+        if self.preemption_mode == "recompute" or self.policy == "static":
+            return False
+        num_blocks = cdiv(seq.num_computed_tokens, self.block_pool.block_size)
+        if num_blocks == 0 or not self.swap_space.can_allocate(num_blocks):
+            return False
+        if self.preemption_mode == "swap":
+            return True
+        return self.swap_space.swap_is_cheaper(seq.num_computed_tokens)
+
+    def _swap_out(self, seq: Sequence, output: SchedulerOutput) -> None:
+        """Host blocks for seq's computed tokens; output lists the copies (device -> host) for
+        the engine to make before the step's forward, which may write the freed blocks."""
+        num_blocks = cdiv(seq.num_computed_tokens, self.block_pool.block_size)
+        seq.host_block_ids = self.swap_space.allocate(num_blocks)
+        device_block_ids = seq.block_table.block_ids[:num_blocks]
+        output.swapped_out[seq] = list(zip(device_block_ids, seq.host_block_ids))
+        self.num_swapped_out += 1
+
+    def _swap_in(self, seq: Sequence, output: SchedulerOutput) -> None:
+        """Fresh device blocks for a swapped-out seq's computed tokens; output lists the copies
+        (host -> device) for the engine to make before the step's forward. Its block table is
+        new and holds no hashes yet: update() registers its full blocks in the prefix cache,
+        as it does any sequence's blocks once computed."""
+        took_blocks = seq.block_table.ensure(seq.num_computed_tokens)
+        assert took_blocks, "_has_room counted these blocks as free"
+        output.swapped_in[seq] = list(zip(seq.host_block_ids, seq.block_table.block_ids))
+        seq.host_block_ids = []
+        self.num_swapped_in += 1
 
     def update(self, num_scheduled_tokens: dict[Sequence, int],
                sampled: dict[Sequence, int]) -> None:
@@ -536,6 +619,9 @@ class Scheduler:
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.block_table.release()
+        if seq.is_swapped_out:  # aborted while swapped out
+            self.swap_space.free(seq.host_block_ids)
+            seq.host_block_ids = []
         seq.status = status
 
 

@@ -232,7 +232,10 @@ class EngineThread(threading.Thread):
                   ("generation_tokens_total", "counter", engine.stats.num_generated_tokens),
                   ("prefix_cache_queries_total", "counter", engine.stats.num_queried_tokens),
                   ("prefix_cache_hits_total", "counter", engine.stats.num_cached_tokens),
-                  ("num_preemptions_total", "counter", engine.scheduler.num_preemptions)]
+                  ("num_preemptions_total", "counter", engine.scheduler.num_preemptions),
+                  ("num_swapped_out_total", "counter", engine.scheduler.num_swapped_out),
+                  ("num_swapped_in_total", "counter", engine.scheduler.num_swapped_in),
+                  ("swap_blocks_used", "gauge", step.swap_blocks_used if step else 0)]
         lines = []
         for name, kind, value in values:
             lines.append(f"# TYPE nanoserve:{name} {kind}")
