@@ -126,12 +126,12 @@ class SwapSpace:
         recompute by the token, so a sequence's length enters both ways: its last, partial
         block is copied whole.
 
-        Worked example, this CPU (BENCHMARKS: bench.py --swap): 1,000 tokens in blocks of 16
-        are 63 blocks; at 0.1 ms a block out and in, 6.3 ms to swap; at 0.2 ms a token, 200 ms
-        to recompute: swap. On a GPU both are faster (PCIe at some 25 GB/s; a prefill of tens
-        of thousands of tokens a second) and swapping usually still wins by the same order,
-        but not by enough to be worth it to vLLM V1 (README). Before any large step is timed
-        the prefill rate is unknown: swap, which never computes anything twice."""
+        Worked example, the tiny preset on this CPU (bench.py --swap): 1,000 tokens in blocks
+        of 16 are 63 blocks; at 24 us a block out and in, 1.5 ms to swap; its prefill took
+        223 ms, 0.22 ms a token: swap, by far. On a GPU both are faster (pinned copies at some
+        25 GB/s; prefills of tens of thousands of tokens a second) and copying still wins
+        there by about the same order (README: why vLLM V1 recomputes anyway). Before any
+        large step is timed the prefill rate is unknown: swap, which computes nothing twice."""
         if self.recompute_seconds_per_token is None:
             return True
         copy_seconds = cdiv(num_tokens, self.block_size) * self.copy_seconds_per_block
