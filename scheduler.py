@@ -25,6 +25,7 @@ import enum
 import heapq
 import itertools
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import torch
 
@@ -493,8 +494,9 @@ class Scheduler:
         order); none if all of them together would not."""
         if self.policy != "priority":
             return []
-        lower = [running for running in self.running if running.priority > seq.priority]
-        lower.sort(key=self._preemption_order)
+        newest_first = self.running[::-1]
+        lower = [running for running in newest_first if running.priority > seq.priority]
+        lower.sort(key=attrgetter("priority"), reverse=True)  # stable: the newest first still
         num_seqs = len(self.running)
         short = self._blocks_short(seq, cached_block_ids)
         victims = []
@@ -507,10 +509,6 @@ class Scheduler:
         if num_seqs < self.max_num_seqs and short <= 0:
             return victims
         return []
-
-    def _preemption_order(self, seq: Sequence) -> tuple[int, int]:
-        """The sort key of _victim's order: the lowest priority first, then the newest."""
-        return -seq.priority, -self.running.index(seq)
 
     def _blocks_freed(self, victim: Sequence, cached_block_ids: list[int]) -> int:
         """The blocks preempting victim would put in the free queue: those it alone holds,

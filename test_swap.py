@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import GREEDY, PROMPTS, assert_no_leaks, run_to_end, tiny, token_ids
+from conftest import (GREEDY, PROMPTS, assert_no_leaks, http, run_to_end, server_in_process,
+                      tiny, token_ids)
 from nanoserve import EngineConfig
 from paged_cache import BlockPool, BlockTable
 from sampling import SamplingParams
@@ -176,3 +177,17 @@ def test_streams_of_swapped_sequences_equal_their_unconstrained_streams():
     got = [[t for d in deltas[i] for t in d.outputs[0].token_ids] for i in ids]
     assert got == want and engine.scheduler.num_swapped_in > 0
     assert_no_leaks(engine)
+
+
+def test_metrics_count_swaps_out_and_in():
+    engine = tiny(preemption_mode="swap", **TIGHT).engine
+    for prompt in PROMPTS:
+        engine.add_request(prompt, GREEDY)
+    run_to_end(engine)
+    scheduler = engine.scheduler
+    assert scheduler.num_swapped_out == scheduler.num_swapped_in > 0
+    with server_in_process(engine) as url:
+        text = http(url, "/metrics")[1]
+    assert f"nanoserve:num_swapped_out_total {scheduler.num_swapped_out}" in text
+    assert f"nanoserve:num_swapped_in_total {scheduler.num_swapped_in}" in text
+    assert "# TYPE nanoserve:swap_blocks_used gauge" in text
