@@ -122,7 +122,8 @@ def chat_prompt(body: dict, template: ChatTemplate | None) -> str:
 def parse_request(body: dict, engine: Engine, model_name: str, chat: bool,
                   template: ChatTemplate | None, defaults: dict) -> tuple[list, dict]:
     """An OpenAI request -> its sequences [(prompt, SamplingParams)], n for each prompt, and
-    how to answer (stream, include_usage, continuous_usage, echo, logprobs k, priority); HTTPError 400 if anything is off.
+    how to answer (stream, include_usage, continuous_usage, echo, logprobs k, priority);
+    HTTPError 400 if anything is off.
     A chat's prompt is the checkpoint's template, if any (template); a sampling field absent
     or null is the checkpoint's default, if any (defaults: generation_config_defaults')."""
     check_known_fields(body, chat)

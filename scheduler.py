@@ -14,9 +14,9 @@ when it is readmitted; SchedulerOutput lists the copies for the engine to make.
 
 In this file, in order: Sequence (one sample of a request), SchedulerOutput (what a step runs
 and what scheduling it changed) and scheduled_phase (what a sequence's new tokens are),
-WaitingQueue (admission order: fcfs, sjf, priority), Scheduler, whose schedule() is the policy and whose
-update() applies a step's results, and check_stop, the one place that says why a sequence
-finishes. The engine (nanoserve.py) calls schedule(), runs the model on its output, calls
+WaitingQueue (admission order: fcfs, sjf, priority), Scheduler, whose schedule() is the policy
+and whose update() applies a step's results, and check_stop, the one place that says why a
+sequence finishes. The engine (nanoserve.py) calls schedule(), runs the model on its output, calls
 update(), then check_stop() on each new token. Blocks come from paged_cache.py.
 
 Left out: lookahead slots.
