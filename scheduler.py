@@ -374,7 +374,8 @@ class Scheduler:
         """Admit waiting sequences in policy order while max_num_seqs, the budget and the
         blocks allow; each looks up its cached prefix before it takes anything."""
         waiting_for_a_sibling = set()  # request ids: their samples are passed over
-        while True:
+        # a full batch admits no one, unless under priority a preemption makes room
+        while len(self.running) < self.max_num_seqs or self.policy == "priority":
             seq = self.waiting.peek(self.num_steps, waiting_for_a_sibling)
             if seq is None:
                 return
