@@ -522,7 +522,9 @@ class Scheduler:
         """Preempt victim in this step: it leaves the step's output if it was in it; the tokens
         it had been given, back to the budget (0 if none)."""
         num_returned = output.unschedule(victim)
-        self._preempt(victim, output)
+        if self._swaps(victim):
+            self._swap_out(victim, output)
+        self._preempt(victim)
         output.preempted.append(victim)
         return num_returned
 
@@ -551,12 +553,11 @@ class Scheduler:
             seq.num_cached_tokens = seq.num_computed_tokens
             output.newly_admitted[seq] = seq.num_cached_tokens
 
-    def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
-        """Free seq's blocks and send it to the front of the queue: swapped out, its progress
-        kept, if _swaps says so; else by recompute, its progress forgotten (its tokens stay)."""
-        if self._swaps(seq):
-            self._swap_out(seq, output)
-        else:
+    def _preempt(self, seq: Sequence) -> None:
+        """Free seq's blocks and send it to the front of the queue. Swapped out (_swap_out, just
+        before), it keeps its progress; else it is preempted by recompute: its progress is
+        forgotten, its tokens stay."""
+        if not seq.is_swapped_out:
             seq.num_computed_tokens = 0
             seq.num_preemptions += 1
         seq.block_table.release()
