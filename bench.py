@@ -33,6 +33,7 @@ import contextlib
 import gc
 import itertools
 import json
+import math
 import os
 import platform
 import sys
@@ -60,7 +61,7 @@ from nanoserve import Engine, EngineConfig, accumulate
 from options import check_fields, option
 from paged_cache import cdiv, kv_bytes_per_token
 from sampling import SamplingParams, sample, sampling_tensors
-from scheduler import Sequence
+from scheduler import SchedulerOutput, Sequence
 from structured_output import StructuredOutputsParams
 from tokenizer import EOT, GPT2_PATTERN, Detokenizer, Tokenizer, byte_ranks, byte_tokenizer
 
@@ -208,6 +209,16 @@ class BenchConfig:
     spec_max_tokens: int = option(128, "speculative: tokens each request generates at most")
     spec_text: str = option(SPEC_TEXT, "speculative: the text passages come from (absent: a "
                             "passage of this file's docstring)")
+    goodput: tuple = option((), "only the service-level experiment, with these targets "
+                            "(vLLM's benchmark spelling: ttft:MS tpot:MS): interactive and "
+                            "batch traffic (SLO_CLASSES) through fcfs, sjf and priority at "
+                            "each --slo-rates: the share meeting the targets, goodput")
+    slo_requests: int = option(120, "--goodput: requests in each run")
+    slo_rates: tuple = option((20.0, 40.0), "--goodput: Poisson arrival rates (requests/s)")
+    swap: bool = option(False, "only swapping against recomputing: the time to resume a "
+                        "preempted sequence by context (--swap-contexts), and throughput "
+                        "under a cache that preempts often, by --preemption-mode")
+    swap_contexts: tuple = option((250, 500, 1000), "--swap: context lengths (tokens)")
 
 
 def parse_args(argv=None) -> BenchConfig:
@@ -221,6 +232,10 @@ def parse_args(argv=None) -> BenchConfig:
     cfg = replace(cfg, kv_budget=cfg.kv_budget or 32 * (prompt + 128))
     try:  # ranges, as the engine checks its own (argparse checked each choice of a list)
         check_fields(one_of_each(cfg))
+    except ValueError as e:
+        p.error(str(e))
+    try:
+        parse_goodput(cfg.goodput)
     except ValueError as e:
         p.error(str(e))
     if min(cfg.limits + cfg.host_output_lens) < 1 or not all(r > 0 for r in cfg.rates):
@@ -684,22 +699,29 @@ def sse_chunks(events: list[bytes]) -> list[dict]:
     return chunks
 
 
-def run_online_engine(cfg: BenchConfig, mode: str, arrivals, prompts, lengths) -> list[list]:
-    """The engine in process on a clock that counts its steps' wall time and skips idle time
-    (an idle engine jumps to the next arrival): each request's token times on that clock."""
-    engine = make_engine(cfg, mode, cfg.online_limit)
+def run_online_engine(cfg: BenchConfig, mode: str, arrivals, prompts, lengths,
+                      priorities: list[int] | None = None, engine: Engine | None = None,
+                      timer=time.perf_counter) -> list[list]:
+    """The engine in process on a clock that counts its steps' wall time (timer's) and skips
+    idle time (an idle engine jumps to the next arrival): each request's token times on that
+    clock. priorities: each request's (default 0); engine: one made for the run (default:
+    mode's)."""
+    if engine is None:
+        engine = make_engine(cfg, mode, cfg.online_limit)
+    if priorities is None:
+        priorities = [0] * len(prompts)
     times = [[] for _ in prompts]
     clock = 0.0
     i = 0  # the next request to arrive
     while i < len(prompts) or engine.has_unfinished():
         if not engine.has_unfinished():  # idle: jump to the next arrival
             clock = max(clock, arrivals[i])
-        start = time.perf_counter()
+        start = timer()
         while i < len(prompts) and arrivals[i] <= clock:
-            engine.add_request(prompts[i], greedy(lengths[i]), str(i))
+            engine.add_request(prompts[i], greedy(lengths[i]), str(i), priority=priorities[i])
             i += 1
         outputs = engine.step()
-        clock += time.perf_counter() - start
+        clock += timer() - start
         for o in outputs:
             times[int(o.request_id)].append(clock)
     return times
@@ -1127,6 +1149,207 @@ def report(result: dict) -> str:
         tables.append(decode_table(result["hardware_big"]))
     tables.append(online_table(result))
     return "\n\n".join(tables)
+
+
+# ----------------------------------------------------------------------------- service levels
+
+# The two classes of traffic: class -> (prompt tokens, output tokens, priority). Interactive
+# requests are short and want their tokens soon (the --goodput targets); batch jobs are long
+# and want throughput. Half the requests are of each class, in random order.
+SLO_CLASSES = {"interactive": (16, 16, 0), "batch": (256, 128, 1)}
+SLO_CONTEXTS = 8  # --goodput: the KV cache holds this many batch jobs' whole contexts
+SLO_MODES = {"fcfs": dict(policy="fcfs"), "sjf": dict(policy="sjf"),
+             "priority": dict(policy="priority"),
+             "priority-swap": dict(policy="priority", preemption_mode="swap")}
+
+
+def parse_goodput(specs: tuple) -> dict[str, float]:
+    """vLLM's --goodput "ttft:MS tpot:MS" -> {"ttft": seconds, "tpot": seconds}; ValueError
+    naming a target that is not one of these or not a positive number of milliseconds."""
+    targets = {}
+    for spec in specs:
+        name, _, ms = spec.partition(":")
+        if name not in ("ttft", "tpot"):
+            raise ValueError(f"--goodput {spec!r}: a target is ttft:MS or tpot:MS")
+        try:
+            seconds = float(ms) / 1e3
+        except ValueError:
+            seconds = math.nan
+        if not seconds > 0 or math.isinf(seconds):
+            raise ValueError(f"--goodput {spec!r}: MS must be a positive number")
+        targets[name] = seconds
+    return targets
+
+
+def slo_workload(cfg: BenchConfig) -> tuple[list, list[int], list[int], list[str]]:
+    """--slo-requests requests, each of a class drawn at random (half each): (prompts of the
+    class's length, random ids; output lengths; priorities; classes)."""
+    rng = np.random.default_rng(cfg.seed + 3)
+    classes = [list(SLO_CLASSES)[k] for k in rng.integers(0, 2, cfg.slo_requests)]
+    prompts = [rng.integers(0, 256, SLO_CLASSES[c][0]).tolist() for c in classes]
+    lengths = [SLO_CLASSES[c][1] for c in classes]
+    priorities = [SLO_CLASSES[c][2] for c in classes]
+    return prompts, lengths, priorities, classes
+
+
+def meets_targets(targets: dict[str, float], ttft: float, tpot: float | None) -> bool:
+    """Whether one request met every target (a request of one token has no TPOT to miss)."""
+    if ttft > targets.get("ttft", math.inf):
+        return False
+    return tpot is None or tpot <= targets.get("tpot", math.inf)
+
+
+def slo_figures(targets: dict, arrivals, times: list[list[float]], classes: list[str]
+                ) -> list[dict]:
+    """Per class: the share of its requests that met the targets, its goodput (those
+    requests a second of the run: vLLM's), its TTFT and TPOT, its output tokens a second."""
+    duration = max(t[-1] for t in times) - arrivals[0]
+    rows = []
+    for name in SLO_CLASSES:
+        ttfts, tpots, met, num_tokens = [], [], 0, 0
+        for arrival, token_times, c in zip(arrivals, times, classes):
+            if c != name:
+                continue
+            ttft = token_times[0] - arrival
+            tpot = None
+            if len(token_times) > 1:
+                tpot = (token_times[-1] - token_times[0]) / (len(token_times) - 1)
+                tpots.append(tpot)
+            ttfts.append(ttft)
+            met += meets_targets(targets, ttft, tpot)
+            num_tokens += len(token_times)
+        rows.append(dict(traffic=name, requests=len(ttfts), met=met / len(ttfts),
+                         goodput=met / duration, ttft_p50_ms=np.percentile(ttfts, 50) * 1e3,
+                         ttft_p99_ms=np.percentile(ttfts, 99) * 1e3,
+                         tpot_p50_ms=np.percentile(tpots, 50) * 1e3,
+                         output_throughput=num_tokens / duration))
+    return rows
+
+
+def service_levels(cfg: BenchConfig) -> list[dict]:
+    """--goodput: the two classes of traffic through each of SLO_MODES at each arrival rate:
+    a row per class and run. Under overload fcfs serves arrivals in order, and an interactive
+    request waits behind the batch jobs before it; priority lets it pass them, and preempts
+    one (recomputed, or swapped: priority-swap) when it cannot otherwise start."""
+    targets = parse_goodput(cfg.goodput)
+    prompts, lengths, priorities, classes = slo_workload(cfg)
+    # a cache for SLO_CONTEXTS batch jobs (unless --kv-cache-tokens): overload fills it, and
+    # what arrives then waits (fcfs) or preempts (priority)
+    batch_context = SLO_CLASSES["batch"][0] + SLO_CLASSES["batch"][1]
+    kv_cache_tokens = cfg.kv_cache_tokens or SLO_CONTEXTS * batch_context
+    warm = make_engine(cfg)
+    run_online_engine(cfg, "fcfs", [0.0] * 4, prompts[:4], [4] * 4, engine=warm)  # not timed
+    rows = []
+    for rate in cfg.slo_rates:
+        gaps = np.random.default_rng(cfg.seed + 1).exponential(1 / rate, len(prompts))
+        arrivals = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
+        for mode, overrides in SLO_MODES.items():
+            engine = make_engine(cfg, "fcfs", max(lengths), kv_cache_tokens=kv_cache_tokens,
+                                 **overrides)
+            times = run_online_engine(cfg, mode, arrivals, prompts, lengths, priorities, engine,
+                                      step_timer(cfg))
+            for row in slo_figures(targets, arrivals, times, classes):
+                rows.append(emit(cfg, "goodput", dict(rate=rate, mode=mode) | row | dict(
+                    preemptions=engine.scheduler.num_preemptions)))
+    return rows
+
+
+def step_timer(cfg: BenchConfig):
+    """The clock of the service-level runs: on a CPU with one thread, this process's CPU time,
+    which a shared machine's other processes do not inflate (a CPU step runs synchronously on
+    this thread, so its CPU time is its time); else wall time."""
+    if cfg.device == "cpu" and cfg.threads == 1:
+        return time.process_time
+    return time.perf_counter
+
+
+def service_levels_table(rows: list[dict]) -> str:
+    return table("Service levels: interactive (priority 0) and batch (priority 1) traffic; met: "
+                 "the share meeting the --goodput targets, goodput: those requests/s", rows,
+                 "rate mode traffic requests met goodput ttft_p50_ms ttft_p99_ms tpot_p50_ms "
+                 "output_throughput preemptions")
+
+
+# ----------------------------------------------------------------------------- swap or recompute
+
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+
+
+def resume_seconds(cfg: BenchConfig, mode: str, context: int, reps: int = 3) -> dict:
+    """The time to resume a sequence of `context` tokens preempted after its first output
+    token: from its readmission to its second token (swapped in and one decode, or its
+    context recomputed in one prefill step: the budget holds it), and the time its preemption
+    took (the copy out, if swapped); medians of reps, after one not timed. The prefix cache is
+    off: with it a recompute could find its blocks still cached (never, under the memory
+    pressure that preempts)."""
+    engine = make_engine(cfg, "fcfs", 0, preemption_mode=mode, enable_prefix_caching=False,
+                         max_num_batched_tokens=max(cfg.max_num_batched_tokens, context + 1),
+                         kv_cache_tokens=2 * (context + 16), max_num_seqs=2)
+    prompt = np.random.default_rng(cfg.seed).integers(0, 256, context).tolist()
+    resumes, preemptions = [], []
+    for rep in range(reps + 1):
+        request_id = engine.add_request(prompt, greedy(2))
+        seq = engine.seqs[request_id]
+        while seq.num_output_tokens < 1:
+            engine.step()
+        start = time.perf_counter()
+        output = SchedulerOutput()
+        engine.scheduler._preempt_in_step(seq, output)
+        engine.execute(output)  # the copy out (swap)
+        preempted = time.perf_counter()
+        while seq.num_output_tokens < 2:
+            engine.step()
+        if rep > 0:
+            resumes.append(time.perf_counter() - preempted)
+            preemptions.append(preempted - start)
+    return dict(mode=mode, context=context, resume_ms=np.median(resumes) * 1e3,
+                preempt_ms=np.median(preemptions) * 1e3,
+                swapped=engine.scheduler.num_swapped_out > 0)
+
+
+def preempting_throughput(cfg: BenchConfig, mode: str) -> dict:
+    """Output tokens/s of --num-requests requests (--prompt-len tokens, 128 out each) queued at
+    once into a cache of 8 contexts for 32 sequences: most steps preempt."""
+    prompts, _ = make_workload(cfg, cfg.num_requests, 1)
+    context = cfg.prompt_len + 128
+    engine = make_engine(cfg, "fcfs", 0, preemption_mode=mode, max_num_seqs=32,
+                         kv_cache_tokens=8 * context)
+    start = time.perf_counter()
+    outputs = [engine.add_request(p, greedy(128)) for p in prompts]
+    finished = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            accumulate(finished, out)
+    wall = time.perf_counter() - start
+    scheduler = engine.scheduler
+    return dict(mode=mode, output_throughput=128 * len(prompts) / wall,
+                preemptions=scheduler.num_preemptions, swapped_out=scheduler.num_swapped_out,
+                tokens=[finished[i].outputs[0].token_ids for i in outputs])
+
+
+def swap_against_recompute(cfg: BenchConfig) -> dict:
+    """--swap: resume times by context, then throughput under preemption, by mode."""
+    resume = [emit(cfg, "resume", resume_seconds(cfg, mode, context))
+              for context in cfg.swap_contexts for mode in ("recompute", "swap")]
+    throughput = []
+    recomputed_tokens = None
+    for mode in PREEMPTION_MODES:  # recompute first: the tokens the others must equal
+        row = preempting_throughput(cfg, mode)
+        tokens = row.pop("tokens")
+        if recomputed_tokens is None:
+            recomputed_tokens = tokens
+        row["same_tokens"] = tokens == recomputed_tokens  # greedy: in every mode alike
+        throughput.append(emit(cfg, "preempting_throughput", row))
+    return dict(resume=resume, throughput=throughput)
+
+
+def swap_table(found: dict) -> str:
+    resume = table("Resuming a preempted sequence: readmission to its next token (swap: copied "
+                   "back in; recompute: its context prefilled again), and the preemption itself",
+                   found["resume"], "context mode resume_ms preempt_ms swapped")
+    throughput = table("Throughput under a cache that preempts often", found["throughput"],
+                       "mode output_throughput preemptions swapped_out same_tokens")
+    return resume + "\n\n" + throughput
 
 
 # ----------------------------------------------------------------------------- main
@@ -2115,7 +2338,8 @@ def versions(cfg: BenchConfig) -> dict:
 
 # The flags of the measurements that run alone (run_single_measurement), each BenchConfig's
 SINGLE_MEASUREMENTS = ("lm_head", "host_overhead", "detokenizer", "step_gemms", "kernel",
-                       "count_ops", "sampling", "speculative", "structured_output")
+                       "count_ops", "sampling", "speculative", "structured_output", "goodput",
+                       "swap")
 
 
 def run_single_measurement(cfg: BenchConfig) -> bool:
@@ -2130,7 +2354,9 @@ def run_single_measurement(cfg: BenchConfig) -> bool:
              "count_ops": (count_ops, count_ops_table),
              "sampling": (lm_head_and_sampling, sampling_table),
              "speculative": (speculative_sweep, speculative_table),
-             "structured_output": (structured_output_cost, structured_output_table)}
+             "structured_output": (structured_output_cost, structured_output_table),
+             "goodput": (service_levels, service_levels_table),
+             "swap": (swap_against_recompute, swap_table)}
     for name in SINGLE_MEASUREMENTS:
         if not getattr(cfg, name):
             continue

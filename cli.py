@@ -346,19 +346,22 @@ def submit_line(engine: Engine, args: argparse.Namespace, template: ChatTemplate
     (as vLLM's "prompt" is), sent as it is."""
     try:
         fields = {}
+        priority = 0
         if args.jsonl:
             fields = parse_jsonl_line(line)
             prompt = fields.pop("prompt")
+            priority = fields.pop("priority", 0)
         else:
             prompt = chat_turn_prompt(template, [], line.rstrip("\r\n"))
-        return engine.add_request(prompt, line_params(engine, args, prompt, **fields))
+        return engine.add_request(prompt, line_params(engine, args, prompt, **fields),
+                                  priority=priority)
     except ValueError as e:
         return ValueError(f"line {line_number}: {e}")
 
 
 def parse_jsonl_line(line: str) -> dict:
-    """A --jsonl line: a JSON object of "prompt" and SamplingParams fields; ValueError naming
-    what is wrong."""
+    """A --jsonl line: a JSON object of "prompt", SamplingParams fields and "priority" (vLLM's:
+    lower first under --policy priority); ValueError naming what is wrong."""
     try:
         fields = json.loads(line)
     except ValueError as e:
@@ -366,10 +369,10 @@ def parse_jsonl_line(line: str) -> dict:
     if not isinstance(fields, dict) or "prompt" not in fields:
         raise ValueError('a line must be a JSON object with a "prompt"')
     allowed = [f.name for f in dataclasses.fields(SamplingParams)]
-    unknown = [name for name in fields if name != "prompt" and name not in allowed]
+    unknown = [name for name in fields if name not in ("prompt", "priority", *allowed)]
     if unknown:
         raise ValueError(f"unknown field {unknown[0]!r}; a line holds \"prompt\" and any of "
-                         f"{', '.join(allowed)}")
+                         f"{', '.join(allowed)}, priority")
     return fields
 
 

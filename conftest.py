@@ -48,6 +48,7 @@ def token_ids(outputs) -> list[list[int]]:
 def assert_no_leaks(engine: Engine) -> None:
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
     assert not any(engine.block_pool.ref_counts)
+    assert engine.swap_blocks_used == 0  # the swap pool's blocks too, when there is one
     assert not engine.has_unfinished() and not engine.seqs and not engine.requests
     assert not engine.model_runner.input_batch.rows  # every row back, for the next sequences
     assert len(engine.model_runner.input_batch.free_rows) == engine.config.max_num_seqs

@@ -22,6 +22,7 @@ requests' parameters). `enforce_eager` (vLLM's flag) turns graphs off. The padde
 runs eagerly on a CPU (use_padded_decode, for the tests): its tokens are the unpadded path's.
 """
 import itertools
+import time
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -34,6 +35,7 @@ from sampling import invalid_rows, sample, sampling_tensors, upload
 from scheduler import Sequence
 from spec_decode import SpecRows, accept_runs, count_drafts, output_offsets, verify
 from structured_output import apply_grammar_bitmask
+from swap import SwapSpace, swap_space_blocks
 
 KV_CACHE_BYTES = 1 << 30  # the CPU's KV cache, by default: a full context for every sequence,
                           # within 1 GiB (on CUDA: gpu_memory_utilization of the GPU's memory)
@@ -158,6 +160,11 @@ class ModelRunner:
             c.n_layer, c.n_kv_head, c.head_dim, self._kv_cache_tokens(c.n_positions),
             config.block_size, config.device, dtype, config.enable_prefix_caching)
         self.null_block = self.block_pool.num_blocks
+        self.swap_space: SwapSpace | None = None  # host blocks, when preemption may swap
+        if config.preemption_mode != "recompute":
+            num_host_blocks = swap_space_blocks(config.swap_space, config.block_size,
+                                                self.kv_bytes_per_token)
+            self.swap_space = SwapSpace(num_host_blocks, self.k_caches, self.v_caches)
         self.input_batch: InputBatch | None = None  # made by prepare(), once max_model_len is
         self.buffers: DecodeBuffers | None = None   # known; with graphs or use_padded_decode
         self.graphs: dict[int, object] = {}         # batch size -> its replay (or eager run)
@@ -241,6 +248,28 @@ class ModelRunner:
     def truncate(self, seq: Sequence) -> None:
         """seq's table lost blocks (rejected drafts): its row forgets them."""
         self.input_batch.truncate(seq)
+
+    def swap(self, swapped_out: dict[Sequence, list[tuple[int, int]]],
+             swapped_in: dict[Sequence, list[tuple[int, int]]]) -> None:
+        """The step's swaps, before its forward: every copy out (device -> host), then every
+        copy in (host -> device), since a block freed by one may be taken by the other."""
+        for pairs in swapped_out.values():
+            self.swap_space.copy_out(self.k_caches, self.v_caches, pairs)
+        for pairs in swapped_in.values():
+            self.swap_space.copy_in(self.k_caches, self.v_caches, pairs)
+
+    def execute_timed(self, num_scheduled_tokens: dict[Sequence, int],
+                      spec_decode_tokens: dict[Sequence, list[int]]) -> ModelOutput:
+        """execute_model, its time given to the swap space if any (the prefill rate that
+        --preemption-mode auto weighs the copies against: SwapSpace.time_step). The step
+        waits for the device at its end (to_host), so its wall time is the device's."""
+        if self.swap_space is None:
+            return self.execute_model(num_scheduled_tokens, spec_decode_tokens)
+        start = time.perf_counter()
+        output = self.execute_model(num_scheduled_tokens, spec_decode_tokens)
+        num_tokens = sum(num_scheduled_tokens.values())
+        self.swap_space.time_step(num_tokens, time.perf_counter() - start)
+        return output
 
     def use_padded_decode(self, capture: bool = False) -> None:
         """Run decode steps padded to capture_sizes through static buffers: captured in CUDA

@@ -39,10 +39,11 @@ from kernels import keep_freed_memory
 from model import PRESETS
 from model_runner import ModelOutput, ModelRunner
 from ngram_proposer import NgramProposer
-from options import check_fields, option
+from options import check_fields, check_int, option
 from paged_cache import BlockTable
 from sampling import SamplingParams, generation_config_defaults
-from scheduler import POLICIES, Scheduler, SchedulerOutput, Sequence, SequenceStatus, check_stop
+from scheduler import (MAX_PRIORITY, POLICIES, PREEMPTION_MODES, Scheduler, SchedulerOutput,
+                       Sequence, SequenceStatus, check_stop)
 from spec_decode import SpeculativeConfig, Speculator, parse_speculative_config
 from structured_output import StructuredOutputManager, accept_token, new_grammar
 from tokenizer import Detokenizer
@@ -86,6 +87,17 @@ class EngineConfig:
     enable_prefix_caching: bool = option(True, "reuse the cached KV blocks of earlier requests' "
                                          "prompt prefixes")
     policy: str = option("fcfs", "scheduling policy", choices=list(POLICIES))
+    # vLLM V1 recomputes only; V0 could swap. recompute is the default: unchanged behaviour,
+    # and with prefix caching a readmitted sequence often finds its blocks still cached.
+    preemption_mode: str = option("recompute", "how a preempted sequence gives its KV blocks "
+                                  "back: recompute them when readmitted, swap them to host "
+                                  "memory and back, or auto: swap when copying costs less",
+                                  choices=list(PREEMPTION_MODES))
+    # vLLM V0's default, 4 GiB; allocated only when preemption_mode may swap (pinned on CUDA;
+    # on a CPU its pages are touched only as blocks are swapped out)
+    swap_space: float = option(4.0, "GiB of host memory for swapped-out KV blocks "
+                               "(preemption_mode swap or auto); 0: none, always recompute",
+                               low=0)
     seed: int = option(0, "seeds random weights and requests without a seed", low=0)
     generation_config: str = option("auto", "sampling defaults of requests that leave a field "
                                     "unset; auto: the checkpoint's generation_config.json where "
@@ -183,6 +195,9 @@ class StepRecord:
     # speculative decoding: the draft tokens each sequence verified, and how many it accepted
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
     num_accepted_tokens: dict[str, int] = field(default_factory=dict)
+    swapped_out: list[str] = field(default_factory=list)  # of the preempted: to host memory
+    swapped_in: list[str] = field(default_factory=list)   # readmitted from host memory
+    swap_blocks_used: int = 0       # host blocks holding swapped-out K/V (swap.py)
 
 
 @dataclass
@@ -285,7 +300,8 @@ class Engine:
         self.model_runner.prepare(self.max_model_len)
         self.scheduler = Scheduler(self.block_pool, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
-                                   config.policy)
+                                   config.policy, preemption_mode=config.preemption_mode,
+                                   swap_space=self.model_runner.swap_space)
         self.seqs: dict[str, Sequence] = {}            # sequence id -> its sequence
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n samples
         self.stats = EngineStats()
@@ -320,6 +336,14 @@ class Engine:
     def kv_cache_tokens(self) -> int:
         """The KV cache's capacity: whole blocks of block_size tokens."""
         return self.block_pool.num_blocks * self.block_pool.block_size
+
+    @property
+    def swap_blocks_used(self) -> int:
+        """Host blocks holding swapped-out sequences' K/V (0 without a swap space)."""
+        swap_space = self.model_runner.swap_space
+        if swap_space is None:
+            return 0
+        return swap_space.num_blocks - swap_space.num_free_blocks
 
     @property
     def kv_tokens_per_gib(self) -> int:
@@ -361,6 +385,7 @@ class Engine:
         each sequence alone: the ones that fail alone are the ones that fail."""
         for seq in scheduler_output.preempted:  # readmitted, it will start from a new row
             self._remove(seq)
+        self.model_runner.swap(scheduler_output.swapped_out, scheduler_output.swapped_in)
         num_scheduled_tokens = scheduler_output.num_scheduled_tokens
         spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
         if not num_scheduled_tokens:
@@ -369,7 +394,7 @@ class Engine:
         # and alone they must draw the same again, as if the batch had never run.
         generator_states = seeded_generator_states(num_scheduled_tokens)
         try:
-            return self.model_runner.execute_model(num_scheduled_tokens, spec_decode_tokens)
+            return self.model_runner.execute_timed(num_scheduled_tokens, spec_decode_tokens)
         except Exception as e:  # noqa: BLE001 (find the request that fails; it alone fails)
             self._fail_fast_on_device_error(e)
             for seq in num_scheduled_tokens:  # whatever the failed batch wrote of their rows
@@ -449,22 +474,29 @@ class Engine:
                               in scheduler_output.scheduled_spec_decode_tokens.items()},
             num_accepted_tokens={seq.seq_id: len(model_output.sampled_token_ids[seq]) - 1
                                  for seq in scheduler_output.scheduled_spec_decode_tokens
-                                 if seq in model_output.sampled_token_ids})
+                                 if seq in model_output.sampled_token_ids},
+            swapped_out=[seq.seq_id for seq in scheduler_output.swapped_out],
+            swapped_in=[seq.seq_id for seq in scheduler_output.swapped_in],
+            swap_blocks_used=self.swap_blocks_used)
         self.stats.record(self.last_step)
         if self.step_records is not None:
             self.step_records.append(self.last_step)
 
     def add_request(self, prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, stream: bool = True) -> str:
+                    request_id: str | None = None, stream: bool = True, priority: int = 0
+                    ) -> str:
         """Queue a prompt (a string, a list of token ids, {"prompt": str} or
         {"prompt_token_ids": [...]}) with a copy of params (none: the checkpoint's sampling
         defaults over SamplingParams' own, its max_tokens at most what the context leaves);
         ValueError if it can never run. stream: step() returns an output for each sample
         every step it makes a token (a delta); False: only the one that finishes it, whole,
         which saves a caller that wants only the end (LLM.generate) making and dropping an
-        output per token."""
+        output per token. priority (vLLM's): lower is served first under --policy priority,
+        which may preempt a running request of a higher number for it; the other policies
+        ignore it."""
         if type(stream) is not bool:
             raise ValueError(f"stream must be True or False, got {stream!r}")
+        check_int("priority", priority, -MAX_PRIORITY, MAX_PRIORITY)
         text, token_ids = self.parse_prompt(prompt)
         if params is None:
             params = self.default_params(len(token_ids))
@@ -481,6 +513,8 @@ class Engine:
             self._validate(token_ids, params, request_id)
             seqs = [self._sample_sequence(request_id, index, text, token_ids, params, stream)
                     for index in range(params.n)]
+            for seq in seqs:
+                seq.priority = priority
             self.requests[request_id] = seqs
             for seq in seqs:
                 seq.grammar = new_grammar(compiled)  # each sample matches on its own
@@ -744,25 +778,33 @@ class LLM:
         return SamplingParams(**self.engine.sampling_defaults)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 trace: bool = False, use_tqdm: bool | None = None) -> list[RequestOutput]:
+                 trace: bool = False, use_tqdm: bool | None = None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """Serve all prompts (any form add_request takes) as one batch; whole outputs, in order.
         params None: Engine.default_params for each prompt (the checkpoint's defaults). trace:
         print the step-by-step timeline to stderr at the end. use_tqdm (vLLM's name): the
-        progress line on stderr (Progress); None: only when stderr is a terminal."""
+        progress line on stderr (Progress); None: only when stderr is a terminal. priority
+        (vLLM's): one per prompt (Engine.add_request); None: all 0."""
         show_progress = progress_wanted(use_tqdm)
         prompts = as_prompt_list(prompts)
         if not isinstance(params, (list, tuple)):  # None: each prompt's default_params
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if priority is None:
+            priority = [0] * len(prompts)
+        if not isinstance(priority, (list, tuple)) or len(priority) != len(prompts):
+            raise ValueError(f"priority must be a list of one integer a prompt ({len(prompts)}), "
+                             f"got {priority!r}")
         ids = []
         whole = {}
         self.engine.step_records = [] if trace else None
         progress = Progress(len(prompts), show_progress)
         try:
-            for prompt, prompt_params in zip(prompts, params):
+            for prompt, prompt_params, prompt_priority in zip(prompts, params, priority):
                 # whole outputs only: an output per token would be made to be merged here
-                ids.append(self.engine.add_request(prompt, prompt_params, stream=False))
+                ids.append(self.engine.add_request(prompt, prompt_params, stream=False,
+                                                   priority=prompt_priority))
             while any(i not in whole or not whole[i].finished for i in ids):
                 for delta in self.engine.step():
                     accumulate(whole, delta)

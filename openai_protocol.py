@@ -13,6 +13,7 @@ import dataclasses
 from nanoserve import CompletionOutput, Engine, RequestOutput, as_prompt_list
 from options import check_int
 from sampling import MAX_LOGPROBS, SamplingParams
+from scheduler import MAX_PRIORITY
 from tokenizer import ChatTemplate
 
 MAX_SEQUENCES = 256       # prompts x n of one request at most: what it may queue ahead of others
@@ -24,11 +25,12 @@ TEMPLATE_ROLES = (*TRANSCRIPT_ROLES, "tool")        # a checkpoint's template ma
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
                    "stop_token_ids", "include_stop_str_in_output", "logit_bias")
-FIELDS = {"model", "n", "stream", "stream_options", "user", "stop", "logprobs",
+FIELDS = {"model", "n", "stream", "stream_options", "user", "stop", "logprobs", "priority",
           "response_format", "structured_outputs", *SAMPLING_FIELDS}  # both endpoints serve these
 CHAT_FIELDS = {"messages", "top_logprobs", "max_completion_tokens", "chat_template_kwargs"}
 COMPLETION_FIELDS = {"prompt", "echo"}
 NEUTRAL = dict(best_of=1, suffix="")  # accepted at these values only
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")  # vLLM's
 
 
 class HTTPError(Exception):
@@ -120,7 +122,8 @@ def chat_prompt(body: dict, template: ChatTemplate | None) -> str:
 def parse_request(body: dict, engine: Engine, model_name: str, chat: bool,
                   template: ChatTemplate | None, defaults: dict) -> tuple[list, dict]:
     """An OpenAI request -> its sequences [(prompt, SamplingParams)], n for each prompt, and
-    how to answer (stream, include_usage, echo, logprobs k); HTTPError 400 if anything is off.
+    how to answer (stream, include_usage, continuous_usage, echo, logprobs k, priority);
+    HTTPError 400 if anything is off.
     A chat's prompt is the checkpoint's template, if any (template); a sampling field absent
     or null is the checkpoint's default, if any (defaults: generation_config_defaults')."""
     check_known_fields(body, chat)
@@ -146,8 +149,10 @@ def parse_request(body: dict, engine: Engine, model_name: str, chat: bool,
             raise HTTPError(400, f"logprobs must be at most 5, got {fields['logprobs']}",
                             "logprobs")
         fields["prompt_logprobs"] = fields["logprobs"] if echo else None
+    include_usage, continuous_usage = stream_usage(body, stream)
     options = dict(stream=stream, chat=chat, n=n, k=fields["logprobs"] or 0, echo=echo,
-                   include_usage=include_usage(body, stream), constraint_field=constraint_field)
+                   include_usage=include_usage, continuous_usage=continuous_usage,
+                   priority=request_priority(body), constraint_field=constraint_field)
     transcript = chat and template is None  # a reply there ends at its turn's blank line
     params = sample_params(fields, n, transcript, typed(body, "top_logprobs", 0, int))
     if len(prompts) * n > MAX_SEQUENCES:
@@ -219,22 +224,37 @@ def chat_logprobs(body: dict) -> int | None:
     return None
 
 
-def include_usage(body: dict, stream: bool) -> bool:
-    """stream_options' include_usage; HTTPError 400 naming stream_options unless it is
-    {"include_usage": a bool} on a streamed request (as vLLM and OpenAI refuse it)."""
+def request_priority(body: dict) -> int:
+    """vLLM's priority field: an integer, lower served first (--policy priority); 0 if absent.
+    HTTPError 400 naming it otherwise (a bool, a float, a number past MAX_PRIORITY)."""
+    priority = typed(body, "priority", 0, int)
+    try:
+        check_int("priority", priority, -MAX_PRIORITY, MAX_PRIORITY)
+    except ValueError as e:
+        raise HTTPError(400, str(e), "priority") from None
+    return priority
+
+
+def stream_usage(body: dict, stream: bool) -> tuple[bool, bool]:
+    """stream_options' (include_usage, continuous_usage_stats): the usage in a last chunk of
+    its own, and in every chunk too (vLLM's, which load tools read to count tokens as they
+    come; as in vLLM, only beside include_usage). HTTPError 400 naming stream_options unless
+    each is absent or a bool, on a streamed request (as vLLM and OpenAI refuse it)."""
     stream_options = typed(body, "stream_options", None, dict)
     if stream_options is None:
-        return False
+        return False, False
     if not stream:
         raise HTTPError(400, "stream_options needs stream: true", "stream_options")
     for name in stream_options:
-        if name != "include_usage":
+        if name not in STREAM_OPTIONS:
             raise HTTPError(400, f"stream_options.{name} is not supported", "stream_options")
-    value = stream_options.get("include_usage")
-    if value is not None and type(value) is not bool:
-        raise HTTPError(400, f"stream_options.include_usage must be of type bool, got "
-                        f"{value!r}", "stream_options")
-    return bool(value)
+    for name, value in stream_options.items():
+        if value is not None and type(value) is not bool:
+            raise HTTPError(400, f"stream_options.{name} must be of type bool, got {value!r}",
+                            "stream_options")
+    include_usage = bool(stream_options.get("include_usage"))
+    continuous = include_usage and bool(stream_options.get("continuous_usage_stats"))
+    return include_usage, continuous
 
 
 def structured_outputs_of(body: dict) -> tuple[dict | None, str | None]:
@@ -388,6 +408,14 @@ def usage_of(ids: list[str], whole: dict[str, RequestOutput]) -> dict:
     """OpenAI's usage of one HTTP request: each prompt once, every sample's tokens."""
     prompt_tokens = sum(len(whole[i].prompt_token_ids) for i in ids)
     completion_tokens = sum(len(c.token_ids) for i in ids for c in whole[i].outputs)
+    return dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens)
+
+
+def choice_usage(so_far: RequestOutput, index: int) -> dict:
+    """One streamed choice's usage so far (continuous_usage_stats): its prompt, its tokens."""
+    prompt_tokens = len(so_far.prompt_token_ids)
+    completion_tokens = sum(len(c.token_ids) for c in so_far.outputs if c.index == index)
     return dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                 total_tokens=prompt_tokens + completion_tokens)
 

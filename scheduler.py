@@ -7,27 +7,34 @@ one uncomputed token (the one it just sampled); a prefill has many, and may be g
 chunks over several steps. A preempted sequence gave its blocks back, so its next prefill
 computes its prompt and the tokens it had generated again, less what the prefix cache still
 holds: its full blocks were registered there, so unless evicted meanwhile it takes them back
-on readmission and resumes from them. This is vLLM v1's rule, after Orca and Sarathi.
+on readmission and resumes from them. This is vLLM v1's rule, after Orca and Sarathi. Under
+--preemption-mode swap or auto a preempted sequence may instead be swapped out: its blocks'
+K/V copied to host memory (swap.py), its progress kept, and copied back into fresh blocks
+when it is readmitted; SchedulerOutput lists the copies for the engine to make.
 
 In this file, in order: Sequence (one sample of a request), SchedulerOutput (what a step runs
 and what scheduling it changed) and scheduled_phase (what a sequence's new tokens are),
-WaitingQueue (admission order: fcfs, sjf), Scheduler, whose schedule() is the policy and whose
-update() applies a step's results, and check_stop, the one place that says why a sequence
-finishes. The engine (nanoserve.py) calls schedule(), runs the model on its output, calls
+WaitingQueue (admission order: fcfs, sjf, priority), Scheduler, whose schedule() is the policy
+and whose update() applies a step's results, and check_stop, the one place that says why a
+sequence finishes. The engine (nanoserve.py) calls schedule(), runs the model on its output, calls
 update(), then check_stop() on each new token. Blocks come from paged_cache.py.
 
-Left out: swapping to CPU, priorities set by the client, lookahead slots.
+Left out: lookahead slots.
 """
 import enum
 import heapq
 import itertools
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import torch
 
 from paged_cache import BlockPool, BlockTable, cdiv
+from swap import SwapSpace
 
-POLICIES = ("fcfs", "sjf", "static")
+POLICIES = ("fcfs", "sjf", "priority", "static")
+PREEMPTION_MODES = ("recompute", "swap", "auto")  # vLLM V0's, auto ours (_swaps)
+MAX_PRIORITY = 2**31 - 1  # a request's priority is an integer in [-MAX_PRIORITY, MAX_PRIORITY]
 
 
 class SequenceStatus(enum.Enum):
@@ -79,6 +86,9 @@ class Sequence:
     draft_probs: torch.Tensor | None = None
     grammar: "Grammar | None" = None          # noqa: F821 its structured output's matcher
                                               # (structured_output.Grammar); None: unconstrained
+    host_block_ids: list[int] = field(default_factory=list)  # swapped out: the host blocks of
+                                              # its computed tokens' K/V (swap.py)
+    priority: int = 0                         # lower first (vLLM's); --policy priority reads it
     # len(prompt_token_ids), kept beside the sequence's other numbers: every step reads it,
     # and a long prompt's list sits far from them in memory (BENCHMARKS.md, section 8)
     num_prompt_tokens: int = field(init=False)
@@ -100,6 +110,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status not in UNFINISHED
+
+    @property
+    def is_swapped_out(self) -> bool:
+        """Waiting with its K/V in host blocks, its progress kept (swap.py)."""
+        return bool(self.host_block_ids)
 
     def estimated_remaining(self) -> int:
         """SJF's job size: tokens still to prefill plus tokens still to generate."""
@@ -123,6 +138,11 @@ class SchedulerOutput:
     # decoding sequences that verify draft tokens this step -> the drafts (vLLM's name); they
     # are among num_scheduled_tokens' tokens: a decode with k drafts runs 1 + k tokens
     scheduled_spec_decode_tokens: dict[Sequence, list[int]] = field(default_factory=dict)
+    # of the preempted, those swapped out -> (device block, host block) pairs to copy out;
+    # readmitted from host memory -> (host block, device block) pairs to copy in. The engine
+    # copies them before the step's forward, every copy out first (ModelRunner.swap).
+    swapped_out: dict[Sequence, list[tuple[int, int]]] = field(default_factory=dict)
+    swapped_in: dict[Sequence, list[tuple[int, int]]] = field(default_factory=dict)
 
     def schedule(self, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> None:
         """seq runs num_new of its uncomputed tokens this step, then its drafts if any."""
@@ -159,8 +179,9 @@ class WaitingQueue:
     policy (the most recently preempted first), since it was admitted before everything that
     waits. Then fcfs: arrival order. sjf: shortest estimated remaining job first, except that
     the oldest arrival goes first once it has waited `max_wait_steps` (a second heap, by
-    arrival, finds it). Removal is lazy: an entry is live only while it is its sequence's
-    `queue_entry`."""
+    arrival, finds it). priority: by priority (lower first), then as fcfs within a priority:
+    the preempted first, then by arrival (vLLM's (priority, arrival) order). Removal is lazy:
+    an entry is live only while it is its sequence's `queue_entry`."""
 
     def __init__(self, policy: str, max_wait_steps: int):
         self.policy = policy
@@ -182,6 +203,8 @@ class WaitingQueue:
             key = (1, seq.estimated_remaining(), seq.arrival_step)
         else:
             key = (1, entry)
+        if self.policy == "priority":
+            key = (seq.priority, *key)
         heapq.heappush(self._heap, (key, entry, seq))
         if self.policy == "sjf":
             heapq.heappush(self._by_arrival, (seq.arrival_step, entry, seq))
@@ -191,13 +214,15 @@ class WaitingQueue:
         seq.queue_entry = None
         self._len -= 1
 
-    def peek(self, step: int) -> Sequence | None:
-        """The sequence to admit next at scheduler step `step`, or None if none waits."""
+    def peek(self, step: int, passed_over: set[str] = frozenset()) -> Sequence | None:
+        """The sequence to admit next at scheduler step `step`, or None if none waits; the
+        samples of the requests named in passed_over are passed over (they wait for a
+        sibling) and keep their places."""
         if self.policy == "sjf":
-            oldest = self._live_top(self._by_arrival)
+            oldest = self._live_top(self._by_arrival, passed_over)
             if oldest is not None and self._waited_too_long(oldest, step):
                 return oldest
-        return self._live_top(self._heap)
+        return self._live_top(self._heap, passed_over)
 
     def in_order(self, step: int) -> list[Sequence]:
         """Every waiting sequence, in the order peek(step) would give them if none were
@@ -223,12 +248,22 @@ class WaitingQueue:
         return step - seq.arrival_step >= self.max_wait_steps
 
     @staticmethod
-    def _live_top(heap: list) -> Sequence | None:
-        while heap and not is_live(heap[0]):
-            heapq.heappop(heap)  # a stale entry: its sequence was admitted, aborted or re-queued
-        if not heap:
-            return None
-        return heap[0][2]
+    def _live_top(heap: list, passed_over: set[str]) -> Sequence | None:
+        """The heap's first live sequence not of a request in passed_over. Those passed over
+        are popped to look beneath them, then pushed back as they were: same key, same entry,
+        so they keep their places."""
+        set_aside = []
+        while heap:
+            if not is_live(heap[0]):
+                heapq.heappop(heap)  # stale: its sequence was admitted, aborted or re-queued
+            elif heap[0][2].request_id in passed_over:
+                set_aside.append(heapq.heappop(heap))
+            else:
+                break
+        top = heap[0][2] if heap else None
+        for item in set_aside:
+            heapq.heappush(heap, item)
+        return top
 
 
 def is_live(item: tuple) -> bool:
@@ -247,9 +282,15 @@ class Scheduler:
 
     def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, policy: str = "fcfs",
-                 sjf_max_wait_steps: int = 256):
+                 sjf_max_wait_steps: int = 256, preemption_mode: str = "recompute",
+                 swap_space: SwapSpace | None = None):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {POLICIES}")
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"unknown preemption_mode {preemption_mode!r}; choose one of "
+                             f"{PREEMPTION_MODES}")
+        if preemption_mode != "recompute" and swap_space is None:
+            raise ValueError(f"preemption_mode {preemption_mode} needs a swap space")
         self.block_pool = block_pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -257,8 +298,12 @@ class Scheduler:
         self.policy = policy
         self.waiting = WaitingQueue(policy, sjf_max_wait_steps)
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
+        self.preemption_mode = preemption_mode
+        self.swap_space = swap_space
         self.num_steps = 0
-        self.num_preemptions = 0
+        self.num_preemptions = 0   # by recompute and by swapping
+        self.num_swapped_out = 0
+        self.num_swapped_in = 0
 
     def add(self, seq: Sequence) -> None:
         seq.arrival_step = self.num_steps
@@ -271,34 +316,47 @@ class Scheduler:
     # 1) Running sequences first, decodes before unfinished prefills: a decode costs one
     #    token of the budget and keeps its request's inter-token latency low, where a prefill
     #    chunk can wait a step at little cost. Each takes the blocks its new tokens need;
-    #    when none are free, the newest running sequence is preempted by recompute (see
-    #    _schedule_running).
+    #    when none are free, the newest running sequence of the lowest priority is preempted
+    #    (see _schedule_running and _victim).
     # 2) Then, unless this step preempted, admit waiting sequences in policy order while
     #    max_num_seqs and the token budget allow, each from the end of its longest cached
     #    prefix, with as much of the rest as the budget has left (a chunk), or none unless all
     #    of it fits when chunked prefill is off. Admission stops at the first that does not
-    #    fit (see _schedule_waiting).
+    #    fit (see _schedule_waiting); a request whose sibling sample is still computing the
+    #    shared prompt is passed over, and those behind it are admitted. Under --policy
+    #    priority a request that does not fit preempts running ones of a strictly lower
+    #    priority if that makes room (_preempt_lower_priority), and is the step's last.
     # static (request-level batching) admits only when nothing runs, a whole batch at once.
     def schedule(self) -> SchedulerOutput:
-        """The next step's batch, and who was admitted and preempted to make it."""
+        """The next step's batch, and who was admitted, preempted and swapped to make it."""
         self.num_steps += 1
         output = SchedulerOutput()
+        self._schedule(output)
+        # The host blocks swapped in are free once the step is decided, not before: a swap-out
+        # decided after a swap-in in the same step could otherwise take a host block that the
+        # engine has yet to copy in from.
+        for pairs in output.swapped_in.values():
+            self.swap_space.free([host_block for host_block, _ in pairs])
+        return output
+
+    def _schedule(self, output: SchedulerOutput) -> None:
+        """schedule()'s policy, into output."""
         if self.policy == "static" and not self.running:
             self._admit_static_batch(output)
         budget = self._schedule_running(output)
         if self.policy == "static":
-            return output
+            return
         # A step that preempted admits no one: memory ran out, and the running sequences need
         # the free blocks for their next tokens. Whoever was admitted now would be the next
         # victim, its work lost (thrashing); the preempted ones wait at the front instead.
         if output.preempted:
-            return output
+            return
         self._schedule_waiting(output, budget)
-        return output
 
     def _schedule_running(self, output: SchedulerOutput) -> int:
         """Schedule the running sequences, decodes first, preempting the newest running
-        sequence while blocks are short; return the token budget left.
+        sequence (of the lowest priority: _victim) while blocks are short; return the token
+        budget left.
 
         Worked example: four blocks of 4 tokens, all held. Running in admission order:
         A (8 tokens computed, 2 blocks), B (4 computed, 1 block), C (3 computed, 1 block),
@@ -320,11 +378,9 @@ class Scheduler:
                 budget -= num_new + len(drafts)
                 continue
             while not seq.block_table.ensure(seq.num_computed_tokens + num_new):
-                victim = self.running[-1]  # the newest: the least work to redo
-                budget += output.unschedule(victim)  # if it was scheduled
-                self._preempt(victim)
-                output.preempted.append(victim)
-                if victim is seq:  # nothing newer was left to preempt
+                victim = self._victim()
+                budget += self._preempt_in_step(victim, output)
+                if victim is seq:  # nothing newer or of lower priority was left to preempt
                     break
             if seq.status != SequenceStatus.RUNNING:
                 continue
@@ -347,20 +403,36 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         """Admit waiting sequences in policy order while max_num_seqs, the budget and the
         blocks allow; each looks up its cached prefix before it takes anything."""
-        while len(self.running) < self.max_num_seqs:
-            seq = self.waiting.peek(self.num_steps)
-            if seq is None or self._waits_for_a_sibling(seq):
+        waiting_for_a_sibling = set()  # request ids: their samples are passed over
+        # a full batch admits no one, unless under priority a preemption makes room
+        while len(self.running) < self.max_num_seqs or self.policy == "priority":
+            seq = self.waiting.peek(self.num_steps, waiting_for_a_sibling)
+            if seq is None:
                 return
+            if self._waits_for_a_sibling(seq):  # only this request's samples wait
+                waiting_for_a_sibling.add(seq.request_id)
+                continue
             cached_hashes, cached_block_ids = self._find_cached_prefix(seq)
-            num_cached = len(cached_block_ids) * self.block_pool.block_size
-            num_new = self._num_new_tokens(len(seq.token_ids) - num_cached, budget)
-            if num_new == 0 or not self._fits_beside_running(seq, cached_block_ids):
+            num_computed = len(cached_block_ids) * self.block_pool.block_size
+            if seq.is_swapped_out:  # its blocks come back from host memory
+                num_computed = seq.num_computed_tokens
+            num_new = self._num_new_tokens(len(seq.token_ids) - num_computed, budget)
+            if num_new == 0:
                 return
+            victims = []
+            if not self._has_room(seq, cached_block_ids):
+                victims = self._lower_priority_victims(seq, cached_block_ids)
+                if not victims:
+                    return
+            for victim in victims:
+                budget += self._preempt_in_step(victim, output)
             self._admit(seq, output, cached_hashes, cached_block_ids)
-            took_blocks = seq.block_table.ensure(num_cached + num_new)
-            assert took_blocks, "_fits_beside_running counted these blocks as free"
+            took_blocks = seq.block_table.ensure(num_computed + num_new)
+            assert took_blocks, "_has_room counted these blocks as free"
             output.schedule(seq, num_new)
             budget -= num_new
+            if victims:  # the step's last admission: its victims are not readmitted in it
+                return
 
     def _num_new_tokens(self, num_uncomputed: int, budget: int) -> int:
         """How many of a sequence's uncomputed tokens this step can take: all that the budget
@@ -376,8 +448,11 @@ class Scheduler:
         a 40-token prompt, blocks of 16: sample 0 computes 40 tokens; samples 1 and 2 then
         take its first two blocks and compute the last 8 each: 56 prompt tokens, not 120.
         Nothing waits without the prefix cache, or for prompt log-probabilities (which need
-        every prompt token computed), or for a prompt shorter than a block and a token."""
+        every prompt token computed), or for a prompt shorter than a block and a token, or
+        when swapped out (it brings its own blocks back)."""
         if not self.block_pool.enable_caching or seq.params.prompt_logprobs is not None:
+            return False
+        if seq.is_swapped_out:
             return False
         block_size = self.block_pool.block_size
         shareable = (seq.num_prompt_tokens - 1) // block_size * block_size  # not the last
@@ -386,14 +461,22 @@ class Scheduler:
 
     def _find_cached_prefix(self, seq: Sequence) -> tuple[list[bytes], list[int]]:
         """The block hashes and ids of seq's longest cached prefix; none for a request that
-        asked for prompt log-probabilities, which needs every prompt token computed."""
-        if seq.params.prompt_logprobs is not None:
+        asked for prompt log-probabilities, which needs every prompt token computed, or for a
+        swapped-out sequence, whose blocks all come back from host memory."""
+        if seq.params.prompt_logprobs is not None or seq.is_swapped_out:
             return [], []
         return self.block_pool.find_cached_prefix(seq.token_ids)
 
-    def _fits_beside_running(self, seq: Sequence, cached_block_ids: list[int]) -> bool:
-        """Whether the free blocks cover what seq (starting from its cached blocks) and every
-        running sequence need to compute all their tokens and take one more.
+    def _has_room(self, seq: Sequence, cached_block_ids: list[int]) -> bool:
+        """Whether seq may be admitted now: a sequence slot is free (max_num_seqs) and the
+        blocks are (_blocks_short)."""
+        has_seq_slot = len(self.running) < self.max_num_seqs
+        return has_seq_slot and self._blocks_short(seq, cached_block_ids) <= 0
+
+    def _blocks_short(self, seq: Sequence, cached_block_ids: list[int]) -> int:
+        """How many blocks the free ones fall short of what seq (starting from its cached
+        blocks) and every running sequence need to compute all their tokens and take one
+        more; 0 or less: they are enough.
 
         This is our admission rule. vLLM's watermark holds a fixed share of the blocks free
         (1%); ours reserves exactly the blocks the running sequences will ask for, because a
@@ -403,9 +486,77 @@ class Scheduler:
         block_size = self.block_pool.block_size
         needed = cdiv(len(seq.token_ids) + 1, block_size) - len(cached_block_ids)
         for running in self.running:
-            needed += running.block_table.num_missing_blocks(len(running.token_ids) + 1)
+            needed += blocks_to_finish(running)
         free = self.block_pool.num_free_blocks - self.block_pool.count_free(cached_block_ids)
-        return needed <= free
+        return needed - free
+
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt when blocks run out: under --policy priority the
+        newest of the lowest priority (the largest number); under the others the newest,
+        which is the same rule with every priority equal. The newest has the least work to
+        redo, and under priority the least important goes first."""
+        victim = self.running[-1]
+        if self.policy != "priority":
+            return victim
+        for seq in reversed(self.running):  # newest first: a tie keeps the newer
+            if seq.priority > victim.priority:
+                victim = seq
+        return victim
+
+    # The rule that keeps two priorities from preempting each other every step: a waiting
+    # sequence preempts only running ones of a strictly lower priority (a larger number), only
+    # when preempting them makes room for it all (else nobody), and its admission is the
+    # step's last. The victim waits at the front of its own priority, behind the one that
+    # preempted it, which it cannot preempt back; and when blocks run short later, _victim
+    # takes the lowest priority running, so it is never the higher one that gives way.
+    # Equals never preempt each other: with "lower or equal", two requests of one priority
+    # would take turns, each preempting the other and paying its prefill again every step.
+    #
+    # Worked example, --policy priority, room for two sequences: B1 then B2 (priority 1) run.
+    # I1 (priority 0) arrives and does not fit: B2, the newest of the lowest priority, is
+    # preempted and I1 admitted, in one step. I2 (priority 0) arrives: B1 goes for it. The
+    # queue is now B1, B2 (priority 1, the newest preempted first): neither can preempt I1 or
+    # I2, and an I3 (priority 0) arriving waits for I1 or I2 to finish, since it does not
+    # outrank them. When I1 finishes, I3 goes first, then B1.
+    def _lower_priority_victims(self, seq: Sequence, cached_block_ids: list[int]
+                                ) -> list[Sequence]:
+        """--policy priority: the running sequences of lower priority than seq whose
+        preemption makes room for it, the lowest priority and the newest first (_victim's
+        order); none if all of them together would not."""
+        if self.policy != "priority":
+            return []
+        newest_first = self.running[::-1]
+        lower = [running for running in newest_first if running.priority > seq.priority]
+        lower.sort(key=attrgetter("priority"), reverse=True)  # stable: the newest first still
+        num_seqs = len(self.running)
+        short = self._blocks_short(seq, cached_block_ids)
+        victims = []
+        for victim in lower:
+            if num_seqs < self.max_num_seqs and short <= 0:
+                break
+            victims.append(victim)
+            num_seqs -= 1
+            short -= blocks_to_finish(victim) + self._blocks_freed(victim, cached_block_ids)
+        if num_seqs < self.max_num_seqs and short <= 0:
+            return victims
+        return []
+
+    def _blocks_freed(self, victim: Sequence, cached_block_ids: list[int]) -> int:
+        """The blocks preempting victim would put in the free queue: those it alone holds,
+        less any of seq's cached prefix (free, they are still taken by seq)."""
+        ref_counts = self.block_pool.ref_counts
+        return sum(1 for b in victim.block_table.block_ids
+                   if ref_counts[b] == 1 and b not in cached_block_ids)
+
+    def _preempt_in_step(self, victim: Sequence, output: SchedulerOutput) -> int:
+        """Preempt victim in this step: it leaves the step's output if it was in it; the tokens
+        it had been given, back to the budget (0 if none)."""
+        num_returned = output.unschedule(victim)
+        if self._swaps(victim):
+            self._swap_out(victim, output)
+        self._preempt(victim)
+        output.preempted.append(victim)
+        return num_returned
 
     def _admit_static_batch(self, output: SchedulerOutput) -> None:
         """static: admit up to max_num_seqs at once; _schedule_running then gives them blocks."""
@@ -419,9 +570,12 @@ class Scheduler:
     def _admit(self, seq: Sequence, output: SchedulerOutput, cached_hashes: list[bytes],
                cached_block_ids: list[int]) -> None:
         """Move seq from waiting to running, its table and progress starting from the cached
-        prefix that _find_cached_prefix found."""
-        seq.block_table.take_cached_prefix(cached_hashes, cached_block_ids)
-        seq.num_computed_tokens = len(cached_block_ids) * self.block_pool.block_size
+        prefix that _find_cached_prefix found, or, swapped out, from its swapped blocks."""
+        if seq.is_swapped_out:
+            self._swap_in(seq, output)
+        else:
+            seq.block_table.take_cached_prefix(cached_hashes, cached_block_ids)
+            seq.num_computed_tokens = len(cached_block_ids) * self.block_pool.block_size
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
@@ -430,19 +584,56 @@ class Scheduler:
             output.newly_admitted[seq] = seq.num_cached_tokens
 
     def _preempt(self, seq: Sequence) -> None:
-        """Preemption by recompute: free its blocks and forget its progress; its tokens stay."""
+        """Free seq's blocks and send it to the front of the queue. Swapped out (_swap_out, just
+        before), it keeps its progress; else it is preempted by recompute: its progress is
+        forgotten, its tokens stay."""
+        if not seq.is_swapped_out:
+            seq.num_computed_tokens = 0
+            seq.num_preemptions += 1
         seq.block_table.release()
-        seq.num_computed_tokens = 0
         seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         self.running.remove(seq)
         self.waiting.push(seq, front=True)
-        seq.num_preemptions += 1
         self.num_preemptions += 1
+
+    def _swaps(self, seq: Sequence) -> bool:
+        """Whether seq is preempted by swapping: never under recompute (the default) or static
+        (whose admission takes no blocks, so could not take a swapped sequence's back); under
+        swap whenever the swap space has room for its computed blocks (full, it falls back to
+        recompute); under auto, when it has room and copying is cheaper (swap_is_cheaper)."""
+        if self.preemption_mode == "recompute" or self.policy == "static":
+            return False
+        num_blocks = cdiv(seq.num_computed_tokens, self.block_pool.block_size)
+        if num_blocks == 0 or not self.swap_space.can_allocate(num_blocks):
+            return False
+        if self.preemption_mode == "swap":
+            return True
+        return self.swap_space.swap_is_cheaper(seq.num_computed_tokens)
+
+    def _swap_out(self, seq: Sequence, output: SchedulerOutput) -> None:
+        """Host blocks for seq's computed tokens; output lists the copies (device -> host) for
+        the engine to make before the step's forward, which may write the freed blocks."""
+        num_blocks = cdiv(seq.num_computed_tokens, self.block_pool.block_size)
+        seq.host_block_ids = self.swap_space.allocate(num_blocks)
+        device_block_ids = seq.block_table.block_ids[:num_blocks]
+        output.swapped_out[seq] = list(zip(device_block_ids, seq.host_block_ids))
+        self.num_swapped_out += 1
+
+    def _swap_in(self, seq: Sequence, output: SchedulerOutput) -> None:
+        """Fresh device blocks for a swapped-out seq's computed tokens; output lists the copies
+        (host -> device) for the engine to make before the step's forward. Its block table is
+        new and holds no hashes yet: update() registers its full blocks in the prefix cache,
+        as it does any sequence's blocks once computed."""
+        took_blocks = seq.block_table.ensure(seq.num_computed_tokens)
+        assert took_blocks, "_has_room counted these blocks as free"
+        output.swapped_in[seq] = list(zip(seq.host_block_ids, seq.block_table.block_ids))
+        seq.host_block_ids = []
+        self.num_swapped_in += 1
 
     def update(self, num_scheduled_tokens: dict[Sequence, int],
                sampled: dict[Sequence, list[int]],
-               spec_decode_tokens: dict[Sequence, list[int]]) -> None:
+               spec_decode_tokens: dict[Sequence, list[int]] | None = None) -> None:
         """After the model ran: advance each scheduled sequence's num_computed_tokens past the
         tokens whose K/V are now good, and cache the blocks they fill. A sequence that verified
         drafts keeps the K/V of those accepted (all its emitted tokens but the last); the
@@ -453,6 +644,7 @@ class Scheduler:
         Example, block_size 4: 5 tokens computed and 1 new, drafts [a, b, c], emitted [a, x]
         (b rejected): 5 + 4 tokens were computed, 5 + 1 + 1 = 7 are good; the table keeps 2
         blocks of its 3, and blocks full of good tokens are cached."""
+        spec_decode_tokens = spec_decode_tokens or {}
         for seq, num_new in num_scheduled_tokens.items():
             drafts = spec_decode_tokens.get(seq)
             if not drafts:
@@ -473,7 +665,16 @@ class Scheduler:
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.block_table.release()
+        if seq.is_swapped_out:  # aborted while swapped out
+            self.swap_space.free(seq.host_block_ids)
+            seq.host_block_ids = []
         seq.status = status
+
+
+def blocks_to_finish(seq: Sequence) -> int:
+    """The blocks a running sequence still needs to compute all its tokens and take one
+    more (what admission keeps free for it)."""
+    return seq.block_table.num_missing_blocks(len(seq.token_ids) + 1)
 
 
 def check_stop(seq: Sequence, token: int, stop_string: str | None, eos_token_ids: list[int]

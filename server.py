@@ -32,8 +32,8 @@ from http import HTTPStatus
 
 import watch
 from nanoserve import Engine, EngineDeadError, RequestOutput, __version__, accumulate
-from openai_protocol import (HTTPError, chat_prompt, check_model, choice, encode_text,
-                             error_body, parse_request, typed, usage_of)
+from openai_protocol import (HTTPError, chat_prompt, check_model, choice, choice_usage,
+                             encode_text, error_body, parse_request, typed, usage_of)
 from options import check_fields, option
 from sampling import print_sampling_defaults
 
@@ -194,15 +194,15 @@ class EngineThread(threading.Thread):
             return
         self.loop.call_soon_threadsafe(settle, future, result, None)
 
-    def add(self, requests: list, ids: list[str]) -> None:
-        """All of one HTTP request's engine requests (one a prompt), or none of them:
-        ValueError names what is wrong (EngineDeadError: the engine is gone)."""
+    def add(self, requests: list, ids: list[str], priority: int) -> None:
+        """All of one HTTP request's engine requests (one a prompt), or none of them, at its
+        priority: ValueError names what is wrong (EngineDeadError: the engine is gone)."""
         if self.engine.dead is not None:
             raise EngineDeadError(self.engine.dead)
         added = []
         try:
             for (prompt, params), request_id in zip(requests, ids):
-                self.engine.add_request(prompt, params, request_id)
+                self.engine.add_request(prompt, params, request_id, priority=priority)
                 added.append(request_id)
         except ValueError as e:  # another prompt of its HTTP request was refused
             self.abort(added)
@@ -237,7 +237,10 @@ class EngineThread(threading.Thread):
                   ("spec_decode_num_draft_tokens_total", "counter",
                    engine.stats.spec_decode_num_draft_tokens),
                   ("spec_decode_num_accepted_tokens_total", "counter",
-                   engine.stats.spec_decode_num_accepted_tokens)]
+                   engine.stats.spec_decode_num_accepted_tokens),
+                  ("num_swapped_out_total", "counter", engine.scheduler.num_swapped_out),
+                  ("num_swapped_in_total", "counter", engine.scheduler.num_swapped_in),
+                  ("swap_blocks_used", "gauge", step.swap_blocks_used if step else 0)]
         lines = []
         for name, kind, value in values:
             lines.append(f"# TYPE nanoserve:{name} {kind}")
@@ -750,7 +753,7 @@ class Server:
         self.idle.clear()
         try:
             await self.compile_structured_outputs(requests, options["constraint_field"])
-            await self.add(served, requests, chat)
+            await self.add(served, requests, chat, options["priority"])
             head = dict(id=f"cmpl-{served.ids[0]}", object="text_completion")
             if chat and options["stream"]:
                 head = dict(id=f"chatcmpl-{served.ids[0]}", object="chat.completion.chunk")
@@ -779,10 +782,12 @@ class Server:
             param = (field or "structured_outputs").split(".")[0]
             raise HTTPError(400, str(e), param) from None
 
-    async def add(self, served: ServedRequest, requests: list, chat: bool) -> None:
+    async def add(self, served: ServedRequest, requests: list, chat: bool, priority: int
+                  ) -> None:
         """Hand the request's sequences to the engine; HTTPError if it refuses them."""
         try:
-            await self.engine_thread.call(self.engine_thread.add, requests, served.ids)
+            await self.engine_thread.call(self.engine_thread.add, requests, served.ids,
+                                          priority)
         except ValueError as e:  # the prompt's, unless a token id field's (checked here)
             param = "messages" if chat else "prompt"
             for name in ("stop_token_ids", "logit_bias"):
@@ -831,10 +836,10 @@ class Server:
                 if failure is not None:
                     self.fail(exchange, served, failure)
                     return
+                accumulate(whole, out)
                 if stream:
                     self.stream_delta(exchange, head, out, options, first_choice[out.request_id],
-                                      num_sent)
-                accumulate(whole, out)
+                                      num_sent, whole[out.request_id])
             if exchange.unsent_bytes() > self.config.max_write_buffer:
                 self.drop(exchange, served)
                 return
@@ -850,16 +855,22 @@ class Server:
         exchange.end_stream()
 
     def stream_delta(self, exchange: Exchange, head: dict, out: RequestOutput, options: dict,
-                     first_choice: int, num_sent: dict) -> None:
+                     first_choice: int, num_sent: dict, so_far: RequestOutput) -> None:
         """A chunk for each sample in a delta; num_sent[(request id, sample)]: the characters
-        of that choice streamed so far (its logprobs' text offsets go on from there)."""
+        of that choice streamed so far (its logprobs' text offsets go on from there). With
+        continuous_usage_stats each chunk carries its choice's usage so far (so_far: the
+        request's whole output, this delta included), as vLLM counts it: its prompt, the
+        tokens that choice has streamed."""
         for completion in out.outputs:
             key = (out.request_id, completion.index)
             offset = num_sent.get(key, 0)
             chunk = choice(self.engine.tokenizer, first_choice + completion.index, out,
                            completion, options, key not in num_sent, offset)
             num_sent[key] = offset + len(chunk.get("text", ""))
-            exchange.event(head | dict(choices=[chunk]))
+            event = head | dict(choices=[chunk])
+            if options["continuous_usage"]:
+                event["usage"] = choice_usage(so_far, completion.index)
+            exchange.event(event)
 
     @staticmethod
     def failure(out: RequestOutput) -> str | None:

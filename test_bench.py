@@ -315,6 +315,58 @@ def test_bench_flags_come_from_its_config():
             bench.parse_args(bad)
 
 
+def run_single(tmp_path, argv: list[str]) -> tuple[dict, str]:
+    """bench.main on argv (one measurement alone): its figures and what it printed."""
+    out = tmp_path / "bench.json"
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        bench.main(argv + ["--threads", "1", "--out", str(out)])
+    return json.loads(out.read_text()), printed.getvalue()
+
+
+def test_bench_goodput_reports_each_class_against_the_targets_by_mode_and_rate(tmp_path):
+    """A row per rate, mode and class; targets no request can miss: all meet them, and
+    goodput is the class's requests over the run; the batch class waits for its long prompts."""
+    found, printed = run_single(tmp_path, ["--goodput", "ttft:1e9", "tpot:1e9",
+                                           "--slo-requests", "6", "--slo-rates", "50"])
+    rows = found["goodput"]
+    assert [(r["mode"], r["traffic"]) for r in rows] == [
+        (mode, traffic) for mode in bench.SLO_MODES for traffic in bench.SLO_CLASSES]
+    for row in rows:
+        assert row["met"] == 1.0 and row["goodput"] > 0 and row["rate"] == 50.0
+    by_class = {r["traffic"]: r for r in rows if r["mode"] == "fcfs"}
+    assert by_class["interactive"]["requests"] + by_class["batch"]["requests"] == 6
+    assert "| 50.00 | priority | interactive |" in printed
+
+
+@pytest.mark.parametrize("targets, met", [(("ttft:1e9",), True), (("tpot:0.001",), False),
+                                          (("ttft:0.001", "tpot:1e9"), False)])
+def test_bench_goodput_counts_a_request_only_if_it_meets_every_target(targets, met):
+    assert bench.meets_targets(bench.parse_goodput(targets), ttft=0.5, tpot=0.05) == met
+
+
+@pytest.mark.parametrize("spec", ["ttft", "ttft:x", "tpot:-5", "e2e:100", "ttft:inf"])
+def test_bench_goodput_refuses_a_bad_target(spec):
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()) as err:
+        bench.parse_args(["--goodput", spec])
+    assert f"--goodput {spec!r}" in err.getvalue()
+
+
+def test_bench_swap_times_resuming_by_context_and_throughput_by_mode(tmp_path):
+    """Resume rows for each context, recompute then swap (only swap swapped); throughput rows
+    for each preemption mode, preempting, with the recompute run's tokens in every mode."""
+    found, printed = run_single(tmp_path, ["--swap", "--swap-contexts", "20", "40",
+                                           "--num-requests", "12", "--prompt-len", "16"])
+    assert [(r["context"], r["mode"], r["swapped"]) for r in found["swap"]["resume"]] == [
+        (20, "recompute", False), (20, "swap", True), (40, "recompute", False),
+        (40, "swap", True)]
+    assert all(r["resume_ms"] > 0 for r in found["swap"]["resume"])
+    throughput = {r["mode"]: r for r in found["swap"]["throughput"]}
+    assert list(throughput) == ["recompute", "swap", "auto"]
+    assert all(r["same_tokens"] and r["preemptions"] > 0 for r in throughput.values())
+    assert throughput["recompute"]["swapped_out"] == 0 < throughput["swap"]["swapped_out"]
+    assert "Throughput under a cache that preempts often" in printed
+
+
 # ----------------------------------------------------------------------------- bench.py --url
 
 URL_TINY = ("--online-requests 8 --online-limit 9 --mean-output-len 5 --prompt-len 12 "

@@ -209,11 +209,23 @@ def test_jsonl_answers_every_line_in_order(capsys, monkeypatch):
     assert got[1]["error"].startswith("line 2: not JSON (Expecting value")
     fields = ", ".join(f.name for f in dataclasses.fields(SamplingParams))
     assert got[3] == {"error": "line 6: unknown field 'foo'; a line holds \"prompt\" and any of "
-                      + fields}
+                      + fields + ", priority"}
     assert "max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos" in fields
     assert got[4] == {"error": "line 7: temperature must be a number in [0, inf], got nan"}
     assert got[2]["stop_reason"] == "e" and got[5]["prompt"] is None
     assert (status, err) == (1, "error: 3 of 6 lines failed\n")
+
+
+def test_jsonl_lines_take_a_priority_and_a_bad_one_is_refused(monkeypatch, capsys):
+    lines = ['{"prompt": "ROMEO:", "max_tokens": 3, "priority": -2}',
+             '{"prompt": "x", "priority": true}', '{"prompt": "x", "priority": 1.5}']
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
+    status, out, err = nanoserve_main(capsys, "--jsonl", "--policy", "priority")
+    got = [json.loads(line) for line in out.splitlines()]
+    assert len(got[0]["token_ids"]) == 3
+    bounds = "in [-2147483647, 2147483647]"
+    assert got[1:] == [{"error": f"line 2: priority must be an integer {bounds}, got True"},
+                       {"error": f"line 3: priority must be an integer {bounds}, got 1.5"}]
 
 
 def read_until_closed(fd: int, chunks: list[bytes]) -> None:

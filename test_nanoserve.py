@@ -91,10 +91,12 @@ def test_greedy_output_is_independent_of_batching(alone, policy, chunked):
     assert_no_leaks(llm.engine)
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "sjf", "static"])
+@pytest.mark.parametrize("policy", ["fcfs", "sjf", "priority", "static"])
 def test_greedy_output_survives_preemption(alone, policy):
+    """Priorities (1, 0, 1, ...: the later ones outrank the first) matter to priority alone."""
     llm = tiny(policy=policy, kv_cache_tokens=192, block_size=16, max_num_batched_tokens=64)
-    assert token_ids(llm.generate(PROMPTS, GREEDY)) == alone
+    priority = [(i + 1) % 2 for i in range(len(PROMPTS))]
+    assert token_ids(llm.generate(PROMPTS, GREEDY, priority=priority)) == alone
     assert llm.engine.scheduler.num_preemptions > 0
     assert_no_leaks(llm.engine)
 
@@ -1054,3 +1056,14 @@ def test_pyproject_installs_every_module_the_code_imports():
     modules = {name[:-3] for name in os.listdir(ROOT)
                if name.endswith(".py") and not name.startswith(("test_", "conftest"))}
     assert modules == installed, modules ^ installed
+
+
+@pytest.mark.parametrize("priority", [True, 1.5, "0", 2**31, -2**31])
+def test_a_bad_priority_is_refused_naming_the_field(priority):
+    llm = tiny()
+    with pytest.raises(ValueError, match="priority must be an integer in "
+                                         r"\[-2147483647, 2147483647\], got"):
+        llm.engine.add_request("x", GREEDY, priority=priority)
+    with pytest.raises(ValueError, match="priority must be a list of one integer a prompt"):
+        llm.generate(["a", "b"], GREEDY, priority=[priority])
+    assert_no_leaks(llm.engine)

@@ -491,8 +491,8 @@ def record_params(monkeypatch, engine: Engine) -> list[SamplingParams]:
     seen = []
     add_request = engine.add_request
 
-    def add_and_record(prompt, params=None, request_id=None, stream=True):
-        request_id = add_request(prompt, params, request_id, stream)
+    def add_and_record(prompt, params=None, request_id=None, stream=True, priority=0):
+        request_id = add_request(prompt, params, request_id, stream, priority)
         seen.append(engine.seqs[request_id].params)
         return request_id
     monkeypatch.setattr(engine, "add_request", add_and_record)

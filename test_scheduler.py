@@ -229,3 +229,87 @@ def test_a_preempted_sequences_tokens_go_back_to_the_budget():
     output = scheduler.schedule()
     assert output.preempted == [c]
     assert output.num_scheduled_tokens == {a: 9, b: 1}
+
+
+def test_a_sample_waiting_for_its_sibling_holds_back_only_its_own_request():
+    """Request r (n = 2, a 3-block prompt): sample 0 computes the prompt in chunks while
+    sample 1 waits to share its blocks; request "other", queued behind, is admitted at once."""
+    scheduler, block_pool = make_scheduler(budget=9, max_num_seqs=8)
+    params = SamplingParams(n=2, max_tokens=4)
+    samples = [Sequence(f"{i}_r", "", list(range(13)), params, BlockTable(block_pool),
+                        request_id="r", index=i) for i in range(2)]
+    other = Sequence("other", "", [7, 8], SamplingParams(max_tokens=4), BlockTable(block_pool))
+    for seq in [*samples, other]:
+        scheduler.add(seq)
+    first = scheduler.schedule()  # sample 0 takes the whole budget: 9 of its 13 prompt tokens
+    scheduler.update(first.num_scheduled_tokens, {})
+    output = scheduler.schedule()
+    assert samples[1].status == SequenceStatus.WAITING
+    assert output.num_scheduled_tokens == {samples[0]: 4, other: 2}
+
+
+# ----------------------------------------------------------------------------- priorities
+
+def queued(scheduler, block_pool, seq_id, prompt_len, priority=0, max_tokens=10) -> Sequence:
+    prompt = list(range(100, 100 + prompt_len))  # shares no block with running_seq's prompts
+    seq = Sequence(seq_id, "", prompt, SamplingParams(max_tokens=max_tokens),
+                   BlockTable(block_pool), priority=priority)
+    scheduler.add(seq)
+    return seq
+
+
+def test_priority_policy_admits_by_priority_then_arrival():
+    queue = WaitingQueue("priority", max_wait_steps=3)
+    seqs = [Sequence(name, "", [1], SamplingParams(), BlockTable(None), priority=priority)
+            for name, priority in [("a", 1), ("b", 0), ("c", 1), ("d", -3), ("e", 0)]]
+    for seq in seqs:
+        queue.push(seq)
+    queue.push(seqs[2], front=True)  # preempted: first among its priority, not before a 0
+    assert [seq.seq_id for seq in queue.in_order(step=0)] == ["d", "b", "e", "c", "a"]
+
+
+def test_the_victim_is_the_newest_running_sequence_of_the_lowest_priority():
+    scheduler, block_pool = make_scheduler(num_blocks=4, policy="priority")
+    old_low, high, new_low, new_high = (running_seq(scheduler, block_pool, s, 5, 4) for s in "abcd")
+    old_low.priority, high.priority, new_low.priority, new_high.priority = 2, 0, 2, 0
+    output = scheduler.schedule()  # each needs a 2nd block; none is free
+    assert output.preempted == [new_low, old_low]
+    assert output.num_scheduled_tokens == {high: 1, new_high: 1}
+
+
+def test_a_waiting_request_of_higher_priority_preempts_a_lower_running_one():
+    scheduler, block_pool = make_scheduler(num_blocks=4, policy="priority")
+    low = running_seq(scheduler, block_pool, "low", 12, 12)  # 3 blocks; needs a 4th
+    low.priority = 1
+    high = queued(scheduler, block_pool, "high", 6)          # needs 2 blocks
+    output = scheduler.schedule()
+    assert output.preempted == [low] and output.num_scheduled_tokens == {high: 6}
+    assert low.status == SequenceStatus.WAITING and high.status == SequenceStatus.RUNNING
+
+
+@pytest.mark.parametrize("priority, prompt_len", [(1, 6), (2, 6), (0, 16)],
+                         ids=["equal", "lower", "higher-but-too-big"])
+def test_only_a_strictly_higher_priority_preempts_and_only_when_that_makes_room(priority,
+                                                                                prompt_len):
+    """Equals never preempt each other (no turns taken every step), a lower priority never
+    preempts a higher one, and nobody is preempted for a request it would not make room for
+    (16 tokens and one more need 5 blocks of 4; there are 4)."""
+    scheduler, block_pool = make_scheduler(num_blocks=4, policy="priority")
+    running = running_seq(scheduler, block_pool, "r", 9, 8)  # 2 blocks; needs a 3rd
+    running.priority = 1
+    waiting = queued(scheduler, block_pool, "w", prompt_len, priority=priority)
+    for _ in range(3):
+        output = scheduler.schedule()
+        assert output.preempted == [] and list(output.num_scheduled_tokens) == [running]
+        scheduler.update(output.num_scheduled_tokens, {running: [1]})
+        running.token_ids.append(1)  # the engine appends the sampled token
+    assert waiting.status == SequenceStatus.WAITING
+
+
+def test_priority_is_ignored_by_the_other_policies():
+    scheduler, block_pool = make_scheduler(num_blocks=4, policy="fcfs")
+    old, new = (running_seq(scheduler, block_pool, s, 5, 4) for s in "on")
+    old.priority, new.priority = 5, 0
+    queued(scheduler, block_pool, "high", 6, priority=-1)
+    third = running_seq(scheduler, block_pool, "t", 5, 4)
+    assert scheduler.schedule().preempted == [third]  # the newest, though of priority 0

@@ -114,6 +114,32 @@ def test_http_completion_equals_offline_generate(server, offline):
     assert events[-3]["choices"][0]["finish_reason"] == "length"
 
 
+def test_continuous_usage_stats_puts_each_choices_usage_so_far_in_every_chunk(server):
+    """vLLM's stream_options.continuous_usage_stats (beside include_usage): every chunk carries
+    its choice's usage so far; the last chunk, the whole request's."""
+    body = dict(prompt="ROMEO:", max_tokens=5, n=2, seed=3, ignore_eos=True, stream=True,
+                stream_options={"include_usage": True, "continuous_usage_stats": True})
+    events = sse(server, "/v1/completions", body)
+    chunks = events[:-2]
+    assert len(chunks) == 10 and events[-2]["usage"]["completion_tokens"] == 10
+    for index in (0, 1):
+        counts = [e["usage"]["completion_tokens"] for e in chunks
+                  if e["choices"][0]["index"] == index]
+        assert counts == [1, 2, 3, 4, 5]
+    assert all(e["usage"]["prompt_tokens"] == 6 for e in chunks)
+
+
+def test_an_openai_client_streams_with_continuous_usage_stats(server):
+    """What a load tool sends (the openai package, if installed: not a dependency)."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none")
+    stream = client.completions.create(
+        model=http(server, "/v1/models")[1]["data"][0]["id"], prompt="ROMEO:", max_tokens=4,
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    usages = [chunk.usage.completion_tokens for chunk in stream]
+    assert usages == [1, 2, 3, 4, 4]
+
+
 def test_http_n_streams_each_choice_under_its_index(server, offline):
     want = offline.generate("A", SamplingParams(n=3, seed=8, max_tokens=5, ignore_eos=True))
     events = sse(server, "/v1/completions", dict(prompt="A", n=3, seed=8, max_tokens=5,
@@ -482,9 +508,16 @@ BAD_REQUESTS = [
     ("POST", "/v1/completions", dict(prompt="x", user={"id": 1}), 400, "user must be"),
     ("POST", "/v1/completions", dict(prompt="x", stream_options={"include_usage": True}), 400,
      "stream_options needs stream: true"),
+    ("POST", "/v1/completions", dict(prompt="x", priority=True), 400,
+     "priority must be of type int"),
+    ("POST", "/v1/completions", dict(prompt="x", priority=2**40), 400,
+     "priority must be an integer in [-2147483647, 2147483647], got 1099511627776"),
     ("POST", "/v1/completions", dict(prompt="x", stream=True,
-                                     stream_options={"continuous_usage_stats": True}), 400,
-     "stream_options.continuous_usage_stats is not supported"),
+                                     stream_options={"continuous_usage_stats": 1}), 400,
+     "stream_options.continuous_usage_stats must be of type bool"),
+    ("POST", "/v1/completions", dict(prompt="x", stream=True,
+                                     stream_options={"include_usage": True, "x": True}), 400,
+     "stream_options.x is not supported"),
     ("POST", "/v1/chat/completions", dict(messages=[dict(role="user", content="x")],
                                           top_logprobs=2), 400, "top_logprobs needs logprobs"),
     ("POST", "/v1/chat/completions", dict(messages=[dict(role="user", content="x")],

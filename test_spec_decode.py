@@ -412,3 +412,20 @@ def test_a_structured_output_request_drafts_nothing_and_stays_valid_beside_draft
     assert outputs[0].outputs[0].text == "to be or not to be or not to be"
     drafting = [r.num_draft_tokens for r in llm.engine.step_records if r.num_draft_tokens]
     assert drafting and all("0" not in r for r in drafting)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_greedy_outputs_equal_under_priorities_and_preemption_by_swapping(mode, drafts):
+    """Drafts beside preemption by swapping (a swapped sequence's blocks hold only accepted
+    tokens' K/V) and by recompute, under --policy priority."""
+    tight = dict(kv_cache_tokens=192, block_size=16, max_num_batched_tokens=64)
+    priority = [(i + 1) % 2 for i in range(len(PROMPTS))]
+    expected = token_ids(tiny(max_num_batched_tokens=64).generate(PROMPTS, GREEDY))
+    llm = tiny(policy="priority", preemption_mode=mode, **tight,
+               speculative_config=draft_config(drafts["same"], 4))
+    assert token_ids(llm.generate(PROMPTS, GREEDY, priority=priority)) == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert spec_stats(llm)[1] > 0
+    if mode == "swap":
+        assert llm.engine.scheduler.num_swapped_out > 0
+    assert_no_leaks(llm.engine)

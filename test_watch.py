@@ -315,3 +315,45 @@ def wait_for(condition, browser: subprocess.Popen, seconds: float = 60) -> None:
         assert browser.poll() is None, browser.stderr.read()[-2000:]
         assert time.monotonic() < deadline, "the page never connected"
         time.sleep(0.05)
+
+
+# ----------------------------------------------------------------------------- swapping
+
+# The known run again, swapping: 3 is swapped out at step 6 and 2 at step 8 (their K/V to
+# host blocks), and both come back at step 14 by copies, not recomputation.
+@pytest.fixture(scope="module")
+def swapping_run() -> list[dict]:
+    engine = tiny(**KNOWN_RUN, preemption_mode="swap").engine
+    for i, prompt in enumerate(KNOWN_PROMPTS):
+        engine.add_request(prompt, KNOWN_PARAMS, str(i))
+    frames = watch.FrameLog(engine)
+    while engine.has_unfinished():
+        engine.step()
+        frames.add()
+    return frames.frames
+
+
+def test_frames_mark_swapped_out_sequences_and_the_host_pool(swapping_run):
+    """3 (8 tokens computed: 1 host block) goes at step 6, 2 (9: 2 host blocks) at step 8;
+    the queue shows their host blocks, the pool its 3 used; step 14 copies both back in."""
+    steps = {f["step"]: f for f in swapping_run}
+    assert [s for s, f in steps.items() if f["record"]["swapped_out"]] == [6, 8]
+    assert steps[8]["record"]["swapped_out"] == ["2"] == steps[8]["record"]["preempted"]
+    assert [(seq["id"], seq["blocks"], seq["host_blocks"]) for seq in steps[8]["waiting"]] == [
+        ("2", [], [1, 2]), ("3", [], [0])]
+    assert [f["swap_space"]["used"] for f in swapping_run[4:9]] == [0, 1, 1, 3, 3]
+    assert steps[14]["record"]["swapped_in"] == ["2", "3"]
+    assert steps[14]["swap_space"]["used"] == 0 and steps[14]["waiting"] == []
+
+
+def test_replay_page_marks_swaps_and_the_host_pool(swapping_run, tmp_path):
+    path = tmp_path / "swapping.html"
+    watch.write_page(str(path), swapping_run)
+    dom = dump_dom(path.as_uri() + "#step=6", tmp_path / "profile")
+    drawn = columns(dom)
+    assert marked(drawn[6], "swapped-out") == {"3"} and marked(drawn[6], "preempted") == set()
+    swapped_in = {step for step, markup in drawn.items() if marked(markup, "swapped-in")}
+    assert swapped_in == {f["step"] for f in swapping_run if f["record"]["swapped_in"]}
+    assert re.search(r"Host memory \(swap space\): 1 of \d+ blocks", dom)
+    assert re.search(r'<li data-seq="3" class="swapped">3: 8 of \d+ tokens computed '
+                     r'\(prompt \d+\), swapped out: 1 host block</li>', dom)

@@ -8,8 +8,11 @@ StepRecord and its block pool and queues; the engine knows nothing of it:
                                           the step's StepRecord (None before any step)
      "budget": 64, "block_size": 8,       max_num_batched_tokens; tokens a block
      "blocks": "1c.1",                    a character a block: block_states
-     "running": [{"id": "0", "computed": 9, "tokens": 10, "prompt": 6, "blocks": [0, 3]}],
-     "waiting": [{"id": "2", "computed": 0, "tokens": 30, "prompt": 30, "blocks": []}]}
+     "running": [{"id": "0", "computed": 9, "tokens": 10, "prompt": 6, "blocks": [0, 3],
+                  "host_blocks": []}],
+     "waiting": [{"id": "2", "computed": 12, "tokens": 30, "prompt": 30, "blocks": [],
+                  "host_blocks": [4, 5]}],        swapped out: its K/V in host blocks 4, 5
+     "swap_space": {"blocks": 256, "used": 2}}   the host pool (None without one: recompute)
 
 running is in admission order, waiting in the order they will be admitted. The command line
 (cli.py, --trace-html) keeps a run's frames in a FrameLog and writes them into the page
@@ -45,14 +48,24 @@ def frame(engine: Engine) -> dict:
             "block_size": engine.block_pool.block_size,
             "blocks": block_states(engine.block_pool),
             "running": [sequence(seq) for seq in scheduler.running],
-            "waiting": [sequence(seq) for seq in waiting]}
+            "waiting": [sequence(seq) for seq in waiting],
+            "swap_space": swap_space(engine)}
 
 
 def sequence(seq: Sequence) -> dict:
     """One sequence as a queue shows it: its tokens computed of all it has, its prompt's
-    length, and its block table."""
+    length, its block table, and its host blocks while swapped out."""
     return {"id": seq.seq_id, "computed": seq.num_computed_tokens, "tokens": len(seq.token_ids),
-            "prompt": seq.num_prompt_tokens, "blocks": list(seq.block_table.block_ids)}
+            "prompt": seq.num_prompt_tokens, "blocks": list(seq.block_table.block_ids),
+            "host_blocks": list(seq.host_block_ids)}
+
+
+def swap_space(engine: Engine) -> dict | None:
+    """The host pool of swapped-out blocks: its size and the blocks in use (None: there is
+    none, preemption recomputes)."""
+    if engine.model_runner.swap_space is None:
+        return None
+    return {"blocks": engine.model_runner.swap_space.num_blocks, "used": engine.swap_blocks_used}
 
 
 def block_states(pool: BlockPool) -> str:
