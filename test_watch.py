@@ -357,3 +357,35 @@ def test_replay_page_marks_swaps_and_the_host_pool(swapping_run, tmp_path):
     assert re.search(r"Host memory \(swap space\): 1 of \d+ blocks", dom)
     assert re.search(r'<li data-seq="3" class="swapped">3: 8 of \d+ tokens computed '
                      r'\(prompt \d+\), swapped out: 1 host block</li>', dom)
+
+
+# ----------------------------------------------------------------------------- speculative decoding
+
+@pytest.fixture(scope="module")
+def drafting_run() -> list[dict]:
+    """Two prompts that repeat themselves, n-gram drafts of 4: some accepted, some not."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    engine = tiny(speculative_config=spec).engine
+    for i, prompt in enumerate(["ab" * 20, "the cat, the cat, the cat"]):
+        engine.add_request(prompt, SamplingParams(max_tokens=24, temperature=0,
+                                                  ignore_eos=True), str(i))
+    frames = watch.FrameLog(engine)
+    while engine.has_unfinished():
+        engine.step()
+        frames.add()
+    return frames.frames
+
+
+def test_replay_page_marks_each_steps_rejected_drafts(drafting_run, tmp_path):
+    """A decode that verified k drafts and accepted a of them has its cell's right part red
+    (class rejected) exactly where a < k; the frames carry both counts."""
+    with_rejections = {(f["step"], seq_id) for f in drafting_run for seq_id, k
+                       in f["record"]["num_draft_tokens"].items()
+                       if f["record"]["num_accepted_tokens"][seq_id] < k}
+    assert with_rejections
+    path = tmp_path / "drafting.html"
+    watch.write_page(str(path), drafting_run)
+    dom = dump_dom(path.as_uri(), tmp_path / "profile")
+    drawn = {(step, seq_id) for step, markup in columns(dom).items()
+             for seq_id in re.findall(r'class="rejected" data-seq="([^"]*)"', markup)}
+    assert drawn == with_rejections
