@@ -351,7 +351,8 @@ def test_the_command_line_takes_speculative_config_as_json_and_refuses_a_bad_one
                          text=True)
     assert bad.returncode != 0
     assert bad.stderr.strip().splitlines()[-1].startswith("error: ")
-    assert "num_speculative_tokens" in bad.stderr and "Traceback" not in bad.stderr
+    assert "speculative_config's num_speculative_tokens must be" in bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 # ----------------------------------------------------------------------------- what it shows
