@@ -57,7 +57,7 @@ from cli import add_config_args
 from kernels import (AttentionMetadata, device_num_sms, launch_grids, paged_attention,
                      select_attention)
 from model import GPT, LLAMA_LAYOUT, PRESETS, DenseKVCache, GPTConfig, LMHead
-from nanoserve import Engine, EngineConfig, accumulate
+from nanoserve import Engine, EngineConfig, EngineStats, accumulate
 from options import check_fields, option
 from paged_cache import cdiv, kv_bytes_per_token
 from sampling import SamplingParams, sample, sampling_tensors
@@ -2243,7 +2243,7 @@ def spec_prompts(cfg: BenchConfig, engine: Engine, workload: str, n: int) -> lis
 def spec_run(engine: Engine, prompts: list[str], batch: int, max_tokens: int) -> dict:
     """Serve prompts `batch` at a time, greedy: output tokens/s, and the speculation counters."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    engine.stats = type(engine.stats)()
+    engine.stats = EngineStats()  # this run's counters alone
     start = time.perf_counter()
     outputs = {}
     for first in range(0, len(prompts), batch):
@@ -2256,11 +2256,14 @@ def spec_run(engine: Engine, prompts: list[str], batch: int, max_tokens: int) ->
     stats = engine.stats
     drafts = stats.spec_decode_num_draft_tokens
     accepted = stats.spec_decode_num_accepted_tokens
+    acceptance_rate = None  # accepted / drafted tokens
+    mean_accepted_length = None  # accepted tokens a verification
+    if drafts:
+        acceptance_rate = accepted / drafts
+        mean_accepted_length = accepted / stats.spec_decode_num_drafts
     return dict(tokens_per_s=stats.num_generated_tokens / wall, steps=stats.num_steps,
                 output_tokens=stats.num_generated_tokens, draft_tokens=drafts,
-                acceptance_rate=accepted / drafts if drafts else None,
-                mean_accepted_length=accepted / stats.spec_decode_num_drafts
-                if stats.spec_decode_num_drafts else None,
+                acceptance_rate=acceptance_rate, mean_accepted_length=mean_accepted_length,
                 drafts_wasted=drafts - accepted,
                 outputs=[outputs[i] for i in sorted(outputs, key=int)])
 

@@ -19,7 +19,7 @@ import cli
 from nanoserve import LLM, Engine
 from paged_cache import BlockTable
 from sampling import SamplingParams
-from scheduler import Sequence
+from scheduler import Sequence, SequenceStatus
 from server import Server, ServerConfig
 from tokenizer import EOT, gpt2_byte_chars
 
@@ -71,6 +71,18 @@ def alone() -> list[list[int]]:
 
 
 # ----------------------------------------------------------------------------- exactness
+
+def running_seq(scheduler, block_pool, seq_id, prompt_len, computed, max_tokens=10) -> Sequence:
+    """A sequence put straight into scheduler's running list, with `computed` of its prompt's
+    tokens in blocks of its own (the scheduler and swap tests' starting point)."""
+    seq = Sequence(seq_id, "", list(range(prompt_len)), SamplingParams(max_tokens=max_tokens),
+                   BlockTable(block_pool))
+    assert seq.block_table.ensure(computed)
+    seq.num_computed_tokens = computed
+    seq.status = SequenceStatus.RUNNING
+    scheduler.running.append(seq)
+    return seq
+
 
 def new_seq(engine: Engine, tokens: list[int], seq_id: str = "s") -> Sequence:
     return Sequence(seq_id, "", tokens, GREEDY, BlockTable(engine.block_pool))

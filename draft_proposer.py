@@ -52,17 +52,19 @@ class DraftModelProposer:
     def propose(self, wanted: dict) -> None:
         """Each sequence of wanted (seq -> drafts it may take) gets spec_token_ids and, unless
         greedy, draft_probs: up to that many tokens, k forwards of the draft for all at once."""
-        num_new = {}
+        most_drafts = max(wanted.values())
+        targets = {}   # draft sequence -> its target sequence
+        num_new = {}   # draft sequence -> the tokens its next forward computes
         for seq in wanted:
             draft = self._synced_draft(seq)
-            missing = len(draft.token_ids) - draft.num_computed_tokens
-            if draft.block_table.ensure(len(draft.token_ids) + max(wanted.values())):
-                num_new[draft] = missing
-        targets = {self.draft_seqs[seq]: seq for seq in wanted}
-        proposed = {draft: ([], []) for draft in num_new}  # draft -> (tokens, their q rows)
-        for i in range(max(wanted.values())):
-            active = {draft: n for draft, n in num_new.items() if len(proposed[draft][0])
-                      < wanted[targets[draft]]}
+            targets[draft] = seq
+            if draft.block_table.ensure(len(draft.token_ids) + most_drafts):
+                num_new[draft] = len(draft.token_ids) - draft.num_computed_tokens
+        draft_tokens = {draft: [] for draft in num_new}  # the tokens it proposes
+        draft_q = {draft: [] for draft in num_new}       # the distribution of each (or None)
+        for _ in range(most_drafts):
+            active = {draft: n for draft, n in num_new.items()
+                      if len(draft_tokens[draft]) < wanted[targets[draft]]}
             if not active:
                 break
             output = self.runner.execute_model(active)
@@ -71,12 +73,13 @@ class DraftModelProposer:
             for row, (draft, tokens) in enumerate(output.sampled_token_ids.items()):
                 draft.num_computed_tokens += active[draft]
                 draft.token_ids += tokens
-                proposed[draft][0].append(tokens[0])
-                proposed[draft][1].append(draft_distribution(output.logits[row], draft.params))
+                draft_tokens[draft].append(tokens[0])
+                draft_q[draft].append(draft_distribution(output.logits[row], draft.params))
                 num_new[draft] = 1
-        for draft, (tokens, q_rows) in proposed.items():
+        for draft, tokens in draft_tokens.items():
             seq = targets[draft]
             seq.spec_token_ids = tokens
+            q_rows = draft_q[draft]
             seq.draft_probs = None if q_rows[0] is None else torch.stack(q_rows)
 
     def _synced_draft(self, seq: Sequence) -> Sequence:

@@ -438,17 +438,17 @@ class ModelRunner:
         if any(seq.draft_probs is not None for seq in seqs):
             draft_probs = torch.cat([self._draft_probs_rows(seq, len(seq_drafts))
                                      for seq, seq_drafts in zip(seqs, drafts)])
-        return SpecRows(num_rows=[1 + len(d) for d in drafts], draft_token_ids=ints["drafts"],
+        return SpecRows(draft_token_ids=ints["drafts"],
                         is_draft_row=ints["is_draft_row"].bool(), draft_probs=draft_probs)
 
     def _draft_probs_rows(self, seq: Sequence, num_drafts: int) -> torch.Tensor:
         """(1 + num_drafts, vocab): seq's draft distributions, then a row of zeros (its last
         row has no draft); all zeros for a sequence without them."""
-        zeros = torch.zeros(1 + num_drafts, self.vocab_size, device=self.device)
+        rows = torch.zeros(1 + num_drafts, self.vocab_size, device=self.device)
         if seq.draft_probs is None:
-            return zeros
-        zeros[:num_drafts] = seq.draft_probs[:num_drafts]
-        return zeros
+            return rows
+        rows[:num_drafts] = seq.draft_probs[:num_drafts]
+        return rows
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:

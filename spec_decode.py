@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from options import check_int
-from sampling import Penalties, SamplingTensors, adjust_logits, draw, sampling_probs
+from sampling import Penalties, SamplingTensors, adjust_logits, draw, sampling_probs, upload
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
@@ -166,9 +166,9 @@ class Speculator:
         waiting out a backoff, and may emit more than the one token a step gives."""
         if seq.num_uncomputed_tokens != 1 or seq.params.structured_outputs is not None:
             return 0
-        waits, _ = self.backoff.get(seq, (0, 0))
+        waits, next_wait = self.backoff.get(seq, (0, 0))
         if waits > 0:
-            self.backoff[seq] = (waits - 1, self.backoff[seq][1])
+            self.backoff[seq] = (waits - 1, next_wait)
             return 0
         room = seq.params.max_tokens - seq.num_output_tokens - 1  # the step's own token aside
         return min(self.config.num_speculative_tokens, room)
@@ -196,7 +196,6 @@ class Speculator:
 class SpecRows:
     """The sampling rows of a step with drafts: a sequence with k drafts has k + 1 rows, row j
     the position after its j-th token (j = 0: after the token sampled last step)."""
-    num_rows: list[int]             # per sampling sequence: 1 + its number of drafts
     draft_token_ids: torch.Tensor   # (R,) int64: row j's draft (the next row's token); any
                                     # token on a sequence's last row, which has none
     is_draft_row: torch.Tensor      # (R,) bool: the row holds a draft to accept or reject
@@ -216,7 +215,7 @@ def count_drafts(penalties: Penalties, num_rows: list[int], drafts: list[list[in
     drafts before it sampled one step at a time. Example, drafts [5, 9]: row 0 as the
     sequence's own, row 1 with token 5 counted once more, row 2 with 5 and 9."""
     device = penalties.presence.device
-    repeats = torch.tensor(num_rows, device=device)
+    repeats = upload(dict(repeats=num_rows), torch.int64, device)["repeats"]
     spread = dataclasses.replace(
         penalties, presence=penalties.presence.repeat_interleave(repeats),
         frequency=penalties.frequency.repeat_interleave(repeats),
@@ -230,8 +229,8 @@ def count_drafts(penalties: Penalties, num_rows: list[int], drafts: list[list[in
             rows += [first_row + j] * j
             token_ids += seq_drafts[:j]
         first_row += n
-    index = (torch.tensor(rows, dtype=torch.int64, device=device),
-             torch.tensor(token_ids, dtype=torch.int64, device=device))
+    uploaded = upload(dict(rows=rows, token_ids=token_ids), torch.int64, device)
+    index = (uploaded["rows"], uploaded["token_ids"])
     if penalties.output_counts is not None:
         counts = penalties.output_counts.repeat_interleave(repeats, dim=0)
         ones = torch.ones(len(rows), device=device)

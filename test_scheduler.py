@@ -3,7 +3,7 @@
 
 import pytest
 
-from conftest import GREEDY, PROMPTS, assert_no_leaks, tiny
+from conftest import GREEDY, PROMPTS, assert_no_leaks, running_seq, tiny
 from paged_cache import BlockPool, BlockTable
 from sampling import SamplingParams
 from scheduler import Scheduler, Sequence, SequenceStatus, WaitingQueue
@@ -14,16 +14,6 @@ from scheduler import Scheduler, Sequence, SequenceStatus, WaitingQueue
 def make_scheduler(num_blocks=64, budget=512, max_num_seqs=8, policy="fcfs", **kwargs):
     block_pool = BlockPool(num_blocks, block_size=4)
     return Scheduler(block_pool, max_num_seqs, budget, True, policy, **kwargs), block_pool
-
-
-def running_seq(scheduler, block_pool, seq_id, prompt_len, computed, max_tokens=10) -> Sequence:
-    """A running sequence with `computed` of its prompt's tokens already cached."""
-    seq = Sequence(seq_id, "", list(range(prompt_len)), SamplingParams(max_tokens=max_tokens),
-                   BlockTable(block_pool))
-    assert seq.block_table.ensure(computed)
-    seq.num_computed_tokens, seq.status = computed, SequenceStatus.RUNNING
-    scheduler.running.append(seq)
-    return seq
 
 
 def test_decodes_are_scheduled_before_prefills():

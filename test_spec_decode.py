@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from checkpoint import load_model, save_checkpoint
-from conftest import (HERE, PROMPTS, assert_no_leaks, http, new_seq, run_to_end,
+from conftest import (HERE, PROMPTS, assert_no_leaks, http, run_to_end,
                       server_in_process, tiny, token_ids)
 from display import render_trace
 from ngram_proposer import NgramProposer
-from paged_cache import NO_PARENT, hash_block
+from paged_cache import NO_PARENT, BlockPool, BlockTable, hash_block
 from sampling import SamplingParams, SamplingTensors
+from scheduler import Sequence
 from spec_decode import SpecRows, Speculator, SpeculativeConfig, accept_runs, verify
 from structured_output import StructuredOutputsParams
 
@@ -206,7 +207,7 @@ def emitted_distribution(p: torch.Tensor, q: torch.Tensor | None, num_rows: int)
     else:
         drafts = torch.multinomial(q, num_rows, replacement=True, generator=generator)
         draft_probs = q.expand(num_rows, vocab)
-    rows = SpecRows(num_rows=[1] * num_rows, draft_token_ids=drafts,
+    rows = SpecRows(draft_token_ids=drafts,
                     is_draft_row=torch.ones(num_rows, dtype=torch.bool), draft_probs=draft_probs)
     drawn, accepted = verify(logits, uniform_rows(num_rows, vocab), rows, generator)
     emitted = torch.where(accepted.bool(), drafts, drawn)
@@ -293,8 +294,9 @@ def test_a_sequence_whose_drafts_keep_failing_pauses_longer_each_time():
     assert proposer.wanted == {seq: 4}
 
 
-def new_decoding_seq():
-    seq = new_seq(tiny().engine, [1, 2, 3])
+def new_decoding_seq() -> Sequence:
+    """A sequence of 3 tokens, 2 computed: it decodes at its next step."""
+    seq = Sequence("s", "", [1, 2, 3], GREEDY, BlockTable(BlockPool(4, 4)))
     seq.num_computed_tokens = 2
     return seq
 

@@ -6,12 +6,12 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import (GREEDY, PROMPTS, assert_no_leaks, http, run_to_end, server_in_process,
-                      tiny, token_ids)
+from conftest import (GREEDY, PROMPTS, assert_no_leaks, http, run_to_end, running_seq,
+                      server_in_process, tiny, token_ids)
 from nanoserve import EngineConfig
-from paged_cache import BlockPool, BlockTable
+from paged_cache import BlockPool
 from sampling import SamplingParams
-from scheduler import Scheduler, Sequence, SequenceStatus
+from scheduler import Scheduler, SequenceStatus
 from swap import SwapSpace
 
 TIGHT = dict(kv_cache_tokens=192, block_size=16, max_num_batched_tokens=64)  # preempts often
@@ -101,22 +101,13 @@ def swapping_scheduler(num_blocks=4, num_host_blocks=8, mode="swap"):
     return scheduler, block_pool, swap_space
 
 
-def running(scheduler, block_pool, seq_id, prompt_len, computed) -> Sequence:
-    seq = Sequence(seq_id, "", list(range(prompt_len)), SamplingParams(max_tokens=10),
-                   BlockTable(block_pool))
-    assert seq.block_table.ensure(computed)
-    seq.num_computed_tokens, seq.status = computed, SequenceStatus.RUNNING
-    scheduler.running.append(seq)
-    return seq
-
-
 def test_scheduler_output_lists_the_copies_of_each_swap_out_and_swap_in():
     """Two sequences of 2 blocks each fill the 4; the newer is swapped out (its 2 computed
     blocks to host blocks 0 and 1), keeps its progress, and comes back into fresh blocks when
     the older finishes, its table rewritten."""
     scheduler, block_pool, swap_space = swapping_scheduler()
-    old = running(scheduler, block_pool, "o", 8, 7)
-    new = running(scheduler, block_pool, "n", 9, 8)
+    old = running_seq(scheduler, block_pool, "o", 8, 7)
+    new = running_seq(scheduler, block_pool, "n", 9, 8)
     new_blocks = list(new.block_table.block_ids)
     output = scheduler.schedule()  # new's 9th token needs a 3rd block
     assert output.preempted == [new] and output.swapped_out == {new: [(new_blocks[0], 0),
@@ -134,8 +125,8 @@ def test_scheduler_output_lists_the_copies_of_each_swap_out_and_swap_in():
 
 def test_a_swapped_in_sequence_registers_its_blocks_in_the_prefix_cache_again():
     scheduler, block_pool, _ = swapping_scheduler(num_blocks=4)
-    old = running(scheduler, block_pool, "o", 8, 7)
-    new = running(scheduler, block_pool, "n", 9, 8)
+    old = running_seq(scheduler, block_pool, "o", 8, 7)
+    new = running_seq(scheduler, block_pool, "n", 9, 8)
     scheduler.update(scheduler.schedule().num_scheduled_tokens, {})  # new swapped out
     scheduler.finish(old, SequenceStatus.FINISHED_LENGTH)
     block_pool.free(block_pool.allocate(block_pool.num_free_blocks))  # evict every cached block

@@ -32,17 +32,21 @@ KNOWN_PROMPTS = ["The same prefix!abc", "The same prefix!xyz", "KING", "LEAR:"]
 KNOWN_PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def known_run() -> list[dict]:
-    """The known run's frames, one a step."""
-    engine = tiny(**KNOWN_RUN).engine
-    for i, prompt in enumerate(KNOWN_PROMPTS):
-        engine.add_request(prompt, KNOWN_PARAMS, str(i))
+def run_frames(engine, prompts: list[str], params: SamplingParams) -> list[dict]:
+    """Serve prompts (request ids "0", "1", ...) to the end: the frames, one a step."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, str(i))
     frames = watch.FrameLog(engine)
     while engine.has_unfinished():
         engine.step()
         frames.add()
     return frames.frames
+
+
+@pytest.fixture(scope="module")
+def known_run() -> list[dict]:
+    """The known run's frames, one a step."""
+    return run_frames(tiny(**KNOWN_RUN).engine, KNOWN_PROMPTS, KNOWN_PARAMS)
 
 
 def at_step(frames: list[dict], step: int) -> dict:
@@ -324,13 +328,7 @@ def wait_for(condition, browser: subprocess.Popen, seconds: float = 60) -> None:
 @pytest.fixture(scope="module")
 def swapping_run() -> list[dict]:
     engine = tiny(**KNOWN_RUN, preemption_mode="swap").engine
-    for i, prompt in enumerate(KNOWN_PROMPTS):
-        engine.add_request(prompt, KNOWN_PARAMS, str(i))
-    frames = watch.FrameLog(engine)
-    while engine.has_unfinished():
-        engine.step()
-        frames.add()
-    return frames.frames
+    return run_frames(engine, KNOWN_PROMPTS, KNOWN_PARAMS)
 
 
 def test_frames_mark_swapped_out_sequences_and_the_host_pool(swapping_run):
@@ -366,14 +364,8 @@ def drafting_run() -> list[dict]:
     """Two prompts that repeat themselves, n-gram drafts of 4: some accepted, some not."""
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
     engine = tiny(speculative_config=spec).engine
-    for i, prompt in enumerate(["ab" * 20, "the cat, the cat, the cat"]):
-        engine.add_request(prompt, SamplingParams(max_tokens=24, temperature=0,
-                                                  ignore_eos=True), str(i))
-    frames = watch.FrameLog(engine)
-    while engine.has_unfinished():
-        engine.step()
-        frames.add()
-    return frames.frames
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    return run_frames(engine, ["ab" * 20, "the cat, the cat, the cat"], params)
 
 
 def test_replay_page_marks_each_steps_rejected_drafts(drafting_run, tmp_path):
