@@ -41,7 +41,7 @@ kernels (kernels.py) read, and works out the step's slot_mapping from them there
 
 Names as in vLLM v1: BlockPool, block hashes, the free queue; BlockTable ~ the request's
 block ids; slot_mapping is the same. A "slot" is always a token's flat index in the cache.
-Left out: swapping to CPU, copy-on-write, the null block.
+Elsewhere: swapping blocks to host memory (swap.py). Left out: copy-on-write.
 """
 import hashlib
 from array import array

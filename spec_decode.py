@@ -26,10 +26,10 @@ accepted with probability p(d), else drawn from p with d removed. Every sampling
 position as if the tokens had come one step at a time: position j sees the drafts before it
 counted by the penalties and in min_tokens.
 
-In this file: SpeculativeConfig (vLLM's speculative_config), make_proposer, the engine's
-Speculator (who drafts, and backs off when drafts keep failing), then the model runner's side:
-expand_rows (each speculating sequence's rows), verify (the rejection sampler) and accept_runs
-(the emitted tokens). The scheduler (scheduler.py) schedules drafts; the engine's update()
+In this file: SpeculativeConfig (vLLM's speculative_config; Engine._proposer makes its
+proposer), the engine's Speculator (who drafts, and backs off when drafts keep failing), then
+the model runner's side: SpecRows and count_drafts (each speculating sequence's rows and their
+penalties), verify (the rejection sampler) and accept_runs (the emitted tokens). The scheduler (scheduler.py) schedules drafts; the engine's update()
 appends the emitted tokens one at a time, checking stops after each.
 """
 import dataclasses

@@ -19,7 +19,7 @@ accept_token. Elsewhere, a line each: SamplingParams.structured_outputs; Sequenc
 Engine.add_request compiles (before its lock, before anything is queued; the server first
 compiles on a worker thread, Server.compile_structured_outputs, so neither its event loop
 nor the engine's steps wait) and gives each sample a Grammar; ModelRunner._sample calls
-apply_grammar_bitmask; Engine._detokenize calls accept_token; check_stop ends a sequence
+apply_grammar_bitmask; Engine._append_tokens calls accept_token; check_stop ends a sequence
 whose grammar is_terminated().
 
 Left out: structural tags and reasoning parsers (vLLM's: the constraint starts after
