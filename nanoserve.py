@@ -190,7 +190,7 @@ class StepRecord:
     num_kv_tokens: int              # tokens whose K/V the running sequences hold
     kv_blocks_used: int
     # each scheduled sequence's phase this step (scheduled_phase): "prefill", "decode",
-    # "recompute"
+    # "verify", "recompute"
     phases: dict[str, str] = field(default_factory=dict)
     # speculative decoding: the draft tokens each sequence verified, and how many it accepted
     num_draft_tokens: dict[str, int] = field(default_factory=dict)

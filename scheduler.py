@@ -63,7 +63,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0              # tokens whose K/V are in the cache
     status: SequenceStatus = SequenceStatus.WAITING
-    arrival_step: int = 0
+    arrival_step: int = 0                     # Scheduler.num_schedule_calls when it arrived
     stop_reason: str | int | None = None      # the stop string or stop token id that ended it
     error: str | None = None                  # why it failed (FINISHED_ERROR)
     num_sent_tokens: int = 0                  # output tokens already returned in outputs
@@ -79,7 +79,9 @@ class Sequence:
     request_id: str | None = None             # its request's (one of params.n samples); None:
                                               # the same as seq_id (n = 1)
     index: int = 0                            # which of the request's samples it is
-    num_preemptions: int = 0                  # times it was preempted (then recomputed)
+    num_preemptions: int = 0                  # times it was preempted (recompute or swap)
+    recompute_until: int = 0                  # its first tokens that a preemption by recompute
+                                              # forgot after computing them (scheduled_phase)
     # speculative decoding (spec_decode.py): the draft tokens proposed for its next step, and
     # the proposer's distribution of each, (k, vocab) on the device (None: one-hot, ngram's)
     spec_token_ids: list[int] = field(default_factory=list)
@@ -133,7 +135,7 @@ class SchedulerOutput:
     # sent back to the waiting queue this step, their blocks freed
     preempted: list[Sequence] = field(default_factory=list)
     # each scheduled sequence -> what its new tokens are (scheduled_phase): "decode",
-    # "prefill" or "recompute"
+    # "verify", "prefill" or "recompute"
     phases: dict[Sequence, str] = field(default_factory=dict)
     # decoding sequences that verify draft tokens this step -> the drafts (vLLM's name); they
     # are among num_scheduled_tokens' tokens: a decode with k drafts runs 1 + k tokens
@@ -146,7 +148,7 @@ class SchedulerOutput:
 
     def schedule(self, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> None:
         """seq runs num_new of its uncomputed tokens this step, then its drafts if any."""
-        self.phases[seq] = scheduled_phase(seq, num_new)
+        self.phases[seq] = scheduled_phase(seq, num_new, len(drafts or []))
         if drafts:
             self.scheduled_spec_decode_tokens[seq] = drafts
             num_new += len(drafts)
@@ -159,16 +161,25 @@ class SchedulerOutput:
         return self.num_scheduled_tokens.pop(seq, 0)
 
 
-def scheduled_phase(seq: Sequence, num_new: int) -> str:
-    """What seq computes when it is given num_new tokens: "decode", its one newest token,
-    sampled at the step before; "recompute", tokens it had computed before a preemption
-    freed them; else "prefill", a chunk of its prompt. Decided when the step is scheduled,
-    where it is known, not worked out afterwards from how the sequence changed."""
+def scheduled_phase(seq: Sequence, num_new: int, num_drafts: int = 0) -> str:
+    """What seq computes when it is given num_new tokens and num_drafts drafts: "verify", its
+    newest token and drafts after it (speculative decoding); "decode", its one newest token,
+    sampled at the step before; "recompute", a chunk starting in tokens it had computed
+    before a preemption by recompute forgot them; else "prefill", a chunk of its prompt (or of
+    output it never computed). Decided when the step is scheduled, where it is known, not
+    worked out afterwards from how the sequence changed. "decode" means one token everywhere
+    (is_decode, num_decodes, the decode kernels and graphs): a verifying sequence is no decode.
+
+    Example: a sequence preempted with 40 of its 50 prompt tokens computed (recompute_until
+    40) is readmitted with a budget of 32 tokens a step: 0-31 "recompute", 32-49 "recompute"
+    (the chunk starts at 32 < 40, 8 of its tokens new), then its first decode "decode"."""
     start = seq.num_computed_tokens
+    if num_drafts:
+        return "verify"
     is_newest_token = start + 1 == len(seq.token_ids)
     if num_new == 1 and is_newest_token and start >= seq.num_prompt_tokens:
         return "decode"
-    if seq.num_preemptions:
+    if start < seq.recompute_until:
         return "recompute"
     return "prefill"
 
@@ -300,13 +311,13 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.preemption_mode = preemption_mode
         self.swap_space = swap_space
-        self.num_steps = 0
+        self.num_schedule_calls = 0  # the queue's clock: arrival_step and sjf's aging read it
         self.num_preemptions = 0   # by recompute and by swapping
         self.num_swapped_out = 0
         self.num_swapped_in = 0
 
     def add(self, seq: Sequence) -> None:
-        seq.arrival_step = self.num_steps
+        seq.arrival_step = self.num_schedule_calls
         self.waiting.push(seq)
 
     def has_unfinished(self) -> bool:
@@ -329,7 +340,7 @@ class Scheduler:
     # static (request-level batching) admits only when nothing runs, a whole batch at once.
     def schedule(self) -> SchedulerOutput:
         """The next step's batch, and who was admitted, preempted and swapped to make it."""
-        self.num_steps += 1
+        self.num_schedule_calls += 1
         output = SchedulerOutput()
         self._schedule(output)
         # The host blocks swapped in are free once the step is decided, not before: a swap-out
@@ -406,7 +417,7 @@ class Scheduler:
         waiting_for_a_sibling = set()  # request ids: their samples are passed over
         # a full batch admits no one, unless under priority a preemption makes room
         while len(self.running) < self.max_num_seqs or self.policy == "priority":
-            seq = self.waiting.peek(self.num_steps, waiting_for_a_sibling)
+            seq = self.waiting.peek(self.num_schedule_calls, waiting_for_a_sibling)
             if seq is None:
                 return
             if self._waits_for_a_sibling(seq):  # only this request's samples wait
@@ -561,7 +572,7 @@ class Scheduler:
     def _admit_static_batch(self, output: SchedulerOutput) -> None:
         """static: admit up to max_num_seqs at once; _schedule_running then gives them blocks."""
         while len(self.running) < self.max_num_seqs:
-            seq = self.waiting.peek(self.num_steps)
+            seq = self.waiting.peek(self.num_schedule_calls)
             if seq is None:
                 return
             cached_hashes, cached_block_ids = self._find_cached_prefix(seq)
@@ -588,8 +599,9 @@ class Scheduler:
         before), it keeps its progress; else it is preempted by recompute: its progress is
         forgotten, its tokens stay."""
         if not seq.is_swapped_out:
+            seq.recompute_until = max(seq.recompute_until, seq.num_computed_tokens)
             seq.num_computed_tokens = 0
-            seq.num_preemptions += 1
+        seq.num_preemptions += 1
         seq.block_table.release()
         seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING

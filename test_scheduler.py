@@ -33,16 +33,37 @@ def test_newest_running_sequence_is_preempted_first():
 
 
 def test_scheduler_output_names_each_scheduled_sequences_phase():
-    """decode: the newest token, sampled at the step before; prefill: prompt tokens (the last
-    one too); recompute: tokens a preemption freed."""
+    """decode: the newest token, sampled at the step before; verify: that token and drafts
+    after it; prefill: prompt tokens (the last one too); recompute: tokens a preemption
+    freed."""
     scheduler, block_pool = make_scheduler()
     decoding = running_seq(scheduler, block_pool, "d", 5, 5)
     decoding.token_ids.append(7)  # sampled at the step before
+    verifying = running_seq(scheduler, block_pool, "v", 5, 5)
+    verifying.token_ids.append(7)
+    verifying.spec_token_ids = [8, 9]
     last_prompt_token = running_seq(scheduler, block_pool, "p", 5, 4)
     recomputed = running_seq(scheduler, block_pool, "r", 6, 0)
-    recomputed.num_preemptions = 1
-    assert scheduler.schedule().phases == {decoding: "decode", last_prompt_token: "prefill",
+    recomputed.recompute_until = 4
+    assert scheduler.schedule().phases == {decoding: "decode", verifying: "verify",
+                                           last_prompt_token: "prefill",
                                            recomputed: "recompute"}
+
+
+def test_only_tokens_computed_before_a_preemption_are_recomputed():
+    """A sequence preempted by recompute halfway through its prompt computes its first half
+    again ("recompute") and then the half it never computed ("prefill"); a sequence swapped
+    out recomputes nothing."""
+    scheduler, block_pool = make_scheduler(budget=8)
+    seq = running_seq(scheduler, block_pool, "s", 16, 8)
+    scheduler._preempt(seq)
+    assert seq.recompute_until == 8 and seq.num_preemptions == 1
+    phases = []
+    for _ in range(2):
+        output = scheduler.schedule()
+        phases.append(output.phases[seq])
+        scheduler.update(output.num_scheduled_tokens, {})
+    assert phases == ["recompute", "prefill"]
 
 
 def test_a_sequence_preempted_after_it_was_scheduled_leaves_the_step():

@@ -112,7 +112,8 @@ def test_scheduler_output_lists_the_copies_of_each_swap_out_and_swap_in():
     output = scheduler.schedule()  # new's 9th token needs a 3rd block
     assert output.preempted == [new] and output.swapped_out == {new: [(new_blocks[0], 0),
                                                                       (new_blocks[1], 1)]}
-    assert new.is_swapped_out and new.num_computed_tokens == 8 and new.num_preemptions == 0
+    assert new.is_swapped_out and new.num_computed_tokens == 8 and new.num_preemptions == 1
+    assert new.recompute_until == 0  # swapped, it recomputes nothing
     assert swap_space.num_free_blocks == 6
     scheduler.update(output.num_scheduled_tokens, {})
     scheduler.finish(old, SequenceStatus.FINISHED_LENGTH)

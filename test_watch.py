@@ -73,7 +73,8 @@ def test_frames_give_each_scheduled_sequence_its_phase(known_run):
 
 def test_an_idle_step_adds_no_frame():
     """A frame is a step that made a record: steps with nothing to run add none, before a
-    request and after it finished."""
+    request and after it finished, and are not counted in the frames' step numbers (the
+    engine's num_steps, as the trace and the command line's summary count)."""
     engine = tiny().engine
     frames = watch.FrameLog(engine)
     engine.step()
@@ -85,7 +86,8 @@ def test_an_idle_step_adds_no_frame():
         frames.add()
     engine.step()
     frames.add()
-    assert [frame["step"] for frame in frames.frames] == [2, 3]  # step 1 was the idle one
+    assert [frame["step"] for frame in frames.frames] == [1, 2]  # the idle call not counted
+    assert engine.stats.num_steps == 2
 
 
 def test_frames_show_the_blocks_a_common_prefix_shares(known_run):

@@ -41,8 +41,8 @@ def frame(engine: Engine) -> dict:
     docstring shows one)."""
     scheduler = engine.scheduler
     record = engine.last_step
-    waiting = scheduler.waiting.in_order(scheduler.num_steps + 1)  # as the next step admits
-    return {"step": scheduler.num_steps,
+    waiting = scheduler.waiting.in_order(scheduler.num_schedule_calls + 1)  # as the next
+    return {"step": engine.stats.num_steps,                              # schedule() admits
             "record": None if record is None else dataclasses.asdict(record),
             "budget": engine.config.max_num_batched_tokens,
             "block_size": engine.block_pool.block_size,
