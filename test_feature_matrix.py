@@ -122,9 +122,10 @@ def mixed_requests() -> list[Request]:
     def params(**kwargs) -> SamplingParams:
         return SamplingParams(**(dict(max_tokens=16, ignore_eos=True) | kwargs))
     requests = [
-        Request("n2_seeded", PROMPTS[0], params(n=2, temperature=0.8, top_p=0.9, seed=5), 2),
+        # nearly greedy on a repeated prompt: the n-gram proposer drafts for it
+        Request("n2_seeded", PROMPTS[2], params(n=2, temperature=0.1, top_p=0.9, seed=5), 2),
         Request("greedy", PROMPTS[3], params(temperature=0), 1),
-        Request("seeded_penalties_logprobs", PROMPTS[2],
+        Request("seeded_penalties_logprobs", PROMPTS[0],
                 params(temperature=0.7, seed=9, frequency_penalty=1.0, presence_penalty=0.5,
                        repetition_penalty=1.3, logprobs=2), 1),
         # its greedy output is "\x7fbccccc...": it stops after the 5th token
