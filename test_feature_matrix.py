@@ -48,7 +48,7 @@ HAS_LLGUIDANCE = importlib.util.find_spec("llguidance") is not None
 
 def all_pairs(factors: dict[str, tuple]) -> list[dict[str, str]]:
     """Configurations (factor -> level) in which every level of each factor meets every level
-    of each other factor at least once: far fewer than the product (here 12 to 16 of 288).
+    of each other factor at least once: far fewer than the product (here 13 of 288).
 
     Greedy and deterministic: each new configuration starts from the first pair not yet
     covered (factors in the order given, levels in theirs), then gives each other factor, in
