@@ -165,7 +165,7 @@ class Served:
     num_fallbacks: int          # steps whose batch failed and ran one sequence at a time
     num_preemptions: int
     num_swapped_out: int
-    num_draft_tokens: int
+    num_accepted_tokens: int
     num_cached_tokens: int
     num_prefill_chunks: int     # prefill steps of a sequence past its first
 
@@ -223,7 +223,7 @@ def served_under(config: dict[str, str], requests: list[Request], draft_path: st
     alone = {r.name: serve(engine, [r], chunks)[r.name] for r in requests}
     held += what_is_held(engine)
     return Served(batch, alone, held, fallbacks[0], engine.scheduler.num_preemptions,
-                  engine.scheduler.num_swapped_out, engine.stats.spec_decode_num_draft_tokens,
+                  engine.scheduler.num_swapped_out, engine.stats.spec_decode_num_accepted_tokens,
                   engine.stats.num_cached_tokens, sum(chunks))
 
 
@@ -363,7 +363,8 @@ def test_the_structured_choice_is_one_of_the_choices(config, served):
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_each_factor_does_what_it_is_there_for(config, served):
     """A tight cache preempts (by swapping under swap), a small budget chunks prompts, the
-    proposers draft, the prefix cache supplies tokens: else the matrix would cross nothing."""
+    proposers' drafts are accepted, the prefix cache supplies tokens: else the matrix would
+    cross nothing."""
     run = served(config)
     assert (run.num_preemptions > 0) == (config["kv"] == "tight_kv")
     if config["kv"] == "tight_kv" and config["preemption"] == "swap":
@@ -371,5 +372,5 @@ def test_each_factor_does_what_it_is_there_for(config, served):
     if config["preemption"] == "recompute":
         assert run.num_swapped_out == 0
     assert (run.num_prefill_chunks > 0) == (config["budget"] == "small_budget")
-    assert (run.num_draft_tokens > 0) == (config["spec"] != "none")
+    assert (run.num_accepted_tokens > 0) == (config["spec"] != "none")
     assert (run.num_cached_tokens > 0) == (config["prefix"] == "prefix_cache")
