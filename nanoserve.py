@@ -213,6 +213,7 @@ class StepRecord:
     num_accepted_tokens: dict[str, int] = field(default_factory=dict)
     swapped_out: list[str] = field(default_factory=list)  # of the preempted: to host memory
     swapped_in: list[str] = field(default_factory=list)   # readmitted from host memory
+    lora_names: dict[str, str] = field(default_factory=dict)  # scheduled with a LoRA adapter
     swap_blocks_used: int = 0       # host blocks holding swapped-out K/V (swap.py)
 
 
@@ -497,6 +498,8 @@ class Engine:
                                  if seq in model_output.sampled_token_ids},
             swapped_out=[seq.seq_id for seq in scheduler_output.swapped_out],
             swapped_in=[seq.seq_id for seq in scheduler_output.swapped_in],
+            lora_names={seq.seq_id: seq.lora_request.lora_name for seq in scheduled
+                        if seq.lora_request is not None},
             swap_blocks_used=self.swap_blocks_used)
         self.stats.record(self.last_step)
         if self.step_records is not None:
