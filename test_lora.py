@@ -197,10 +197,10 @@ def test_the_host_cache_evicts_the_least_recently_used_idle_adapter(tmp_path):
                for i, name in enumerate("abc"))
     llm = lora_llm(max_loras=1, max_cpu_loras=2)
     manager = llm.engine.lora_manager
-    for lora in (a, b, a, c, a, b):  # b evicted for c (a used since); then b read again
+    for lora in (a, b, a, c, b):  # b evicted for c (a used since), then read again
         llm.generate([PROMPTS[0]], GREEDY, lora_request=lora)
     assert manager.num_disk_loads == 4
-    assert list(manager.host) == [a.lora_int_id, b.lora_int_id]
+    assert list(manager.host) == [c.lora_int_id, b.lora_int_id]
 
 
 def test_an_adapter_of_a_live_request_is_never_evicted_from_the_host(tmp_path):
@@ -220,7 +220,7 @@ def test_an_adapter_of_a_live_request_is_never_evicted_from_the_host(tmp_path):
 def test_adapters_survive_preemption_by_recompute_and_by_swapping(tmp_path):
     requests = [adapter(tmp_path, "tiny", name, seed=i, lora_id=i + 1)
                 for i, name in enumerate("ab")] + [None]
-    prompts = PROMPTS[:3] * 2
+    prompts = [PROMPTS[1]] * 3 + [PROMPTS[2]] * 3  # each prompt under each adapter
     loras = requests * 2
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     expected = token_ids(lora_llm(max_loras=2).generate(prompts, params, lora_request=loras))
