@@ -702,7 +702,8 @@ def _lora_expand_kernel(s_ptr, b_ptr, slots_ptr, y_ptr, stride_sn, stride_bl, st
     safe_slot = tl.maximum(slot, 0)
     offs_r = tl.arange(0, BLOCK_R)
     offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
-    mask_o = (offs_o < OUT_FEATURES) & (slot >= 0)  # past the slice, or a base token: no write
+    # past the slice, or a base token: no write (its slot is -1)
+    mask_o = (offs_o < OUT_FEATURES) & (tl.full((BLOCK_O,), 0, tl.int64) + slot >= 0)
     # the token's shrunk row (BLOCK_R,), padded past RANK
     s = tl.load(s_ptr + pid * stride_sn + offs_r, mask=offs_r < RANK, other=0.0)
     # its slot's B tile (BLOCK_O, BLOCK_R)
