@@ -11,10 +11,14 @@ import pytest
 import torch
 
 from checkpoint import read_safetensors, write_safetensors
-from conftest import HERE, assert_no_leaks, run_to_end, tiny, token_ids
+import watch
+from conftest import (HERE, assert_no_leaks, http, run_to_end, server_thread, start_server, stop,
+                      tiny, token_ids)
+from display import render_trace
 from lora import LoRARequest, save_random_lora
 from nanoserve import EngineConfig, LLM
 from sampling import SamplingParams
+from server import Server, ServerConfig
 
 GPT2_TARGETS = ["c_attn", "c_proj", "c_fc"]
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -318,3 +322,117 @@ def test_a_lora_request_is_refused_unless_lora_is_enabled_or_well_typed(tmp_path
         llm.generate(PROMPTS[:2], GREEDY,
                      lora_request=[request, LoRARequest("other", 1, request.lora_path)])
     assert_no_leaks(llm.engine)
+
+
+# ----------------------------------------------------------------------------- the server
+
+def completion(url: str, model: str | None, prompt: str = PROMPTS[0]) -> tuple[int, object]:
+    body = dict(prompt=prompt, max_tokens=8, temperature=0, ignore_eos=True)
+    if model is not None:
+        body["model"] = model
+    return http(url, "/v1/completions", body)
+
+
+def test_the_model_field_picks_the_adapter_and_an_unknown_model_is_a_404(tmp_path):
+    a = adapter(tmp_path, "tiny", "a", seed=0)
+    b = adapter(tmp_path, "tiny", "b", seed=1, lora_id=2)
+    offline = lora_llm()
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    config = ServerConfig(port=0, lora_modules=(f"a={a.lora_path}", json.dumps(
+        {"name": "b", "path": b.lora_path, "base_model_name": "tiny"})))
+    with server_thread(lora_llm().engine, config) as server:
+        for model, lora in [("a", a), ("b", b), ("tiny", None), (None, None)]:
+            status, body = completion(server.url, model)
+            assert status == 200 and body["model"] == (model or "tiny")
+            expected = offline.generate(PROMPTS[0], params, lora_request=lora)[0]
+            assert body["choices"][0]["text"] == expected.outputs[0].text
+        status, body = completion(server.url, "c")
+        assert status == 404 and body["error"]["message"] == "The model `c` does not exist."
+
+
+def test_v1_models_lists_each_adapter_with_the_base_model_as_parent(tmp_path):
+    a = adapter(tmp_path, "tiny", "a")
+    config = ServerConfig(port=0, lora_modules=(f"sql={a.lora_path}",))
+    with server_thread(lora_llm().engine, config) as server:
+        status, body = http(server.url, "/v1/models")
+    assert status == 200
+    assert [(m["id"], m.get("parent")) for m in body["data"]] == [("tiny", None), ("sql", "tiny")]
+    assert body["data"][1]["root"] == a.lora_path
+
+
+def test_runtime_lora_updating_loads_and_unloads_adapters_only_when_allowed(tmp_path,
+                                                                          monkeypatch):
+    a = adapter(tmp_path, "tiny", "a")
+    load = dict(lora_name="new", lora_path=a.lora_path)
+    with server_thread(lora_llm().engine) as server:
+        status, body = http(server.url, "/v1/load_lora_adapter", load)
+        assert status == 404 and "runtime LoRA updating is off" in body["error"]["message"]
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    with server_thread(lora_llm().engine) as server:
+        assert completion(server.url, "new")[0] == 404
+        assert http(server.url, "/v1/load_lora_adapter", load)[0] == 200
+        assert completion(server.url, "new")[0] == 200
+        status, body = http(server.url, "/v1/load_lora_adapter", load)
+        assert status == 400 and "lora_name 'new' is already served" in body["error"]["message"]
+        status, body = http(server.url, "/v1/load_lora_adapter",
+                            dict(lora_name="bad", lora_path=str(tmp_path / "none")))
+        assert status == 400 and "is not a directory" in body["error"]["message"]
+        assert http(server.url, "/v1/unload_lora_adapter", dict(lora_name="new"))[0] == 200
+        assert completion(server.url, "new")[0] == 404
+        assert http(server.url, "/v1/unload_lora_adapter", dict(lora_name="new"))[0] == 404
+
+
+def test_metrics_count_requests_per_adapter(tmp_path):
+    a = adapter(tmp_path, "tiny", "a")
+    config = ServerConfig(port=0, lora_modules=(f"a={a.lora_path}", f"b={a.lora_path}"))
+    with server_thread(lora_llm().engine, config) as server:
+        for model in ("a", "a", "b", "tiny"):
+            assert completion(server.url, model)[0] == 200
+        _, text = http(server.url, "/metrics")
+    assert 'nanoserve:lora_requests_total{lora_name="a"} 2' in text
+    assert 'nanoserve:lora_requests_total{lora_name="b"} 1' in text
+
+
+@pytest.mark.parametrize("module, message", [
+    ("a", "lora_modules: 'a' is not name=path"),
+    ("=x", "lora_modules: '=x' is not name=path"),
+    ('{"name": "a"}', "must be {\"name\": str, \"path\": str"),
+    ("{nope", "is not JSON"),
+])
+def test_malformed_lora_modules_are_refused(module, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ServerConfig(lora_modules=(module,))
+
+
+def test_lora_modules_need_lora_enabled_and_a_servable_adapter(tmp_path):
+    a = adapter(tmp_path, "tiny", "a", r=32)
+    with pytest.raises(ValueError, match=re.escape("lora_modules need LoRA enabled")):
+        Server(tiny().engine, ServerConfig(lora_modules=(f"a={a.lora_path}",)))
+    with pytest.raises(ValueError, match="r 32 is above max_lora_rank 16"):
+        Server(lora_llm().engine, ServerConfig(lora_modules=(f"a={a.lora_path}",)))
+
+
+def test_the_command_line_serves_lora_modules(tmp_path):
+    a = adapter(tmp_path, "tiny", "a")
+    proc, url = start_server("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+                             "--max-cpu-loras", "3", "--lora-modules", f"a={a.lora_path}",
+                             json.dumps({"name": "b", "path": a.lora_path}))
+    try:
+        models = [m["id"] for m in http(url, "/v1/models")[1]["data"]]
+        assert models == ["tiny", "a", "b"]
+        assert completion(url, "b")[0] == 200
+    finally:
+        stop(proc)
+
+
+def test_the_step_trace_and_the_watch_page_show_each_sequences_adapter(tmp_path):
+    a = adapter(tmp_path, "tiny", "sql")
+    engine = lora_llm().engine
+    engine.add_request(PROMPTS[0], GREEDY, "with", lora_request=a)
+    engine.add_request(PROMPTS[0], GREEDY, "without")
+    engine.step()
+    assert engine.last_step.lora_names == {"with": "sql"}
+    running = {seq["id"]: seq["lora"] for seq in watch.frame(engine)["running"]}
+    assert running == {"with": "sql", "without": None}
+    assert "(LoRA sql)" in render_trace([engine.last_step], ["with"])
+    run_to_end(engine)
