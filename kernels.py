@@ -632,27 +632,22 @@ def select_attention(name: str, device: str):
 # y (N, O). A and B are each slot's, stacked (L, R, I) and (L, O, R), zero past the adapter's
 # own rank r <= R, so one launch serves adapters of every rank. lora.py tells the story.
 
-def slot_segments(token_slots: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(slot, start, end) of each run of consecutive tokens of one adapter slot, base tokens'
-    (-1) left out: [2, 2, 2, -1, 0, 0] -> [(2, 0, 3), (0, 4, 6)]. A prefill chunk is one run
-    (SGMV's segment); a decode batch's runs may be a token each (BGMV's case)."""
-    slots, counts = torch.unique_consecutive(token_slots, return_counts=True)
-    segments = []
-    start = 0
-    for slot, count in zip(slots.tolist(), counts.tolist()):
-        if slot >= 0:
-            segments.append((slot, start, start + count))
-        start += count
-    return segments
+def slot_groups(token_slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """(slot, its tokens' indices (n,)) for each adapter slot of the step, base tokens (-1)
+    left out: [2, 2, -1, 0, 2] -> [(0, [3]), (2, [0, 1, 4])]. Each is SGMV's segment, the
+    tokens of one adapter, gathered wherever they sit in the batch: a decode batch's tokens
+    alternate adapters, and one GEMM a run of them would be one a token."""
+    slots = token_slots.unique().tolist()
+    return [(slot, (token_slots == slot).nonzero().flatten()) for slot in slots if slot >= 0]
 
 
 def lora_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor,
                     token_slots: torch.Tensor) -> torch.Tensor:
     """The shrink's spec: x (N, I), lora_a (L, R, I), token_slots (N,) -> (N, R) in x's dtype,
-    row t x[t] A[s_t]^T, zero for a base token: one GEMM per segment of one slot."""
+    row t x[t] A[s_t]^T, zero for a base token: one GEMM per slot of the step."""
     out = x.new_zeros(x.shape[0], lora_a.shape[1])
-    for slot, start, end in slot_segments(token_slots):
-        out[start:end] = x[start:end] @ lora_a[slot].T
+    for slot, rows in slot_groups(token_slots):
+        out[rows] = x[rows] @ lora_a[slot].T
     return out
 
 
@@ -660,8 +655,8 @@ def lora_expand_ref(shrunk: torch.Tensor, lora_b: torch.Tensor, token_slots: tor
                     y: torch.Tensor) -> None:
     """The expand's spec: y (N, O) += shrunk[t] B[s_t]^T, in place (y may be a slice of a
     merged projection's output), lora_b (L, O, R); base tokens' rows are left untouched."""
-    for slot, start, end in slot_segments(token_slots):
-        y[start:end] += shrunk[start:end] @ lora_b[slot].T
+    for slot, rows in slot_groups(token_slots):
+        y.index_add_(0, rows, shrunk[rows] @ lora_b[slot].T)
 
 
 @triton.jit

@@ -17,14 +17,16 @@ a decode of "sql" (token 0), a decode of the base model (token 1), a decode of "
 (token 2), then a 3-token prefill chunk of "sql" (tokens 3..5):
 
     token_slots   [0, -1, 1, 0, 0, 0]
-    segments      (slot 0: tokens 0..0), (slot 1: 2..2), (slot 0: 3..5); token 1 has none
-    shrink        s[0] = x[0] A0^T,  s[2] = x[2] A1^T,  s[3:6] = x[3:6] A0^T   (rank R)
-    expand        y[0] += s[0] B0^T, y[2] += s[2] B1^T, y[3:6] += s[3:6] B0^T
+    segments      slot 0: tokens 0, 3, 4, 5;  slot 1: token 2;  token 1 has none
+    shrink        s[0,3,4,5] = x[0,3,4,5] A0^T   s[2] = x[2] A1^T     (rank R)
+    expand        y[0,3,4,5] += s[0,3,4,5] B0^T  y[2] += s[2] B1^T
 
-Every projection of every layer does the same, with its own stacked A and B. A segment of
-one slot is one GEMM (SGMV, a prefill chunk); a decode batch's segments may be a token each
-(BGMV). The base model's tokens get nothing added: their outputs are the base model's, bit
-for bit, whatever runs beside them. A and B of every slot are padded with zeros to
+Every projection of every layer does the same, with its own stacked A and B. The torch
+reference (kernels.py) runs one GEMM a slot, its tokens gathered (SGMV's segments, which
+Punica keeps contiguous; a decode batch's tokens alternate adapters, and one GEMM a run would
+be one a token); the Triton kernels run a program a token (BGMV), reading its slot, so a CUDA
+graph replays them. The base model's tokens get nothing added: their outputs are the base
+model's, bit for bit, whatever runs beside them. A and B of every slot are padded with zeros to
 max_lora_rank, so one launch serves adapters of ranks 1 and 16 side by side. Merged
 projections (q/k/v as qkv_proj, gate/up as gate_up_proj) take each adapter as slices of
 their output: q_proj's B expands into qkv_proj's first q_size columns, k_proj's into the
@@ -347,10 +349,12 @@ class LoRAManager:
             self._load_slot(lora_id, self._free_slot(needed))
 
     def _free_slot(self, needed: set[int]) -> int:
+        """A free slot, else the least recently used one whose adapter is not `needed`."""
         if self.free_slots:
             return self.free_slots.pop()
-        victim = next(lora_id for lora_id in self.slots if lora_id not in needed)
-        return self.slots.pop(victim)
+        idle = [lora_id for lora_id in self.slots if lora_id not in needed]
+        assert idle, f"the running sequences hold more than max_loras {self.max_loras} adapters"
+        return self.slots.pop(idle[0])
 
     def _load_slot(self, lora_id: int, slot: int) -> None:
         """Copy a host adapter into `slot` of every projection (zero where it has none)."""

@@ -325,7 +325,8 @@ class Scheduler:
     #    prefix, with as much of the rest as the budget has left (a chunk), or none unless all
     #    of it fits when chunked prefill is off. Admission stops at the first that does not
     #    fit (see _schedule_waiting); a request whose sibling sample is still computing the
-    #    shared prompt is passed over, and those behind it are admitted. Under --policy
+    #    shared prompt, or whose LoRA adapter has no slot (_has_lora_slot), is passed over,
+    #    and those behind it are admitted. Under --policy
     #    priority a request that does not fit preempts running ones of a strictly lower
     #    priority if that makes room (_preempt_lower_priority), and is the step's last.
     # static (request-level batching) admits only when nothing runs, a whole batch at once.
@@ -405,7 +406,8 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         """Admit waiting sequences in policy order while max_num_seqs, the budget and the
         blocks allow; each looks up its cached prefix before it takes anything."""
-        waiting_for_a_sibling = set()  # request ids: their samples are passed over
+        waiting_for_a_sibling = set()  # request ids: their samples are passed over (also for
+                                       # want of a LoRA slot)
         # a full batch admits no one, unless under priority a preemption makes room
         while len(self.running) < self.max_num_seqs or self.policy == "priority":
             seq = self.waiting.peek(self.num_steps, waiting_for_a_sibling)
@@ -421,8 +423,9 @@ class Scheduler:
             num_new = self._num_new_tokens(len(seq.token_ids) - num_computed, budget)
             if num_new == 0:
                 return
-            if not self._has_lora_slot(seq):
-                return
+            if not self._has_lora_slot(seq):  # as vLLM: passed over, those behind it go on
+                waiting_for_a_sibling.add(seq.request_id)
+                continue
             victims = []
             if not self._has_room(seq, cached_block_ids):
                 victims = self._lower_priority_victims(seq, cached_block_ids)
@@ -474,7 +477,8 @@ class Scheduler:
     def _has_lora_slot(self, seq: Sequence) -> bool:
         """LoRA: whether seq's adapter has a device slot for it: the running sequences hold it
         already, or hold fewer than max_loras adapters (one can be freed for it). So a step
-        never needs more adapters than there are slots (lora.py)."""
+        never needs more adapters than there are slots (lora.py). One without is passed over,
+        as vLLM does, and the requests of the adapters held are admitted behind it."""
         if seq.lora_request is None:
             return True
         held = {running.lora_request.lora_int_id for running in self.running

@@ -776,6 +776,7 @@ def test_lora_triton_shrink_and_expand_match_the_reference(rank, dtype):
     assert torch.equal(y[base_rows], expected[base_rows])  # the base model's rows untouched
 
 
-def test_lora_reference_runs_one_gemm_per_segment_of_one_slot():
-    segments = kernels.slot_segments(torch.tensor(LORA_SLOTS))
-    assert segments == [(2, 0, 5), (0, 6, 7), (1, 7, 8), (1, 9, 10), (0, 10, 12), (3, 12, 13)]
+def test_lora_reference_runs_one_gemm_per_adapter_slot_of_the_step():
+    groups = kernels.slot_groups(torch.tensor(LORA_SLOTS))
+    assert [(slot, rows.tolist()) for slot, rows in groups] == [
+        (0, [6, 10, 11]), (1, [7, 9]), (2, [0, 1, 2, 3, 4]), (3, [12])]

@@ -436,3 +436,15 @@ def test_the_step_trace_and_the_watch_page_show_each_sequences_adapter(tmp_path)
     assert running == {"with": "sql", "without": None}
     assert "(LoRA sql)" in render_trace([engine.last_step], ["with"])
     run_to_end(engine)
+
+
+def test_a_request_whose_adapter_has_no_slot_is_passed_over_for_those_of_held_ones(tmp_path):
+    a = adapter(tmp_path, "tiny", "a", lora_id=1)
+    b = adapter(tmp_path, "tiny", "b", seed=1, lora_id=2)
+    engine = lora_llm(max_loras=1).engine
+    for request_id, lora in [("a1", a), ("b", b), ("a2", a)]:
+        engine.add_request(PROMPTS[0], GREEDY, request_id, lora_request=lora)
+    engine.step()
+    assert sorted(seq.seq_id for seq in engine.scheduler.running) == ["a1", "a2"]
+    run_to_end(engine)
+    assert_no_leaks(engine)
