@@ -448,3 +448,25 @@ def test_a_request_whose_adapter_has_no_slot_is_passed_over_for_those_of_held_on
     assert sorted(seq.seq_id for seq in engine.scheduler.running) == ["a1", "a2"]
     run_to_end(engine)
     assert_no_leaks(engine)
+
+
+def test_adapters_with_ngram_speculation_and_n_samples_equal_them_without(tmp_path):
+    """Drafts are verified under the sequence's adapter (its slot covers them), and each of
+    a request's n samples runs with it."""
+    requests = [adapter(tmp_path, "tiny", name, seed=i, lora_id=i + 1)
+                for i, name in enumerate("ab")] + [None]
+    prompts = ["abcabcabcabcabc", "ROMEO: " * 5, "0123456789" * 3]
+    expected = lora_llm(max_loras=2).generate(prompts, GREEDY, lora_request=requests)
+    speculating = lora_llm(max_loras=2, speculative_config={"method": "ngram",
+                                                            "num_speculative_tokens": 3})
+    got = speculating.generate(prompts, GREEDY, lora_request=requests)
+    assert_same_outputs(got, expected)
+    assert speculating.engine.stats.spec_decode_num_draft_tokens > 0
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=7, n=2, ignore_eos=True)
+    llm = lora_llm(max_loras=2)
+    both = llm.generate(prompts[:1], seeded, lora_request=requests[:1])[0]
+    alone = [llm.generate(prompts[:1], SamplingParams(max_tokens=16, temperature=1.0,
+                                                      seed=7 + i, ignore_eos=True),
+                          lora_request=requests[:1])[0] for i in range(2)]
+    assert [c.token_ids for c in both.outputs] == [a.outputs[0].token_ids for a in alone]
+    assert_no_leaks(llm.engine)
