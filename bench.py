@@ -37,6 +37,7 @@ import math
 import os
 import platform
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -51,6 +52,7 @@ import torch.nn.functional as F
 from torch.autograd import DeviceType
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import lora
 import model_runner
 from checkpoint import Checkpoint, load_model
 from cli import add_config_args
@@ -219,6 +221,13 @@ class BenchConfig:
                         "preempted sequence by context (--swap-contexts), and throughput "
                         "under a cache that preempts often, by --preemption-mode")
     swap_contexts: tuple = option((250, 500, 1000), "--swap: context lengths (tokens)")
+    lora: bool = option(False, "only multi-LoRA serving: --num-requests requests spread over K "
+                        "adapters (--lora-adapters), through the base model alone, multi-adapter "
+                        "batching (max_loras K, and K/2 where K > 1) and one adapter at a time: "
+                        "tokens/s and latency; an adapter's load time")
+    lora_adapters: tuple = option((1, 4, 16), "--lora: the numbers of adapters K")
+    lora_rank: int = option(16, "--lora: the adapters' rank")
+    lora_max_tokens: int = option(64, "--lora: tokens each request generates")
 
 
 def parse_args(argv=None) -> BenchConfig:
@@ -1352,6 +1361,104 @@ def swap_table(found: dict) -> str:
     return resume + "\n\n" + throughput
 
 
+# ----------------------------------------------------------------------------- LoRA
+
+def lora_targets(engine: Engine) -> list[str]:
+    """Every projection an adapter of the engine's model family may target."""
+    if engine.model.config.position_encoding == "learned":
+        return list(lora.GPT2_TARGETS)
+    return list(lora.LLAMA_TARGETS)
+
+
+def run_lora_batches(engine: Engine, batches: list[list[tuple]], max_tokens: int) -> dict:
+    """Serve each batch of (prompt, LoRARequest or None) to its end, one batch after another
+    (one batch: everything queued at once); output tokens/s and mean end-to-end latency, every
+    request having arrived at the start."""
+    start = time.perf_counter()
+    latencies = []
+    for batch in batches:
+        for prompt, lora_request in batch:
+            engine.add_request(prompt, greedy(max_tokens), lora_request=lora_request)
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    latencies.append(time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    return dict(output_throughput=max_tokens * len(latencies) / wall,
+                mean_e2e_ms=1000 * sum(latencies) / len(latencies))
+
+
+def lora_sweep(cfg: BenchConfig) -> dict:
+    """--lora: for each K, requests spread evenly over K adapters (request i: adapter i % K),
+    through (a) the base model alone, (b) one engine batching every adapter (max_loras K, and
+    K/2: adapters paged in and out), (c) one adapter at a time (each adapter's requests as a
+    batch of their own: a server without multi-LoRA batching); then loading an adapter."""
+    prompts, _ = make_workload(cfg, cfg.num_requests, 1)
+    max_k = max(cfg.lora_adapters)
+    base = make_engine(cfg)
+    with tempfile.TemporaryDirectory() as directory:
+        requests = []
+        for i in range(max_k):
+            path = os.path.join(directory, f"adapter{i}")
+            lora.save_random_lora(path, base.model, lora_targets(base), r=cfg.lora_rank, seed=i)
+            requests.append(lora.LoRARequest(f"adapter{i}", i + 1, path))
+        run_lora_batches(base, [[(p, None) for p in prompts[:4]]], 4)  # warm-up, not timed
+        rows = [emit(cfg, "lora", dict(adapters=0, max_loras=0, mode="base") | run_lora_batches(
+            base, [[(p, None) for p in prompts]], cfg.lora_max_tokens))]
+        for k in cfg.lora_adapters:
+            rows += lora_rows(cfg, prompts, requests[:k])
+        load = lora_load_cost(cfg, base, requests)
+    return dict(rows=rows, load=load)
+
+
+def lora_rows(cfg: BenchConfig, prompts: list, requests: list) -> list[dict]:
+    """(b) at max_loras K and K/2, then (c), for K = len(requests) adapters."""
+    k = len(requests)
+    assigned = [(p, requests[i % k]) for i, p in enumerate(prompts)]
+    rows = []
+    one_at_a_time = [[(p, lora_request) for p, lora_request in assigned
+                      if lora_request is requests[i]] for i in range(k)]
+    runs = [(max_loras, "multi-lora", [assigned])
+            for max_loras in sorted({k, max(1, k // 2)}, reverse=True)]
+    runs.append((1, "one adapter at a time", one_at_a_time))
+    for max_loras, mode, batches in runs:
+        engine = make_engine(cfg, enable_lora=True, max_loras=max_loras,
+                             max_lora_rank=cfg.lora_rank, max_cpu_loras=k)
+        run_lora_batches(engine, [assigned[:1]], 2)  # warm-up, not timed
+        row = dict(adapters=k, max_loras=max_loras, mode=mode)
+        rows.append(emit(cfg, "lora", row | run_lora_batches(engine, batches,
+                                                             cfg.lora_max_tokens)))
+    return rows
+
+
+def lora_load_cost(cfg: BenchConfig, engine: Engine, requests: list) -> dict:
+    """An adapter's load: from disk into host memory (read and checked), then into a device
+    slot (every projection's A and B copied), mean ms over the adapters."""
+    manager = lora.LoRAManager(engine.model, 1, cfg.lora_rank, len(requests), cfg.device)
+    start = time.perf_counter()
+    for request in requests:
+        manager.host[request.lora_int_id] = lora.load_lora(request, engine.model, cfg.lora_rank)
+    disk = (time.perf_counter() - start) / len(requests)
+    start = time.perf_counter()
+    for request in requests:
+        manager._load_slot(request.lora_int_id, 0)
+    if cfg.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    slot = (time.perf_counter() - start) / len(requests)
+    for linear in manager.linears:  # the engine's model serves on without adapters
+        linear.lora_mapping = None
+    return dict(disk_ms=1000 * disk, slot_ms=1000 * slot, rank=cfg.lora_rank)
+
+
+def lora_table(found: dict) -> str:
+    rows = table("Multi-LoRA serving: requests spread over K adapters (adapters 0: the base "
+                 "model alone)", found["rows"],
+                 "adapters max_loras mode output_throughput mean_e2e_ms")
+    load = found["load"]
+    return rows + (f"\n\nLoading an adapter of rank {load['rank']}: {load['disk_ms']:.2f} ms "
+                   f"from disk, {load['slot_ms']:.2f} ms into a device slot")
+
+
 # ----------------------------------------------------------------------------- main
 
 def run_in_process(cfg: BenchConfig, result: dict, progress) -> None:
@@ -2342,7 +2449,7 @@ def versions(cfg: BenchConfig) -> dict:
 # The flags of the measurements that run alone (run_single_measurement), each BenchConfig's
 SINGLE_MEASUREMENTS = ("lm_head", "host_overhead", "detokenizer", "step_gemms", "kernel",
                        "count_ops", "sampling", "speculative", "structured_output", "goodput",
-                       "swap")
+                       "swap", "lora")
 
 
 def run_single_measurement(cfg: BenchConfig) -> bool:
@@ -2359,7 +2466,8 @@ def run_single_measurement(cfg: BenchConfig) -> bool:
              "speculative": (speculative_sweep, speculative_table),
              "structured_output": (structured_output_cost, structured_output_table),
              "goodput": (service_levels, service_levels_table),
-             "swap": (swap_against_recompute, swap_table)}
+             "swap": (swap_against_recompute, swap_table),
+             "lora": (lora_sweep, lora_table)}
     for name in SINGLE_MEASUREMENTS:
         if not getattr(cfg, name):
             continue

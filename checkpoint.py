@@ -25,7 +25,8 @@ from functools import partial
 
 import torch
 
-from model import GPT, PRESETS, GPTConfig, merge_split
+from linear import merge_split
+from model import GPT, PRESETS, GPTConfig
 from tokenizer import (EOT, ChatTemplate, Tokenizer, byte_tokenizer, gpt2_byte_chars,
                        load_chat_template, load_tokenizer, read_json)
 

@@ -93,6 +93,14 @@ def trace_mark(request_id: str, record: "StepRecord") -> str:  # noqa: F821 (nan
     return "."
 
 
+def lora_note(request_id: str, records: list) -> str:
+    """A trace row's ending: the LoRA adapter the request ran with, if any."""
+    for record in records:
+        if request_id in record.lora_names:
+            return f"  (LoRA {record.lora_names[request_id]})"
+    return ""
+
+
 def render_trace(records: list["StepRecord"],  # noqa: F821 (nanoserve.py)
                  request_ids: list[str]) -> str:
     """The timeline that continuous-batching diagrams draw: a row per request, a column per
@@ -112,5 +120,5 @@ def render_trace(records: list["StepRecord"],  # noqa: F821 (nanoserve.py)
             marks += trace_mark(request_id, record)
             if request_id in record.finished:
                 break
-        rows.append(f"{request_id:>{width}} | {marks}")
+        rows.append(f"{request_id:>{width}} | {marks}{lora_note(request_id, records)}")
     return "\n".join(rows + ["", TRACE_LEGEND])

@@ -622,3 +622,139 @@ def select_attention(name: str, device: str):
         print("note: Triton attention on a CPU runs in Triton's interpreter: exact but slow",
               file=sys.stderr)
     return ATTENTION_BACKENDS[name]
+
+
+# ---------------------------------------------------------------------- LoRA: shrink and expand
+# A step's LoRA term for one projection, all adapters at once (Punica's SGMV and BGMV, vLLM's
+# lora_shrink and lora_expand): each token t carries its adapter's slot s_t among the L slots
+# resident on the device (-1: the base model, no term). The shrink takes x (N, I) down to the
+# rank, x[t] A[s_t]^T (N, R); the expand takes that up to the output, adding it B[s_t]^T into
+# y (N, O). A and B are each slot's, stacked (L, R, I) and (L, O, R), zero past the adapter's
+# own rank r <= R, so one launch serves adapters of every rank. lora.py tells the story.
+
+def slot_groups(token_slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """(slot, its tokens' indices (n,)) for each adapter slot of the step, base tokens (-1)
+    left out: [2, 2, -1, 0, 2] -> [(0, [3]), (2, [0, 1, 4])]. Each is SGMV's segment, the
+    tokens of one adapter, gathered wherever they sit in the batch: a decode batch's tokens
+    alternate adapters, and one GEMM a run of them would be one a token."""
+    slots = token_slots.unique().tolist()
+    return [(slot, (token_slots == slot).nonzero().flatten()) for slot in slots if slot >= 0]
+
+
+def lora_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor,
+                    token_slots: torch.Tensor) -> torch.Tensor:
+    """The shrink's spec: x (N, I), lora_a (L, R, I), token_slots (N,) -> (N, R) in x's dtype,
+    row t x[t] A[s_t]^T, zero for a base token: one GEMM per slot of the step."""
+    out = x.new_zeros(x.shape[0], lora_a.shape[1])
+    for slot, rows in slot_groups(token_slots):
+        out[rows] = x[rows] @ lora_a[slot].T
+    return out
+
+
+def lora_expand_ref(shrunk: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor,
+                    y: torch.Tensor) -> None:
+    """The expand's spec: y (N, O) += shrunk[t] B[s_t]^T, in place (y may be a slice of a
+    merged projection's output), lora_b (L, O, R); base tokens' rows are left untouched."""
+    for slot, rows in slot_groups(token_slots):
+        y.index_add_(0, rows, shrunk[rows] @ lora_b[slot].T)
+
+
+@triton.jit
+def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, stride_xn, stride_al, stride_ar,
+                        stride_on, IN_FEATURES, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_I: tl.constexpr):
+    """One program per token (BGMV): its row of x against its slot's A, BLOCK_I columns at a
+    time, accumulated in fp32."""
+    pid = tl.program_id(0)
+    slot = tl.load(slots_ptr + pid)
+    has_adapter = slot >= 0
+    safe_slot = tl.maximum(slot, 0)  # a base token reads slot 0's A, masked out below
+    offs_r = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for start in range(0, IN_FEATURES, BLOCK_I):
+        offs_i = start + tl.arange(0, BLOCK_I)
+        mask_i = offs_i < IN_FEATURES  # the last tile may run past the row
+        # the token's x tile (BLOCK_I,)
+        x = tl.load(x_ptr + pid * stride_xn + offs_i, mask=mask_i, other=0.0)
+        # its slot's A tile (BLOCK_R, BLOCK_I); rows past RANK are padding
+        a = tl.load(a_ptr + safe_slot * stride_al + offs_r[:, None] * stride_ar + offs_i[None, :],
+                    mask=(offs_r[:, None] < RANK) & mask_i[None, :], other=0.0)
+        acc += tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    acc = tl.where(has_adapter, acc, 0.0)  # a base token's row is zero, as the reference's
+    tl.store(out_ptr + pid * stride_on + offs_r, acc.to(out_ptr.dtype.element_ty),
+             mask=offs_r < RANK)
+
+
+@triton.jit
+def _lora_expand_kernel(s_ptr, b_ptr, slots_ptr, y_ptr, stride_sn, stride_bl, stride_bo,
+                        stride_yn, OUT_FEATURES, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_O: tl.constexpr):
+    """One program per (token, BLOCK_O outputs): its shrunk row against its slot's B rows,
+    added into y; a base token's program writes nothing."""
+    pid = tl.program_id(0)
+    pid_o = tl.program_id(1)
+    slot = tl.load(slots_ptr + pid)
+    safe_slot = tl.maximum(slot, 0)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
+    # past the slice, or a base token: no write (its slot is -1)
+    mask_o = (offs_o < OUT_FEATURES) & (tl.full((BLOCK_O,), 0, tl.int64) + slot >= 0)
+    # the token's shrunk row (BLOCK_R,), padded past RANK
+    s = tl.load(s_ptr + pid * stride_sn + offs_r, mask=offs_r < RANK, other=0.0)
+    # its slot's B tile (BLOCK_O, BLOCK_R)
+    b = tl.load(b_ptr + safe_slot * stride_bl + offs_o[:, None] * stride_bo + offs_r[None, :],
+                mask=mask_o[:, None] & (offs_r[None, :] < RANK), other=0.0)
+    acc = tl.sum(b.to(tl.float32) * s.to(tl.float32)[None, :], axis=1)  # (BLOCK_O,)
+    # y's tile, read and written back with the term added (y may be a strided slice)
+    y = tl.load(y_ptr + pid * stride_yn + offs_o, mask=mask_o, other=0.0)
+    tl.store(y_ptr + pid * stride_yn + offs_o, (y.to(tl.float32) + acc).to(y.dtype),
+             mask=mask_o)
+
+
+LORA_BLOCK_I = 128  # the shrink's tile of x's row: 128 columns a loop
+LORA_BLOCK_O = 128  # the expand's outputs a program
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """lora_shrink_ref's signature and result, by _lora_shrink_kernel: no host wait, no shape
+    that depends on the slots, so a CUDA graph can capture it (the slots a static buffer)."""
+    _check_lora_launch(x, lora_a, token_slots)
+    num_tokens, rank = x.shape[0], lora_a.shape[1]
+    out = torch.empty((num_tokens, rank), dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    _lora_shrink_kernel[(num_tokens,)](  # a program per token
+        x, lora_a, token_slots, out, x.stride(0), lora_a.stride(0), lora_a.stride(1),
+        out.stride(0), x.shape[1], RANK=rank, BLOCK_R=triton.next_power_of_2(rank),
+        BLOCK_I=LORA_BLOCK_I)
+    return out
+
+
+def lora_expand(shrunk: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor,
+                y: torch.Tensor) -> None:
+    """lora_expand_ref's signature and result, by _lora_expand_kernel (graph-safe, as
+    lora_shrink)."""
+    _check_lora_launch(shrunk, lora_b, token_slots)
+    assert y.shape == (shrunk.shape[0], lora_b.shape[1]) and y.stride(1) == 1, \
+        f"y {tuple(y.shape)} must be (N, O) with dense rows"
+    num_tokens, out_features = y.shape
+    if num_tokens == 0:
+        return
+    rank = lora_b.shape[2]
+    grid = (num_tokens, cdiv(out_features, LORA_BLOCK_O))  # tokens x tiles of the output
+    _lora_expand_kernel[grid](
+        shrunk, lora_b, token_slots, y, shrunk.stride(0), lora_b.stride(0), lora_b.stride(1),
+        y.stride(0), out_features, RANK=rank, BLOCK_R=triton.next_power_of_2(rank),
+        BLOCK_O=LORA_BLOCK_O)
+
+
+def _check_lora_launch(x: torch.Tensor, weights: torch.Tensor, token_slots: torch.Tensor) -> None:
+    """What the LoRA kernels assume: x (N, K) with dense rows; weights (L, M, K), K dense (the
+    shrink's A (L, R, I) against x (N, I); the expand's B (L, O, R) against its input (N, R));
+    int64 slots (N,); one device."""
+    assert x.dim() == 2 and x.stride(1) == 1, f"x {tuple(x.shape)} must be (N, K), rows dense"
+    assert weights.dim() == 3 and weights.shape[2] == x.shape[1] and weights.stride(2) == 1, \
+        f"weights {tuple(weights.shape)} do not fit x {tuple(x.shape)}"
+    assert token_slots.shape == (x.shape[0],) and token_slots.dtype == torch.int64, \
+        "token_slots must be (N,) int64"
+    assert x.device == weights.device == token_slots.device, "one device"

@@ -12,16 +12,17 @@ the plain model on (B, T): the training path (train.py) and the paged path's ref
 per sequence as Hugging Face keeps them (bench.py's naive baseline).
 
 A layer launches few kernels: q, k, v are one GEMM (qkv_proj) and the MLP's gate and up another
-(gate_up_proj), stacked as the weights load (MergedLinear; the state dict keeps Hugging Face's
-names); each residual add is done by the norm after it (vLLM's fused_add_rms_norm); and on CUDA
-the RMSNorm, RoPE and SwiGLU functions are compiled into one kernel each (fused_on_cuda), while
-a CPU runs them as written, computing what it always did, bit for bit.
+(gate_up_proj), stacked as the weights load (linear.py's MergedLinear, the projections' home,
+where adapters add their LoRA terms; the state dict keeps Hugging Face's names); each residual
+add is done by the norm after it (vLLM's fused_add_rms_norm); and on CUDA the RMSNorm, RoPE and
+SwiGLU functions are compiled into one kernel each (fused_on_cuda), while a CPU runs them as
+written, computing what it always did, bit for bit.
 
 checkpoint.py builds a GPT from a checkpoint's config.json and weights; the engine
 (nanoserve.py) runs it.
 
 Left out: dropout, sliding-window attention, mixture-of-experts, RoPE scalings but Llama 3's,
-tensor parallelism and quantisation.
+tensor parallelism and quantisation (linear.py says where they would go).
 Shape legend: N tokens in the flat batch, B batch, T time, C n_embd, H query heads, Hkv K/V
 heads, D head dim.
 """
@@ -34,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels import AttentionMetadata, paged_attention_ref, store_kv
+from linear import Linear, MergedLinear, merge_split, split_merged
 
 
 @dataclass
@@ -297,59 +299,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate.contiguous()) * up
 
 
-class MergedLinear(nn.Linear):
-    """Hugging Face's projections of one input as one nn.Linear, stacked along its output
-    (vLLM's QKVParallelLinear, MergedColumnParallelLinear): one GEMM for q, k and v, or for gate
-    and up, whose output the caller splits into views. `parts`: each projection's Hugging Face
-    name and rows, in order. GPT's state dict hooks split it back into those names."""
-
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool):
-        super().__init__(in_features, sum(parts.values()), bias=bias)
-        self.parts = parts
-
-
-def split_merged(model: nn.Module, state: dict, prefix: str, _metadata) -> None:
-    """A state_dict post-hook: each MergedLinear's tensors split into Hugging Face's (views):
-    "...self_attn.qkv_proj.weight" -> "...self_attn.q_proj.weight", k_proj's, v_proj's, in the
-    order the unmerged model listed them, so checkpoints are read, checked and written by those
-    names and layouts, as ever."""
-    merged = {prefix + name: m for name, m in model.named_modules() if isinstance(m, MergedLinear)}
-    for key in [key for key in state if key.startswith(prefix)]:  # the model's, at the end
-        if key not in state:  # a merged bias, split with its weight
-            continue
-        module = key.rpartition(".")[0]
-        if module not in merged:
-            state[key] = state.pop(key)  # moved to the end, in its turn
-            continue
-        parts = merged[module].parts
-        splits = {param: state.pop(f"{module}.{param}").split(list(parts.values()))
-                  for param in ("weight", "bias") if f"{module}.{param}" in state}
-        parent = module.rpartition(".")[0]
-        for i, name in enumerate(parts):  # q_proj.weight, q_proj.bias, k_proj.weight, ...
-            for param, pieces in splits.items():
-                state[f"{parent}.{name}.{param}"] = pieces[i]
-
-
-def merge_split(model: nn.Module, state: dict, prefix: str, *_, release=None) -> None:
-    """A load_state_dict pre-hook, split_merged undone: Hugging Face's q_proj, k_proj, v_proj
-    (gate_proj, up_proj) tensors concatenated into the MergedLinear's, a copy made once as the
-    weights load. A state dict in merged names loads as it is. release: called with each
-    concatenated piece, which nothing reads again (the loader lets its file's pages go)."""
-    for name, m in model.named_modules():
-        if not isinstance(m, MergedLinear):
-            continue
-        parent = prefix + name.rpartition(".")[0]
-        for param in ("weight", "bias"):
-            keys = [f"{parent}.{part}.{param}" for part in m.parts]
-            if not all(key in state for key in keys):
-                continue
-            pieces = [state.pop(key) for key in keys]
-            state[f"{prefix}{name}.{param}"] = torch.cat(pieces)
-            for piece in pieces:
-                if release is not None:
-                    release(piece)
-
-
 class Attention(nn.Module):
     """Causal self-attention with n_head query heads and n_kv_head K/V heads: query head h reads
     K/V head h // G (G = n_head // n_kv_head, the group size), so the cache holds n_kv_head
@@ -365,7 +314,7 @@ class Attention(nn.Module):
         self.qkv_proj = MergedLinear(config.n_embd, dict(q_proj=self.q_size, k_proj=self.kv_size,
                                                          v_proj=self.kv_size),
                                      bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.n_embd, bias=config.o_bias)
+        self.o_proj = Linear(self.q_size, config.n_embd, bias=config.o_bias)
         self.q_norm = None
         self.k_norm = None
         if config.qk_norm:
@@ -424,8 +373,8 @@ class MLP(nn.Module):
             self.gate_up_proj = MergedLinear(config.n_embd, dict(gate_proj=hidden, up_proj=hidden),
                                              bias=config.mlp_bias)
         else:
-            self.up_proj = nn.Linear(config.n_embd, hidden, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(hidden, config.n_embd, bias=config.mlp_bias)
+            self.up_proj = Linear(config.n_embd, hidden, bias=config.mlp_bias)
+        self.down_proj = Linear(hidden, config.n_embd, bias=config.mlp_bias)
 
     def forward(self, x):
         if self.gated:

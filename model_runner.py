@@ -30,6 +30,7 @@ import torch
 
 from input_batch import InputBatch
 from kernels import AttentionMetadata, select_attention
+from lora import LoRAManager
 from paged_cache import allocate_kv_cache, cdiv, kv_bytes_per_token
 from sampling import invalid_rows, sample, sampling_tensors, upload
 from scheduler import Sequence
@@ -60,6 +61,8 @@ class Batch:
     # (n,) each sampling sequence's drafts verified this step ([] for none); None: no drafts
     # in the step, a row a sequence
     sample_drafts: list[list[int]] | None = None
+    lora_slots: torch.Tensor | None = None  # (N,) int64 each token's LoRA slot, -1 none; None:
+                                            # no adapter in the step (lora.py)
 
 
 @dataclass
@@ -120,6 +123,7 @@ class DecodeBuffers:
     block_tables: torch.Tensor      # (B, W) int32, W the whole table width; padding: null block
     context_lens: torch.Tensor      # (B,) int32; padding: 1
     query_start_loc: torch.Tensor   # (B + 1,) int32: 0, 1, 2, ... (a token a sequence)
+    lora_slots: torch.Tensor        # (B,) int64 each row's LoRA slot; padding, base: -1
     hidden: torch.Tensor | None = None  # (B, C): the graphs' output
 
     @classmethod
@@ -128,7 +132,7 @@ class DecodeBuffers:
             return torch.zeros(shape, dtype=dtype, device=device)
         return cls(input_ids=zeros(size), positions=zeros(size), slot_mapping=zeros(size),
                    block_tables=zeros(size, width, dtype=torch.int32),
-                   context_lens=zeros(size, dtype=torch.int32),
+                   context_lens=zeros(size, dtype=torch.int32), lora_slots=zeros(size) - 1,
                    query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device))
 
     def metadata(self, size: int) -> AttentionMetadata:
@@ -152,6 +156,11 @@ class ModelRunner:
         self.attention = select_attention(config.attention, config.device)
         self.generator = torch.Generator(config.device).manual_seed(config.seed)
         c = model.config
+        self.lora_manager: LoRAManager | None = None  # adapters' slots, before the KV cache
+        if config.enable_lora:                         # is sized from what is left
+            self.lora_manager = LoRAManager(model, config.max_loras, config.max_lora_rank,
+                                            config.max_cpu_loras or config.max_loras,
+                                            config.device)
         self.kv_bytes_per_token = kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_dim, dtype)
         # K and V for every layer and K/V head: grouped-query attention's saving is here. The
         # caches of all layers, k_caches and v_caches (n_layer, NB + 1, BS, Hkv, D); layer i's
@@ -296,6 +305,8 @@ class ModelRunner:
     def _run_decode(self, size: int) -> None:
         """The model over the static buffers' first `size` rows, into buffers.hidden."""
         b = self.buffers
+        if self.lora_manager is not None:  # a graph reads the slots from the static buffer
+            self.lora_manager.mapping.token_slots = b.lora_slots[:size]
         hidden = self.model(b.input_ids[:size], b.positions[:size], b.metadata(size),
                             self.k_caches, self.v_caches, self.attention)  # (size, C)
         if b.hidden is None:
@@ -312,6 +323,7 @@ class ModelRunner:
         b.slot_mapping[start:] = self.null_block * self.config.block_size
         b.block_tables[start:] = self.null_block
         b.context_lens[start:] = 1
+        b.lora_slots[start:] = -1
 
     def _graph_size(self, batch: Batch) -> int | None:
         """The captured size a decode batch replays (the next one up), or None: eager."""
@@ -324,11 +336,17 @@ class ModelRunner:
         """The model over the step's tokens: (N, C), from a graph's replay if one fits."""
         size = self._graph_size(batch)
         if size is None:
+            if self.lora_manager is not None:
+                self.lora_manager.mapping.token_slots = batch.lora_slots
             return self.model(batch.input_ids, batch.positions, batch.attn_metadata,
                               self.k_caches, self.v_caches, self.attention)
         num_seqs = len(batch.input_ids)
         b = self.buffers
         meta = batch.attn_metadata
+        if batch.lora_slots is not None:
+            b.lora_slots[:num_seqs].copy_(batch.lora_slots)
+        else:
+            b.lora_slots[:num_seqs] = -1
         b.input_ids[:num_seqs].copy_(batch.input_ids)
         b.positions[:num_seqs].copy_(batch.positions)
         b.slot_mapping[:num_seqs].copy_(meta.slot_mapping)
@@ -523,6 +541,10 @@ class ModelRunner:
         decodes_first = sorted(num_scheduled_tokens.items(), key=has_many_new_tokens)
         spec_decode_tokens = spec_decode_tokens or {}
         ints, sample_seqs, prompt_seqs = self._flatten_inputs(decodes_first, spec_decode_tokens)
+        if self.lora_manager is not None:  # each token's adapter slot, if any has one
+            lora_slots = self.lora_manager.token_slots(decodes_first)
+            if lora_slots is not None:
+                ints["lora_slots"] = lora_slots
         sample_drafts = None
         if spec_decode_tokens:
             sample_drafts = [spec_decode_tokens.get(seq, []) for seq in sample_seqs]
@@ -545,7 +567,8 @@ class ModelRunner:
                      sample_seqs=sample_seqs,
                      prompt_logits_indices=tensors["prompt_logits_indices"],
                      prompt_targets=tensors["prompt_targets"], prompt_seqs=prompt_seqs,
-                     is_decode=max_query_len == 1, sample_drafts=sample_drafts)
+                     is_decode=max_query_len == 1, sample_drafts=sample_drafts,
+                     lora_slots=tensors.get("lora_slots"))
 
     def _flatten_inputs(self, scheduled: list[tuple[Sequence, int]],
                         spec_decode_tokens: dict[Sequence, list[int]]

@@ -22,7 +22,10 @@ vLLM's shape and argument names, so moving to vLLM is an import away:
 Speculative decoding (spec_decode.py) is two hooks here: propose() at the end of a step sets
 the next step's drafts, and update() appends a verified run of tokens one at a time.
 
-Left out: beam search, tensor parallelism, multi-modal inputs, LoRA.
+LoRA adapters (lora.py) are a few hooks here: add_request acquires a request's adapter, a
+finished sequence releases it, and execute() puts the running ones in device slots.
+
+Left out: beam search, tensor parallelism, multi-modal inputs.
 """
 import dataclasses
 import itertools
@@ -36,6 +39,7 @@ from checkpoint import DTYPES, load_model
 from display import Progress, progress_wanted, render_trace
 from draft_proposer import DraftModelProposer
 from kernels import keep_freed_memory
+from lora import LoRARequest
 from model import PRESETS
 from model_runner import ModelOutput, ModelRunner
 from ngram_proposer import NgramProposer
@@ -108,9 +112,21 @@ class EngineConfig:
         ": 4} or {\"model\": PATH, \"num_speculative_tokens\": 4} (spec_decode.py)",
         type=parse_speculative_config)
 
+    # LoRA (lora.py): vLLM's flags
+    enable_lora: bool = option(False, "serve LoRA adapters (requests name one: lora_request)")
+    max_loras: int = option(4, "LoRA adapters resident on the device at once (a step's most)",
+                            high=1024)
+    max_lora_rank: int = option(16, "the largest LoRA rank served (slots are padded to it)",
+                                high=512)
+    max_cpu_loras: int | None = option(None, "LoRA adapters kept in host memory; default: "
+                                       "max_loras", type=int)
+
     def __post_init__(self):
         self.speculative_config = parse_speculative_config(self.speculative_config)
         check_fields(self)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras {self.max_cpu_loras} is below max_loras "
+                             f"{self.max_loras}: the host keeps every resident adapter")
         if self.model == "":
             raise ValueError("model is empty: give a checkpoint or leave it out (the shipped "
                              "model)")
@@ -197,6 +213,7 @@ class StepRecord:
     num_accepted_tokens: dict[str, int] = field(default_factory=dict)
     swapped_out: list[str] = field(default_factory=list)  # of the preempted: to host memory
     swapped_in: list[str] = field(default_factory=list)   # readmitted from host memory
+    lora_names: dict[str, str] = field(default_factory=dict)  # scheduled with a LoRA adapter
     swap_blocks_used: int = 0       # host blocks holding swapped-out K/V (swap.py)
 
 
@@ -301,7 +318,9 @@ class Engine:
         self.scheduler = Scheduler(self.block_pool, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
                                    config.policy, preemption_mode=config.preemption_mode,
-                                   swap_space=self.model_runner.swap_space)
+                                   swap_space=self.model_runner.swap_space,
+                                   max_loras=config.max_loras if config.enable_lora else None)
+        self.lora_manager = self.model_runner.lora_manager  # None unless enable_lora
         self.seqs: dict[str, Sequence] = {}            # sequence id -> its sequence
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n samples
         self.stats = EngineStats()
@@ -390,6 +409,8 @@ class Engine:
         spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
         if not num_scheduled_tokens:
             return ModelOutput()
+        if self.lora_manager is not None:  # the running sequences' adapters into device slots
+            self.lora_manager.activate(self.scheduler.running)
         # A batch may fail after sampling: its seeded sequences' generators have then drawn,
         # and alone they must draw the same again, as if the batch had never run.
         generator_states = seeded_generator_states(num_scheduled_tokens)
@@ -477,14 +498,16 @@ class Engine:
                                  if seq in model_output.sampled_token_ids},
             swapped_out=[seq.seq_id for seq in scheduler_output.swapped_out],
             swapped_in=[seq.seq_id for seq in scheduler_output.swapped_in],
+            lora_names={seq.seq_id: seq.lora_request.lora_name for seq in scheduled
+                        if seq.lora_request is not None},
             swap_blocks_used=self.swap_blocks_used)
         self.stats.record(self.last_step)
         if self.step_records is not None:
             self.step_records.append(self.last_step)
 
     def add_request(self, prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, stream: bool = True, priority: int = 0
-                    ) -> str:
+                    request_id: str | None = None, stream: bool = True, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> str:
         """Queue a prompt (a string, a list of token ids, {"prompt": str} or
         {"prompt_token_ids": [...]}) with a copy of params (none: the checkpoint's sampling
         defaults over SamplingParams' own, its max_tokens at most what the context leaves);
@@ -493,7 +516,8 @@ class Engine:
         which saves a caller that wants only the end (LLM.generate) making and dropping an
         output per token. priority (vLLM's): lower is served first under --policy priority,
         which may preempt a running request of a higher number for it; the other policies
-        ignore it."""
+        ignore it. lora_request (vLLM's): the LoRA adapter it runs with (lora.py; None: the
+        base model), read from disk here if the host does not hold it."""
         if type(stream) is not bool:
             raise ValueError(f"stream must be True or False, got {stream!r}")
         check_int("priority", priority, -MAX_PRIORITY, MAX_PRIORITY)
@@ -511,10 +535,15 @@ class Engine:
             if request_id is None:  # the next free number: never a caller's id, nor a sample's
                 request_id = next(i for i in map(str, self._ids) if not self._in_use(i, params.n))
             self._validate(token_ids, params, request_id)
+            self._check_lora(lora_request)
             seqs = [self._sample_sequence(request_id, index, text, token_ids, params, stream)
                     for index in range(params.n)]
             for seq in seqs:
                 seq.priority = priority
+                seq.lora_request = lora_request
+                seq.block_table.cache_salt = lora_cache_salt(lora_request)
+            if lora_request is not None:  # last: nothing after it may fail and leave it held
+                self.lora_manager.acquire(lora_request, params.n)
             self.requests[request_id] = seqs
             for seq in seqs:
                 seq.grammar = new_grammar(compiled)  # each sample matches on its own
@@ -600,6 +629,16 @@ class Engine:
         if not self.config.enable_chunked_prefill and num_kv_tokens > budget:
             raise ValueError(f"request may need to prefill {num_kv_tokens} tokens in one step, "
                              f"but max_num_batched_tokens is {budget} and chunked prefill is off")
+
+    def _check_lora(self, lora_request) -> None:
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got "
+                             f"{type(lora_request).__name__}")
+        if self.lora_manager is None:
+            raise ValueError(f"lora_request {lora_request.lora_name!r}: LoRA is not enabled "
+                             "(enable_lora)")
 
     def _in_use(self, request_id: str, n: int) -> bool:
         """Whether request_id names a live request, or the id of one of its n samples a live
@@ -732,6 +771,8 @@ class Engine:
     def _release(self, seq: Sequence) -> bool:
         """A finished sequence leaves the engine. Whether it was the last of its request: only
         the output that ends a request's last sample says the request is finished."""
+        if seq.lora_request is not None and self.seqs.get(seq.seq_id) is seq:  # once
+            self.lora_manager.release(seq.lora_request)
         self.seqs.pop(seq.seq_id, None)
         self._remove(seq)
         samples = self.requests.get(seq.request_id, [])
@@ -740,6 +781,13 @@ class Engine:
             return False
         self.requests.pop(seq.request_id, None)
         return True
+
+
+def lora_cache_salt(lora_request: LoRARequest | None) -> bytes:
+    """The root of a sequence's block-hash chain: the adapter's (none for the base model)."""
+    if lora_request is None:
+        return b""
+    return lora_request.cache_salt
 
 
 def unwrap_prompt(prompt: dict):
@@ -779,12 +827,15 @@ class LLM:
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  trace: bool = False, use_tqdm: bool | None = None,
-                 priority: list[int] | None = None) -> list[RequestOutput]:
+                 priority: list[int] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Serve all prompts (any form add_request takes) as one batch; whole outputs, in order.
         params None: Engine.default_params for each prompt (the checkpoint's defaults). trace:
         print the step-by-step timeline to stderr at the end. use_tqdm (vLLM's name): the
         progress line on stderr (Progress); None: only when stderr is a terminal. priority
-        (vLLM's): one per prompt (Engine.add_request); None: all 0."""
+        (vLLM's): one per prompt (Engine.add_request); None: all 0. lora_request (vLLM's): the
+        LoRA adapter of every prompt, or a list of one per prompt (None: the base model)."""
         show_progress = progress_wanted(use_tqdm)
         prompts = as_prompt_list(prompts)
         if not isinstance(params, (list, tuple)):  # None: each prompt's default_params
@@ -796,15 +847,21 @@ class LLM:
         if not isinstance(priority, (list, tuple)) or len(priority) != len(prompts):
             raise ValueError(f"priority must be a list of one integer a prompt ({len(prompts)}), "
                              f"got {priority!r}")
+        if not isinstance(lora_request, (list, tuple)):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(lora_request)} lora requests")
         ids = []
         whole = {}
         self.engine.step_records = [] if trace else None
         progress = Progress(len(prompts), show_progress)
         try:
-            for prompt, prompt_params, prompt_priority in zip(prompts, params, priority):
+            for prompt, prompt_params, prompt_priority, prompt_lora in zip(
+                    prompts, params, priority, lora_request):
                 # whole outputs only: an output per token would be made to be merged here
                 ids.append(self.engine.add_request(prompt, prompt_params, stream=False,
-                                                   priority=prompt_priority))
+                                                   priority=prompt_priority,
+                                                   lora_request=prompt_lora))
             while any(i not in whole or not whole[i].finished for i in ids):
                 for delta in self.engine.step():
                     accumulate(whole, delta)

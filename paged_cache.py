@@ -128,7 +128,8 @@ class BlockPool:
         """How many of these blocks sit in the free queue: taking them would shrink it."""
         return sum(1 for b in block_ids if self.ref_counts[b] == 0)
 
-    def find_cached_prefix(self, token_ids: list[int]) -> tuple[list[bytes], list[int]]:
+    def find_cached_prefix(self, token_ids: list[int], cache_salt: bytes = NO_PARENT
+                           ) -> tuple[list[bytes], list[int]]:
         """The block hashes and ids of the longest run of token_ids' first full blocks found in
         the cache; nothing is taken (BlockTable.take_cached_prefix takes them).
 
@@ -137,12 +138,13 @@ class BlockPool:
         from. Example, block_size 4: a prompt of 8 tokens whose 2 blocks are both cached
         reuses only the first (4 tokens) and computes tokens 4..7 into a block of its own;
         it cannot compute token 7 alone into the cached second block, which others share and
-        which must never be written."""
+        which must never be written. cache_salt: the parent hash of the first block (a LoRA
+        adapter's: the same tokens under another adapter are other K/V)."""
         block_hashes = []
         block_ids = []
         if not self.enable_caching:
             return block_hashes, block_ids
-        parent_hash = NO_PARENT
+        parent_hash = cache_salt
         for i in range((len(token_ids) - 1) // self.block_size):
             block_tokens = token_ids[i * self.block_size:(i + 1) * self.block_size]
             block_hash = hash_block(parent_hash, block_tokens)
@@ -170,6 +172,7 @@ class BlockTable:
         self.block_pool = block_pool
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # of block_ids[:len(block_hashes)]
+        self.cache_salt = NO_PARENT  # its first block's parent hash (a LoRA adapter's)
 
     def num_missing_blocks(self, num_tokens: int) -> int:
         """Blocks still to allocate before the table holds `num_tokens` tokens."""
@@ -216,7 +219,7 @@ class BlockTable:
         block_size = self.block_pool.block_size
         num_full_blocks = num_computed_tokens // block_size
         for i in range(len(self.block_hashes), num_full_blocks):
-            parent_hash = self.block_hashes[-1] if self.block_hashes else NO_PARENT
+            parent_hash = self.block_hashes[-1] if self.block_hashes else self.cache_salt
             block_hash = hash_block(parent_hash, token_ids[i * block_size:(i + 1) * block_size])
             self.block_hashes.append(block_hash)
             self.block_pool.cache_block(self.block_ids[i], block_hash)

@@ -91,6 +91,7 @@ class Sequence:
     host_block_ids: list[int] = field(default_factory=list)  # swapped out: the host blocks of
                                               # its computed tokens' K/V (swap.py)
     priority: int = 0                         # lower first (vLLM's); --policy priority reads it
+    lora_request: "LoRARequest | None" = None  # noqa: F821 (lora.LoRARequest) its adapter
     # len(prompt_token_ids), kept beside the sequence's other numbers: every step reads it,
     # and a long prompt's list sits far from them in memory (BENCHMARKS.md, section 8)
     num_prompt_tokens: int = field(init=False)
@@ -294,7 +295,7 @@ class Scheduler:
     def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, policy: str = "fcfs",
                  sjf_max_wait_steps: int = 256, preemption_mode: str = "recompute",
-                 swap_space: SwapSpace | None = None):
+                 swap_space: SwapSpace | None = None, max_loras: int | None = None):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {POLICIES}")
         if preemption_mode not in PREEMPTION_MODES:
@@ -311,6 +312,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.preemption_mode = preemption_mode
         self.swap_space = swap_space
+        self.max_loras = max_loras  # LoRA adapters the running sequences may hold; None: no LoRA
         self.num_schedule_calls = 0  # the queue's clock: arrival_step and sjf's aging read it
         self.num_preemptions = 0   # by recompute and by swapping
         self.num_swapped_out = 0
@@ -334,7 +336,8 @@ class Scheduler:
     #    prefix, with as much of the rest as the budget has left (a chunk), or none unless all
     #    of it fits when chunked prefill is off. Admission stops at the first that does not
     #    fit (see _schedule_waiting); a request whose sibling sample is still computing the
-    #    shared prompt is passed over, and those behind it are admitted. Under --policy
+    #    shared prompt, or whose LoRA adapter has no slot (_has_lora_slot), is passed over,
+    #    and those behind it are admitted. Under --policy
     #    priority a request that does not fit preempts running ones of a strictly lower
     #    priority if that makes room (_preempt_lower_priority), and is the step's last.
     # static (request-level batching) admits only when nothing runs, a whole batch at once.
@@ -414,14 +417,14 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         """Admit waiting sequences in policy order while max_num_seqs, the budget and the
         blocks allow; each looks up its cached prefix before it takes anything."""
-        waiting_for_a_sibling = set()  # request ids: their samples are passed over
+        passed_over = set()  # request ids whose samples wait: for a sibling, or a LoRA slot
         # a full batch admits no one, unless under priority a preemption makes room
         while len(self.running) < self.max_num_seqs or self.policy == "priority":
-            seq = self.waiting.peek(self.num_schedule_calls, waiting_for_a_sibling)
+            seq = self.waiting.peek(self.num_schedule_calls, passed_over)
             if seq is None:
                 return
             if self._waits_for_a_sibling(seq):  # only this request's samples wait
-                waiting_for_a_sibling.add(seq.request_id)
+                passed_over.add(seq.request_id)
                 continue
             cached_hashes, cached_block_ids = self._find_cached_prefix(seq)
             num_computed = len(cached_block_ids) * self.block_pool.block_size
@@ -430,6 +433,9 @@ class Scheduler:
             num_new = self._num_new_tokens(len(seq.token_ids) - num_computed, budget)
             if num_new == 0:
                 return
+            if not self._has_lora_slot(seq):  # as vLLM: passed over, those behind it go on
+                passed_over.add(seq.request_id)
+                continue
             victims = []
             if not self._has_room(seq, cached_block_ids):
                 victims = self._lower_priority_victims(seq, cached_block_ids)
@@ -476,7 +482,18 @@ class Scheduler:
         swapped-out sequence, whose blocks all come back from host memory."""
         if seq.params.prompt_logprobs is not None or seq.is_swapped_out:
             return [], []
-        return self.block_pool.find_cached_prefix(seq.token_ids)
+        return self.block_pool.find_cached_prefix(seq.token_ids, seq.block_table.cache_salt)
+
+    def _has_lora_slot(self, seq: Sequence) -> bool:
+        """LoRA: whether seq's adapter has a device slot for it: the running sequences hold it
+        already, or hold fewer than max_loras adapters (one can be freed for it). So a step
+        never needs more adapters than there are slots (lora.py). One without is passed over,
+        as vLLM does, and the requests of the adapters held are admitted behind it."""
+        if seq.lora_request is None:
+            return True
+        held = {running.lora_request.lora_int_id for running in self.running
+                if running.lora_request is not None}
+        return seq.lora_request.lora_int_id in held or len(held) < self.max_loras
 
     def _has_room(self, seq: Sequence, cached_block_ids: list[int]) -> bool:
         """Whether seq may be admitted now: a sequence slot is free (max_num_seqs) and the
@@ -573,7 +590,7 @@ class Scheduler:
         """static: admit up to max_num_seqs at once; _schedule_running then gives them blocks."""
         while len(self.running) < self.max_num_seqs:
             seq = self.waiting.peek(self.num_schedule_calls)
-            if seq is None:
+            if seq is None or not self._has_lora_slot(seq):
                 return
             cached_hashes, cached_block_ids = self._find_cached_prefix(seq)
             self._admit(seq, output, cached_hashes, cached_block_ids)

@@ -31,6 +31,7 @@ from functools import partial
 from http import HTTPStatus
 
 import watch
+from lora import LoRARequest, load_lora
 from nanoserve import Engine, EngineDeadError, RequestOutput, __version__, accumulate
 from openai_protocol import (HTTPError, chat_prompt, check_model, choice, choice_usage,
                              encode_text, error_body, parse_request, typed, usage_of)
@@ -59,9 +60,16 @@ class ServerConfig:
     shutdown_timeout: float = option(5.0, "on SIGTERM, seconds the requests in flight may "
                                      "still run (then they end with finish_reason abort)", low=0)
     log_requests: bool = option(False, "an access-log line per request, on stderr")
+    # LoRA (lora.py; the engine's --enable-lora): vLLM's flags
+    lora_modules: tuple = option((), "LoRA adapters served by name (the request's model): "
+                                 "name=path, or vLLM's JSON {\"name\": ..., \"path\": ...}")
+    allow_runtime_lora_updating: bool = option(False, "POST /v1/load_lora_adapter and "
+                                               "/v1/unload_lora_adapter (also "
+                                               "$VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
 
     def __post_init__(self):
         self.allowed_origins = tuple(self.allowed_origins)
+        self.lora_modules = tuple(self.lora_modules)
         if self.api_key is None:
             self.api_key = os.environ.get("NANOSERVE_API_KEY") or None
         check_fields(self)
@@ -71,6 +79,33 @@ class ServerConfig:
             raise ValueError("api_key is empty: no request could match it")
         if not all(isinstance(origin, str) and origin for origin in self.allowed_origins):
             raise ValueError(f"allowed_origins must be strings, got {self.allowed_origins!r}")
+        self.lora_modules = tuple(parse_lora_module(module) for module in self.lora_modules)
+        if os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("true", "1"):
+            self.allow_runtime_lora_updating = True
+
+
+def parse_lora_module(module) -> dict:
+    """--lora-modules' item: "name=path" or vLLM's JSON {"name", "path", "base_model_name"}
+    -> {"name": ..., "path": ...}; ValueError naming the item otherwise."""
+    if isinstance(module, dict):
+        return module
+    if not isinstance(module, str):
+        raise ValueError(f"lora_modules: {module!r} is not name=path or a JSON object")
+    if module.startswith("{"):
+        try:
+            parsed = json.loads(module)
+        except ValueError as e:
+            raise ValueError(f"lora_modules: {module!r} is not JSON: {e}") from None
+        if not (isinstance(parsed, dict) and isinstance(parsed.get("name"), str)
+                and isinstance(parsed.get("path"), str)
+                and set(parsed) <= {"name", "path", "base_model_name"}):
+            raise ValueError(f"lora_modules: {module!r} must be {{\"name\": str, \"path\": "
+                             "str, \"base_model_name\": str (optional)}")
+        return dict(name=parsed["name"], path=parsed["path"])
+    name, sep, path = module.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"lora_modules: {module!r} is not name=path")
+    return dict(name=name, path=path)
 
 
 MAX_BODY_BYTES = 1 << 20  # a larger request body is refused (413)
@@ -194,15 +229,17 @@ class EngineThread(threading.Thread):
             return
         self.loop.call_soon_threadsafe(settle, future, result, None)
 
-    def add(self, requests: list, ids: list[str], priority: int) -> None:
+    def add(self, requests: list, ids: list[str], priority: int, lora_request=None) -> None:
         """All of one HTTP request's engine requests (one a prompt), or none of them, at its
-        priority: ValueError names what is wrong (EngineDeadError: the engine is gone)."""
+        priority, with its LoRA adapter if any: ValueError names what is wrong
+        (EngineDeadError: the engine is gone)."""
         if self.engine.dead is not None:
             raise EngineDeadError(self.engine.dead)
         added = []
         try:
             for (prompt, params), request_id in zip(requests, ids):
-                self.engine.add_request(prompt, params, request_id, priority=priority)
+                self.engine.add_request(prompt, params, request_id, priority=priority,
+                                        lora_request=lora_request)
                 added.append(request_id)
         except ValueError as e:  # another prompt of its HTTP request was refused
             self.abort(added)
@@ -404,7 +441,9 @@ class Server:
               "/tokenize": ("POST", "tokenize"), "/detokenize": ("POST", "detokenize"),
               "/v1/completions": ("POST", "completions"),
               "/v1/chat/completions": ("POST", "chat_completions"),
-              "/": ("GET", "watch_page"), "/watch/events": ("GET", "watch_events")}
+              "/": ("GET", "watch_page"), "/watch/events": ("GET", "watch_events"),
+              "/v1/load_lora_adapter": ("POST", "load_lora_adapter"),
+              "/v1/unload_lora_adapter": ("POST", "unload_lora_adapter")}
     NEEDS_KEY = ("/v1/", "/tokenize", "/detokenize")  # paths (prefixes) the API key guards
 
     def __init__(self, engine: Engine, config: ServerConfig):
@@ -426,6 +465,21 @@ class Server:
         self.request_numbers = itertools.count()
         self.draining = False
         self.dead: EngineDeadError | None = None
+        self.lora_requests: dict[str, LoRARequest] = {}  # adapter name -> its request
+        self.lora_ids = itertools.count(1)  # never reused: a reloaded name caches apart
+        self.lora_request_counts: dict[str, int] = {}  # adapter name -> requests served
+        for module in config.lora_modules:
+            self.add_lora(module["name"], module["path"])
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve an adapter under `name` (checked now: ValueError if it cannot be served)."""
+        if self.engine.lora_manager is None:
+            raise ValueError("lora_modules need LoRA enabled (--enable-lora)")
+        if name == self.model_name or name in self.lora_requests:
+            raise ValueError(f"lora_name {name!r} is already served")
+        request = LoRARequest(name, next(self.lora_ids), path)
+        load_lora(request, self.engine.model, self.engine.config.max_lora_rank)
+        self.lora_requests[name] = request
 
     # -- lifetime
 
@@ -672,12 +726,60 @@ class Server:
         exchange.send(200, {"version": __version__})
 
     async def models(self, exchange: Exchange) -> None:
-        exchange.send(200, dict(object="list", data=[dict(
-            id=self.model_name, object="model", created=self.created, owned_by="nanoserve",
-            max_model_len=self.engine.max_model_len)]))
+        """The base model, then each adapter, its parent the base model (as vLLM lists them)."""
+        data = [dict(id=self.model_name, object="model", created=self.created,
+                     owned_by="nanoserve", max_model_len=self.engine.max_model_len)]
+        data += [dict(id=name, object="model", created=self.created, owned_by="nanoserve",
+                      root=request.lora_path, parent=self.model_name,
+                      max_model_len=self.engine.max_model_len)
+                 for name, request in self.lora_requests.items()]
+        exchange.send(200, dict(object="list", data=data))
+
+    async def load_lora_adapter(self, exchange: Exchange) -> None:
+        """vLLM's: serve another adapter, {"lora_name", "lora_path"}, read and checked now."""
+        self.check_runtime_lora_updating()
+        body = json_body(exchange.request)
+        name = typed(body, "lora_name", None, str)
+        path = typed(body, "lora_path", None, str)
+        if not name or not path:
+            raise HTTPError(400, "give lora_name and lora_path", "lora_name")
+        try:
+            await asyncio.to_thread(self.add_lora, name, path)
+        except ValueError as e:
+            raise HTTPError(400, str(e), "lora_path") from None
+        exchange.send(200, f"Success: LoRA adapter '{name}' added successfully.", "text/plain")
+
+    async def unload_lora_adapter(self, exchange: Exchange) -> None:
+        """vLLM's: stop serving an adapter, {"lora_name"}; its requests in flight finish."""
+        self.check_runtime_lora_updating()
+        name = typed(json_body(exchange.request), "lora_name", None, str)
+        if name not in self.lora_requests:
+            raise HTTPError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
+        del self.lora_requests[name]
+        exchange.send(200, f"Success: LoRA adapter '{name}' removed successfully.",
+                      "text/plain")
+
+    def check_runtime_lora_updating(self) -> None:
+        if not self.config.allow_runtime_lora_updating:
+            raise HTTPError(404, "runtime LoRA updating is off: start the server with "
+                            "--allow-runtime-lora-updating or "
+                            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
+
+    def served_model(self, body: dict) -> tuple[str, LoRARequest | None]:
+        """The request's `model`: the base model's name (or none given), or an adapter's;
+        HTTPError 404 for any other."""
+        name = body.get("model")
+        if isinstance(name, str) and name in self.lora_requests:
+            return name, self.lora_requests[name]
+        check_model(body, self.model_name)
+        return self.model_name, None
 
     async def metrics(self, exchange: Exchange) -> None:
         lines = await self.engine_thread.call(self.engine_thread.gauges)
+        if self.lora_request_counts:
+            lines.append("# TYPE nanoserve:lora_requests_total counter")
+        for name, count in self.lora_request_counts.items():
+            lines.append(f'nanoserve:lora_requests_total{{lora_name="{name}"}} {count}')
         for name, histogram in self.histograms.items():
             lines += histogram.lines("nanoserve:" + name)
         exchange.send(200, "\n".join(lines) + "\n", "text/plain; version=0.0.4")
@@ -740,7 +842,8 @@ class Server:
 
     async def completions(self, exchange: Exchange, chat=False) -> None:
         body = json_body(exchange.request)
-        requests, options = parse_request(body, self.engine, self.model_name, chat,
+        model_name, lora_request = self.served_model(body)
+        requests, options = parse_request(body, self.engine, model_name, chat,
                                           self.engine.chat_template, self.engine.sampling_defaults)
         if self.draining:
             raise HTTPError(503, "the server is shutting down")
@@ -753,13 +856,13 @@ class Server:
         self.idle.clear()
         try:
             await self.compile_structured_outputs(requests, options["constraint_field"])
-            await self.add(served, requests, chat, options["priority"])
+            await self.add(served, requests, chat, options["priority"], lora_request)
             head = dict(id=f"cmpl-{served.ids[0]}", object="text_completion")
             if chat and options["stream"]:
                 head = dict(id=f"chatcmpl-{served.ids[0]}", object="chat.completion.chunk")
             elif chat:
                 head = dict(id=f"chatcmpl-{served.ids[0]}", object="chat.completion")
-            head |= dict(created=int(time.time()), model=self.model_name)
+            head |= dict(created=int(time.time()), model=model_name)
             await self.respond(exchange, served, head, options)
         except Exception:  # refused (nothing to abort), or a bug here: its blocks are freed
             self.abort(served)
@@ -782,12 +885,12 @@ class Server:
             param = (field or "structured_outputs").split(".")[0]
             raise HTTPError(400, str(e), param) from None
 
-    async def add(self, served: ServedRequest, requests: list, chat: bool, priority: int
-                  ) -> None:
+    async def add(self, served: ServedRequest, requests: list, chat: bool, priority: int,
+                  lora_request: LoRARequest | None = None) -> None:
         """Hand the request's sequences to the engine; HTTPError if it refuses them."""
         try:
             await self.engine_thread.call(self.engine_thread.add, requests, served.ids,
-                                          priority)
+                                          priority, lora_request)
         except ValueError as e:  # the prompt's, unless a token id field's (checked here)
             param = "messages" if chat else "prompt"
             for name in ("stop_token_ids", "logit_bias"):
@@ -796,6 +899,9 @@ class Server:
             raise HTTPError(400, str(e), param) from None
         except EngineDeadError as e:
             raise HTTPError(500, str(e)) from None
+        if lora_request is not None:
+            name = lora_request.lora_name
+            self.lora_request_counts[name] = self.lora_request_counts.get(name, 0) + 1
 
     def forget(self, served: ServedRequest) -> None:
         """The request is answered (or its client gone): the loop lets go of it."""

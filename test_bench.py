@@ -730,3 +730,20 @@ def test_bench_speculative_compares_tokens_per_s_with_and_without_drafts(tmp_pat
     assert all(r["draft_tokens"] == 0 and r["speedup"] == 1 for r in rows[::2])
     assert any(r["draft_tokens"] > 0 for r in rows[1::2])
     assert "speculative decoding" in printed.getvalue()
+
+
+def test_bench_lora_serves_requests_over_k_adapters_three_ways(tmp_path):
+    """--lora on the tiny preset, CI's quick form: the base model's row, then for each K the
+    multi-adapter rows (max_loras K and K/2) and one adapter at a time; the load times."""
+    out = tmp_path / "lora.json"
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        bench.main(["--lora", "--num-requests", "8", "--prompt-len", "8", "--lora-adapters",
+                    "1", "4", "--lora-max-tokens", "4", "--lora-rank", "8", "--out", str(out)])
+    figures = json.loads(out.read_text())["lora"]
+    assert [(row["adapters"], row["max_loras"], row["mode"]) for row in figures["rows"]] == [
+        (0, 0, "base"), (1, 1, "multi-lora"), (1, 1, "one adapter at a time"),
+        (4, 4, "multi-lora"), (4, 2, "multi-lora"), (4, 1, "one adapter at a time")]
+    assert all(row["output_throughput"] > 0 and row["mean_e2e_ms"] > 0
+               for row in figures["rows"])
+    assert figures["load"]["disk_ms"] > 0 and figures["load"]["slot_ms"] > 0
+    assert "Loading an adapter of rank 8" in printed.getvalue()

@@ -744,3 +744,39 @@ def test_decode_kernels_as_launched_compile_for_sm80_and_sm90_without_spills(com
         assert r["smem"] == prefill_smem[r["cc"], r["dtype"], r["head_dim"]], r
         if r["dtype"] != "float32":  # fp32 (not the GPU default) only has to compile
             assert r["cp_async"] and r["copies_in_flight"] > 0 and r["regs"] <= 128, r
+
+
+# ----------------------------------------------------------------------------- LoRA shrink/expand
+
+# each token's slot: a prefill segment, base tokens, decodes of mixed slots (-1: the base model)
+LORA_SLOTS = [2, 2, 2, 2, 2, -1, 0, 1, -1, 1, 0, 0, 3]
+
+
+@pytest.mark.parametrize("rank", [1, 8, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_lora_triton_shrink_and_expand_match_the_reference(rank, dtype):
+    """Into a merged projection's middle slice (a strided view), as qkv_proj's k part."""
+    torch.manual_seed(0)
+    num_tokens, in_features, out_features, num_slots = len(LORA_SLOTS), 200, 150, 4
+    x = torch.randn(num_tokens, in_features, device=DEVICE, dtype=dtype)
+    lora_a = torch.randn(num_slots, rank, in_features, device=DEVICE, dtype=dtype) / 10
+    lora_b = torch.randn(num_slots, out_features, rank, device=DEVICE, dtype=dtype) / 10
+    slots = torch.tensor(LORA_SLOTS, device=DEVICE)
+    y = torch.randn(num_tokens, 3 * out_features, device=DEVICE, dtype=dtype)
+    expected = y.clone()
+    shrunk = kernels.lora_shrink(x, lora_a, slots)
+    reference = kernels.lora_shrink_ref(x, lora_a, slots)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(shrunk, reference, atol=tolerance, rtol=tolerance)
+    shrunk = torch.randn(num_tokens, rank, device=DEVICE, dtype=dtype)  # base rows too
+    kernels.lora_expand(shrunk, lora_b, slots, y[:, out_features:2 * out_features])
+    kernels.lora_expand_ref(shrunk, lora_b, slots, expected[:, out_features:2 * out_features])
+    torch.testing.assert_close(y, expected, atol=tolerance, rtol=tolerance)
+    base_rows = slots < 0
+    assert torch.equal(y[base_rows], expected[base_rows])  # the base model's rows untouched
+
+
+def test_lora_reference_runs_one_gemm_per_adapter_slot_of_the_step():
+    groups = kernels.slot_groups(torch.tensor(LORA_SLOTS))
+    assert [(slot, rows.tolist()) for slot, rows in groups] == [
+        (0, [6, 10, 11]), (1, [7, 9]), (2, [0, 1, 2, 3, 4]), (3, [12])]

@@ -57,7 +57,8 @@ def sequence(seq: Sequence) -> dict:
     length, its block table, and its host blocks while swapped out."""
     return {"id": seq.seq_id, "computed": seq.num_computed_tokens, "tokens": len(seq.token_ids),
             "prompt": seq.num_prompt_tokens, "blocks": list(seq.block_table.block_ids),
-            "host_blocks": list(seq.host_block_ids)}
+            "host_blocks": list(seq.host_block_ids),
+            "lora": seq.lora_request.lora_name if seq.lora_request is not None else None}
 
 
 def swap_space(engine: Engine) -> dict | None:
