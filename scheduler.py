@@ -227,9 +227,10 @@ class WaitingQueue:
         self._len -= 1
 
     def peek(self, step: int, passed_over: set[str] = frozenset()) -> Sequence | None:
-        """The sequence to admit next at scheduler step `step`, or None if none waits; the
-        samples of the requests named in passed_over are passed over (they wait for a
-        sibling) and keep their places."""
+        """The sequence to admit next when the scheduler's clock reads `step`
+        (num_schedule_calls), or None if none waits; the samples of the requests named in
+        passed_over are passed over (they wait for a sibling or a LoRA slot) and keep their
+        places."""
         if self.policy == "sjf":
             oldest = self._live_top(self._by_arrival, passed_over)
             if oldest is not None and self._waited_too_long(oldest, step):
