@@ -21,12 +21,14 @@ CODE_WORD = re.compile(r"(?<![\w./-])([A-Za-z_][A-Za-z0-9]*_\w+|[A-Z]\w+\.[a-z_]
 # Names the docs use that are not ours, each for a reason.
 OUTSIDE_NAMES = {
     # math in the derivations (kernels.py's online softmax, model.py's rotation)
-    "m_j", "l_j", "w_j", "acc_j", "sum_j", "m_max", "x_i", "E", "the", "cat", "sat", "ran",
+    "m_j", "l_j", "w_j", "acc_j", "sum_j", "m_max", "x_i", "s_t", "E", "the", "cat", "sat", "ran",
     # other projects' functions the docs compare with
     "apply_chat_template", "fused_add_rms_norm", "repeat_kv", "rotate_half", "guidance",
     "ignore_merges", "num_queries_per_kv", "device_ms",
     # checkpoint files, GPT-2's weights and special tokens as checkpoints spell them
-    "pytorch_model", "c_attn", "begin_of_text", "end_of_text", "eom_id", "im_end", "tool_call",
+    "pytorch_model", "adapter_model", "c_attn", "begin_of_text", "end_of_text", "eom_id", "im_end", "tool_call",
+    # a usage line's placeholders
+    "CHECKPOINT_DIR", "ADAPTER_DIR",
     # vLLM's, which our LLM does not have
     "LLM.chat",
 }
