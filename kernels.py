@@ -44,6 +44,7 @@ if not torch.cuda.is_available():  # CPU tensors need Triton's interpreter, set 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+import cuda_runtime  # noqa: E402
 from paged_cache import cdiv  # noqa: E402
 
 DECODE_BATCH = 8         # paged_attention_cpu: the most decodes attended together
@@ -532,8 +533,8 @@ def launch_grids(meta: AttentionMetadata, num_kv_heads: int, group_size: int, bl
 
 def device_num_sms(device: torch.device) -> int:
     """The SMs of a CUDA device; on a CPU (Triton's interpreter), CPU_NUM_SMS."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+    if cuda_runtime.is_cuda(device):
+        return cuda_runtime.num_sms(device)
     return CPU_NUM_SMS
 
 

@@ -28,6 +28,7 @@ from functools import partial
 
 import torch
 
+import cuda_runtime
 from input_batch import InputBatch
 from kernels import AttentionMetadata, select_attention
 from paged_cache import allocate_kv_cache, cdiv, kv_bytes_per_token
@@ -143,16 +144,21 @@ class ModelRunner:
     """The model, its KV cache, the persistent batch and the decode graphs, on one device."""
 
     def __init__(self, config, model, dtype: torch.dtype, vocab_size: int,
-                 eos_token_ids: list[int]):
+                 eos_token_ids: list[int], draft_kv_bytes_per_token: int = 0):
+        """draft_kv_bytes_per_token: a draft model's K/V bytes a token (0: none), whose cache
+        holds as many tokens as this one's (it mirrors every running sequence): the two share
+        the memory the cache is sized from, and the draft's weights are loaded already."""
         self.config = config
         self.model = model
         self.device = config.device
+        self.dtype = dtype  # the KV cache's (and the model's)
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.attention = select_attention(config.attention, config.device)
         self.generator = torch.Generator(config.device).manual_seed(config.seed)
         c = model.config
         self.kv_bytes_per_token = kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_dim, dtype)
+        self.draft_kv_bytes_per_token = draft_kv_bytes_per_token
         # K and V for every layer and K/V head: grouped-query attention's saving is here. The
         # caches of all layers, k_caches and v_caches (n_layer, NB + 1, BS, Hkv, D); layer i's
         # is [i]; block NB, past the pool's, is the null block (graphs' padding writes there).
@@ -174,28 +180,25 @@ class ModelRunner:
     def _kv_cache_tokens(self, context: int) -> int:
         """kv_cache_tokens if given; on CUDA, what gpu_memory_utilization leaves (profiled);
         on a CPU, a full context (max_model_len's, or the model's) for every one of
-        max_num_seqs sequences, within KV_CACHE_BYTES."""
+        max_num_seqs sequences, within KV_CACHE_BYTES. A draft's cache, as many tokens, takes
+        its share of either."""
         config = self.config
         if config.kv_cache_tokens is not None:
             return config.kv_cache_tokens
-        if self.device.startswith("cuda"):
-            return self._profile_kv_cache_bytes() // self.kv_bytes_per_token
+        bytes_per_token = self.kv_bytes_per_token + self.draft_kv_bytes_per_token
+        if cuda_runtime.is_cuda(self.device):
+            return self._profile_kv_cache_bytes() // bytes_per_token
         if config.max_model_len is not None:
             context = config.max_model_len
-        return min(config.max_num_seqs * context, KV_CACHE_BYTES // self.kv_bytes_per_token)
+        return min(config.max_num_seqs * context, KV_CACHE_BYTES // bytes_per_token)
 
     def _profile_kv_cache_bytes(self) -> int:
         """Run a forward of max_num_batched_tokens tokens (and the logits of max_num_seqs rows)
         on a scratch cache, and size the KV cache from the memory it peaked at."""
-        device = torch.device(self.device)
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        self._profile_forward()
-        peak_activations = torch.cuda.max_memory_allocated(device) - before
-        torch.cuda.empty_cache()
-        penalty_state = self.config.max_num_seqs * self.vocab_size * (4 + 1)  # counts, seen
+        free, total, peak_activations = cuda_runtime.profile_memory(self.device,
+                                                                    self._profile_forward)
+        num_input_batches = 1 + (self.draft_kv_bytes_per_token > 0)  # a draft has its own
+        penalty_state = num_input_batches * self.config.max_num_seqs * self.vocab_size * (4 + 1)
         return kv_cache_bytes(total, total - free, peak_activations, penalty_state,
                               self.config.gpu_memory_utilization)
 
@@ -213,7 +216,7 @@ class ModelRunner:
         block_size = config.block_size
         blocks_a_seq = cdiv(chunk, block_size)
         shape = (c.n_layer, blocks_a_seq * len(lens), block_size, c.n_kv_head, c.head_dim)
-        k_caches = torch.zeros(shape, dtype=self.k_caches.dtype, device=self.device)
+        k_caches = torch.zeros(shape, dtype=self.dtype, device=self.device)
         v_caches = torch.zeros_like(k_caches)
         tables = torch.arange(blocks_a_seq * len(lens), dtype=torch.int32, device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
@@ -238,7 +241,7 @@ class ModelRunner:
         config = self.config
         self.input_batch = InputBatch(config.max_num_seqs, max_model_len, config.block_size,
                                       self.vocab_size, config.device)
-        if self.device.startswith("cuda") and not config.enforce_eager:
+        if cuda_runtime.is_cuda(self.device) and not config.enforce_eager:
             self.use_padded_decode(capture=True)
 
     def remove(self, seq: Sequence) -> None:
@@ -284,13 +287,9 @@ class ModelRunner:
             return
         pool = None
         for size in reversed(sizes):  # largest first: the smaller ones reuse its memory
-            graph = torch.cuda.CUDAGraph()
-            self._run_decode(size)  # warm-up: Triton compiles, cuBLAS picks, outside capture
-            with torch.cuda.graph(graph, pool=pool):
-                self._run_decode(size)
-            pool = graph.pool()
-            self.graphs[size] = graph.replay
-        torch.cuda.synchronize(self.device)
+            replay, pool = cuda_runtime.capture_graph(partial(self._run_decode, size), pool)
+            self.graphs[size] = replay
+        cuda_runtime.synchronize(self.device)
 
     @torch.inference_mode()
     def _run_decode(self, size: int) -> None:

@@ -311,6 +311,34 @@ def test_an_unconstrained_batch_is_not_touched():
     assert apply_grammar_bitmask([Unconstrained()] * 3, logits) is logits
 
 
+class AllowsTheFirstTen:
+    """A grammar that allows tokens 0 to 9 alone, whatever came before."""
+
+    def sync(self, output_token_ids: list[int]) -> None:
+        pass
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = 0
+        bitmask[row, 0] = 2**10 - 1
+
+
+class Constrained:
+    """A sampling row as apply_grammar_bitmask sees it, with AllowsTheFirstTen."""
+    grammar = AllowsTheFirstTen()
+    token_ids = []
+    num_prompt_tokens = 0
+
+
+def test_a_cuda_step_uploads_the_mask_and_its_rows_pinned(fake_cuda):
+    """On CUDA the mask and the rows it covers go up as the step's other inputs do, from
+    pinned memory (never waited for); the constrained row alone is masked."""
+    logits = torch.randn(3, 257)
+    masked = apply_grammar_bitmask([Unconstrained(), Constrained(), Unconstrained()], logits)
+    assert torch.equal(masked[[0, 2]], logits[[0, 2]])
+    assert torch.equal(masked[1, :10], logits[1, :10]) and masked[1, 10:].isneginf().all()
+    assert [shape for (shape,) in fake_cuda.calls_to("pinned")] == [(1, 257), (1,)]
+
+
 def test_a_grammar_that_fell_behind_is_rebuilt_from_the_tokens(llm):
     """sync(): a matcher that has not consumed a sequence's tokens (rolled back, say) is
     rebuilt from them, and allows what the one that consumed them allows."""
