@@ -30,7 +30,7 @@ import torch
 
 import cuda_runtime
 from input_batch import InputBatch
-from kernels import AttentionMetadata, select_attention
+from kernels import AttentionMetadata, max_chunk_tokens, paged_attention, select_attention
 from paged_cache import allocate_kv_cache, cdiv, kv_bytes_per_token
 from sampling import invalid_rows, sample, sampling_tensors, upload
 from scheduler import Sequence
@@ -157,6 +157,7 @@ class ModelRunner:
         self.attention = select_attention(config.attention, config.device)
         self.generator = torch.Generator(config.device).manual_seed(config.seed)
         c = model.config
+        self._check_chunk_fits_the_grid(c.n_head // c.n_kv_head)
         self.kv_bytes_per_token = kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_dim, dtype)
         self.draft_kv_bytes_per_token = draft_kv_bytes_per_token
         # K and V for every layer and K/V head: grouped-query attention's saving is here. The
@@ -174,6 +175,15 @@ class ModelRunner:
         self.input_batch: InputBatch | None = None  # made by prepare(), once max_model_len is
         self.buffers: DecodeBuffers | None = None   # known; with graphs or use_padded_decode
         self.graphs: dict[int, object] = {}         # batch size -> its replay (or eager run)
+
+    def _check_chunk_fits_the_grid(self, group_size: int) -> None:
+        """ValueError at the start, not at a long prompt's step, if a chunk of the token budget
+        would pass the Triton kernel's grid limit (kernels.max_chunk_tokens)."""
+        budget = self.config.max_num_batched_tokens
+        if self.attention is paged_attention and budget > max_chunk_tokens(group_size):
+            raise ValueError(f"max_num_batched_tokens {budget} is more than Triton attention "
+                             f"can prefill at once at {group_size} query heads a K/V head "
+                             f"(CUDA's grid limit): at most {max_chunk_tokens(group_size)}")
 
     # --- the KV cache's size ------------------------------------------------------------
 
