@@ -41,6 +41,9 @@ from swap import SwapSpace, swap_space_blocks
 KV_CACHE_BYTES = 1 << 30  # the CPU's KV cache, by default: a full context for every sequence,
                           # within 1 GiB (on CUDA: gpu_memory_utilization of the GPU's memory)
 MAX_CAPTURE_SIZE = 512    # the largest batch a decode graph is captured for (nano-vllm's)
+PROMPT_LOGPROBS_CHUNK = 1024  # prompt positions whose logits and log-softmax are made at once:
+                              # 1,024 x a 152k vocabulary is 0.6 GB of fp32 logits, where an
+                              # 8k-token chunk's all at once took some 15 GB
 
 
 @dataclass
@@ -478,20 +481,23 @@ class ModelRunner:
         of sampled_seqs (n,), a sequence once a token it emitted) and output.prompt_logprobs
         (each prompt token scored this step): the token's own log-probability and the top k of
         its row, from the model's log-softmax (before temperature, top-k and top-p, as vLLM
-        returns them). One topk over all rows; token ids and values are read in one copy
-        each."""
+        returns them). The prompt positions' logits are made PROMPT_LOGPROBS_CHUNK positions
+        at a time (a long prompt's would not fit at once); token ids and values are read in
+        one copy each."""
         seqs = sampled_seqs + batch.prompt_seqs  # a row each
         num_sampled = len(sampled_seqs)
         # per row: how many top log-probabilities it asked for (None: none at all)
         wants = [sampled.params.logprobs for sampled in sampled_seqs]
         wants += [scored.params.prompt_logprobs for scored in batch.prompt_seqs]
-        prompt_logits = self.compute_logits(hidden[batch.prompt_logits_indices])  # (m, vocab)
-        logprobs = torch.cat([logits, prompt_logits]).log_softmax(dim=-1)    # (n + m, vocab)
-        targets = torch.cat([token_ids, batch.prompt_targets])[:, None]      # (n + m, 1)
         top_k = max([want for want in wants if want is not None], default=0)
-        top = logprobs.topk(top_k, dim=-1)
-        ids = to_host(torch.cat([targets, top.indices], dim=1))                # (n + m, 1 + k)
-        values = to_host(torch.cat([logprobs.gather(1, targets), top.values], dim=1))
+        found = [top_logprobs(logits, token_ids, top_k)]  # (ids, values) of rows, in order
+        indices = batch.prompt_logits_indices
+        for start in range(0, len(indices), PROMPT_LOGPROBS_CHUNK):
+            end = start + PROMPT_LOGPROBS_CHUNK
+            prompt_logits = self.compute_logits(hidden[indices[start:end]])  # (chunk, vocab)
+            found.append(top_logprobs(prompt_logits, batch.prompt_targets[start:end], top_k))
+        ids = to_host(torch.cat([rows_ids for rows_ids, _ in found]))          # (n + m, 1 + k)
+        values = to_host(torch.cat([rows_values for _, rows_values in found]))
         for row, seq in enumerate(seqs):
             row_top_k = wants[row]
             if row_top_k is None:
@@ -609,6 +615,17 @@ class ModelRunner:
                     new_block_ids=new_block_ids, logits_indices=logits_indices,
                     prompt_logits_indices=prompt_logits_indices, prompt_targets=prompt_targets)
         return ints, sample_seqs, prompt_seqs
+
+
+def top_logprobs(logits: torch.Tensor, targets: torch.Tensor, top_k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of logits (r, vocab) and each row's target token (r,) -> (ids, values), each
+    (r, 1 + top_k): the target and its log-probability, then the row's top_k."""
+    logprobs = logits.log_softmax(dim=-1)
+    top = logprobs.topk(top_k, dim=-1)
+    targets = targets[:, None]
+    return (torch.cat([targets, top.indices], dim=1),
+            torch.cat([logprobs.gather(1, targets), top.values], dim=1))
 
 
 def wants_logprobs(batch: Batch) -> bool:

@@ -181,6 +181,34 @@ def test_a_draft_models_cache_is_sized_with_the_targets_from_one_profile(fake_cu
     assert target.swap_space is not None and draft.swap_space is None
 
 
+def test_prompt_logprobs_are_made_in_chunks_of_positions_with_the_same_values(monkeypatch):
+    """A prompt's positions are scored PROMPT_LOGPROBS_CHUNK at a time (here 2), each chunk's
+    logits made on their own, and every log-probability is the unchunked one's: the same
+    tokens, the same values but for the last bits (the LM head's product over fewer rows sums
+    in another order: 5e-7 apart here)."""
+    params = SamplingParams(max_tokens=3, temperature=0, logprobs=2, prompt_logprobs=3)
+    want = tiny().generate(PROMPTS[2:4], params)
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_CHUNK", 2)
+    llm = tiny()
+    runner = llm.engine.model_runner
+    real_compute_logits = runner.compute_logits
+    rows = []
+
+    def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
+        rows.append(len(hidden))
+        return real_compute_logits(hidden)
+    monkeypatch.setattr(runner, "compute_logits", compute_logits)
+    got = llm.generate(PROMPTS[2:4], params)
+    for ours, theirs in zip(got, want):
+        positions = ours.prompt_logprobs[1:] + ours.outputs[0].logprobs
+        wanted = theirs.prompt_logprobs[1:] + theirs.outputs[0].logprobs
+        assert [list(top) for top in positions] == [list(top) for top in wanted]
+        assert max(abs(top[token] - other[token]) for top, other in zip(positions, wanted)
+                   for token in top) < 1e-5
+    num_positions = sum(len(o.prompt_token_ids) - 1 for o in got)
+    assert max(rows) == 2 and len(rows) >= num_positions / 2
+
+
 @pytest.mark.parametrize("value", [0, 1.5, float("nan"), True, "0.9"])
 def test_gpu_memory_utilization_out_of_range_is_refused(value):
     with pytest.raises(ValueError, match="gpu_memory_utilization must be a number in"):
