@@ -1,6 +1,7 @@
 """kernels.py's guarantees: paged attention (the CPU path and the Triton kernel, in Triton's
 interpreter) equals the reference; the kernel as launched compiles for sm_80 and sm_90.
 """
+import ast
 import collections
 import dataclasses
 import json
@@ -452,6 +453,26 @@ def test_a_cuda_step_waits_for_the_device_only_to_read_its_results(monkeypatch):
         torch.cuda.set_sync_debug_mode("default")
     assert reads  # the steps read their tokens
     assert not [o for o in outputs if o.finished and o.outputs[0].finish_reason == "error"]
+
+
+# the modules whose code runs in a CUDA step with tensors of counts (kernels.py repeats by an
+# int, in the CPU's attention: no wait)
+STEP_MODULES = ("model_runner", "input_batch", "sampling", "spec_decode", "structured_output")
+
+
+def test_no_repeat_interleave_in_a_step_waits_for_the_device():
+    """repeat_interleave by a tensor of repeats reads their sum from the device, a wait in the
+    middle of a step, unless output_size gives it: every call in the step's modules does
+    (a CUDA test finds such a wait only on a GPU; this, on every CI)."""
+    unsized = []
+    for name in STEP_MODULES:
+        with open(os.path.join(HERE, name + ".py")) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == \
+                    "repeat_interleave" and "output_size" not in [k.arg for k in node.keywords]:
+                unsized.append(f"{name}.py:{node.lineno}")
+    assert unsized == []
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
