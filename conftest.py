@@ -18,7 +18,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import cli
 import cuda_runtime
-import kernels
 from nanoserve import LLM, Engine
 from paged_cache import BlockTable
 from sampling import SamplingParams
@@ -51,6 +50,7 @@ class FakeCuda:
     once (the warm-up) and its replay runs it again, eagerly: the padded path. Pinned memory
     is plain memory, torch.compile's function is the function, and `calls` records each call
     by name (its arguments), so a test sees what the CUDA path asked of the runtime."""
+    NUM_SMS = 24  # not the CPU's kernels.CPU_NUM_SMS: a test sees which it was given
 
     def __init__(self, total: int, used: int, peak: int):
         self.total, self.used, self.peak = total, used, peak
@@ -78,7 +78,7 @@ class FakeCuda:
         self.record("synchronize", device)
 
     def num_sms(self, device) -> int:
-        return kernels.CPU_NUM_SMS
+        return self.NUM_SMS
 
     def compile_fused(self, fn):
         self.record("compile_fused", fn.__name__)

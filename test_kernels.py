@@ -383,6 +383,12 @@ def test_a_chunk_past_cudas_grid_limit_is_refused_by_the_launch_and_at_the_start
                             max_num_batched_tokens=limit + 1))
 
 
+def test_a_cuda_devices_sms_come_from_the_runtime(fake_cuda):
+    """On CUDA the decode splits fill the device's own SMs (on a CPU, CPU_NUM_SMS)."""
+    assert kernels.device_num_sms(torch.device("cuda")) == fake_cuda.NUM_SMS
+    assert fake_cuda.NUM_SMS != kernels.CPU_NUM_SMS
+
+
 @pytest.mark.parametrize("num_decodes, num_kv_heads, max_context, num_sms, num_splits", [
     (1, 2, 32768, 132, 64),   # batch 1, Qwen2.5-0.5B: every SM, up to MAX_KV_SPLITS
     (1, 2, 1024, 132, 4),     # a table of 1024 keys: 4 splits of MIN_SPLIT_KEYS

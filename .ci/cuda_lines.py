@@ -1,13 +1,15 @@
-"""The lines only CUDA runs that no CPU test reaches (issue 47, item 8): every line inside a
-CUDA branch of the engine's modules (an `if` on is_cuda, a device's type, torch.cuda...; for
-`if not ...cuda...`, its else, or what follows it in its block) and every line of
-cuda_runtime.py's functions, less those that coverage saw run. The goal: only calls into the
-CUDA runtime remain (BENCHMARKS.md lists them, with the reason each is left).
+"""The statements only CUDA runs that no CPU test reaches (issue 47, item 8): every statement
+inside a CUDA branch of the engine's modules (an `if` on is_cuda, a device's type,
+torch.cuda...; for `if not ...cuda...`, its else, or, when it returns early, what follows it)
+and every statement of cuda_runtime.py's functions, less those coverage saw run (a statement
+by its first line, as coverage counts it). The goal: only calls into the CUDA runtime remain
+(BENCHMARKS.md lists them, with the reason each is left).
 
 How to run, from the repository root (the tests that run the CUDA path with fake_cuda; the
 whole suite reaches no more of it):
     python -m coverage run -m pytest -q -p no:cacheprovider test_model_runner.py \
-        test_model.py test_structured_output.py test_kernels.py test_swap.py -k "cuda or grid"
+        test_model.py test_structured_output.py test_kernels.py test_swap.py \
+        test_nanoserve.py -k "cuda or grid or device or sms"
     python -m coverage json -o /tmp/coverage.json
     python .ci/cuda_lines.py /tmp/coverage.json
 """
@@ -30,8 +32,13 @@ def is_cuda_test(node: ast.expr) -> bool:
 
 
 def lines_of(statements: list[ast.stmt]) -> set[int]:
-    """Every line the statements span, their own docstrings and comments aside."""
-    return {line for s in statements for line in range(s.lineno, s.end_lineno + 1)}
+    """The first line of each statement among these and those nested in them."""
+    return {node.lineno for s in statements for node in ast.walk(s)
+            if isinstance(node, ast.stmt)}
+
+
+def returns_early(statements: list[ast.stmt]) -> bool:
+    return isinstance(statements[-1], (ast.Return, ast.Raise))
 
 
 def cuda_lines(tree: ast.Module) -> set[int]:
@@ -49,7 +56,10 @@ def cuda_lines(tree: ast.Module) -> set[int]:
                     found |= lines_of(s.body)
                     continue
                 # if not ...cuda...: its else, or (its body returning) the rest of the block
-                found |= lines_of(s.orelse or statements[i + 1:])
+                if s.orelse:
+                    found |= lines_of(s.orelse)
+                elif returns_early(s.body):
+                    found |= lines_of(statements[i + 1:])
     return found
 
 
@@ -76,10 +86,8 @@ def main(coverage_json: str) -> int:
         executed = set(files.get(name + ".py", {}).get("executed_lines", []))
         code = source.splitlines()
         for line in sorted(lines - executed):
-            text = code[line - 1].strip()
-            if text and not text.startswith("#"):
-                print(f"{name}.py:{line}: {text}")
-                unreached += 1
+            print(f"{name}.py:{line}: {code[line - 1].strip()}")
+            unreached += 1
     print(f"{unreached} CUDA lines no test reached", file=sys.stderr)
     return 0
 
