@@ -3,6 +3,7 @@ the HTTP test server. Tests import the plain helpers from here (from conftest im
 """
 import asyncio
 import contextlib
+import inspect
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cli
+import cuda_runtime
 from nanoserve import LLM, Engine
 from paged_cache import BlockTable
 from sampling import SamplingParams
@@ -39,6 +41,71 @@ def tiny(**kwargs) -> LLM:
     """The tiny preset (random weights) on CPU in fp32, with a small KV cache unless set."""
     return LLM(**{"preset": "tiny", "kv_cache_tokens": 4096, "device": "cpu",
                   "dtype": "float32"} | kwargs)
+
+
+class FakeCuda:
+    """conftest's stand-in for the CUDA runtime (cuda_runtime.py), on a CPU: every device is
+    "CUDA" to the engine, its tensors the CPU's. The GPU has `total` bytes, `used` of them in
+    use; a profiled run() runs and peaks at `peak` bytes; a graph's capture runs its function
+    once (the warm-up) and its replay runs it again, eagerly: the padded path. Pinned memory
+    is plain memory, torch.compile's function is the function, and `calls` records each call
+    by name (its arguments), so a test sees what the CUDA path asked of the runtime."""
+    NUM_SMS = 24  # not the CPU's kernels.CPU_NUM_SMS: a test sees which it was given
+
+    def __init__(self, total: int, used: int, peak: int):
+        self.total, self.used, self.peak = total, used, peak
+        self.calls: list[tuple] = []  # (name, *args), in order
+
+    def record(self, name: str, *args) -> None:
+        self.calls.append((name, *args))
+
+    def calls_to(self, name: str) -> list[tuple]:
+        """The arguments of each call to `name`, in order."""
+        return [call[1:] for call in self.calls if call[0] == name]
+
+    def is_cuda(self, device) -> bool:
+        return True
+
+    def pinned(self, host: torch.Tensor) -> torch.Tensor:
+        self.record("pinned", tuple(host.shape))
+        return host
+
+    def pinned_empty(self, shape: tuple, *, dtype: torch.dtype) -> torch.Tensor:
+        self.record("pinned_empty", shape)
+        return torch.empty(shape, dtype=dtype)
+
+    def synchronize(self, device) -> None:
+        self.record("synchronize", device)
+
+    def num_sms(self, device) -> int:
+        return self.NUM_SMS
+
+    def compile_fused(self, fn):
+        self.record("compile_fused", fn.__name__)
+        return fn
+
+    def profile_memory(self, device, run) -> tuple[int, int, int]:
+        run()
+        self.record("profile_memory", device)
+        return self.total - self.used, self.total, self.peak
+
+    def capture_graph(self, run, pool) -> tuple:
+        run()
+        self.record("capture_graph", pool)
+        return run, pool or "the first graph's pool"
+
+
+FAKE_GPU = dict(total=64 * 2**20, used=16 * 2**20, peak=4 * 2**20)  # a 64 MiB "GPU"
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch) -> FakeCuda:
+    """Every function of cuda_runtime replaced by a FakeCuda's (FAKE_GPU) for the test: one
+    added there without a stand-in here fails every test that uses this."""
+    fake = FakeCuda(**FAKE_GPU)
+    for name, _ in inspect.getmembers(cuda_runtime, inspect.isfunction):
+        monkeypatch.setattr(cuda_runtime, name, getattr(fake, name))
+    return fake
 
 
 def token_ids(outputs) -> list[list[int]]:

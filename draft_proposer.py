@@ -18,32 +18,50 @@ import dataclasses
 
 import torch
 
-from checkpoint import load_model
+from checkpoint import Checkpoint, load_model
 from model_runner import ModelRunner
-from paged_cache import BlockTable
+from paged_cache import BlockTable, kv_bytes_per_token
 from sampling import GREEDY_BELOW, SamplingParams
 from scheduler import Sequence
 
 PROBE_TEXT = "Hello, world! The quick brown fox jumps over 13 lazy dogs."
 
 
+def load_draft(path: str, config, dtype: torch.dtype, tokenizer) -> Checkpoint:
+    """speculative_config's model on the engine's device in its dtype, checked to share the
+    target's tokenizer. The engine loads it before its KV cache is sized: the draft's weights
+    and its cache take their part of the GPU too."""
+    try:
+        checkpoint = load_model(path, None, config.seed, config.device, dtype)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"speculative_config's model: {e}") from None
+    check_same_tokenizer(path, checkpoint.tokenizer, tokenizer)
+    return checkpoint
+
+
+def draft_kv_bytes_per_token(checkpoint: Checkpoint | None) -> int:
+    """A draft's K/V bytes a token (0: no draft), what its cache adds to the target's."""
+    if checkpoint is None:
+        return 0
+    c = checkpoint.model.config
+    return kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_dim, checkpoint.dtype)
+
+
 class DraftModelProposer:
-    def __init__(self, path: str, engine):
+    def __init__(self, path: str, checkpoint: Checkpoint, engine):
+        """checkpoint: the draft, from load_draft."""
         config = engine.config
-        try:
-            checkpoint = load_model(path, None, config.seed, config.device,
-                                    engine.checkpoint.dtype)
-        except (ValueError, OSError) as e:
-            raise ValueError(f"speculative_config's model: {e}") from None
-        check_same_tokenizer(path, checkpoint.tokenizer, engine.tokenizer)
         if checkpoint.model.config.n_positions < engine.max_model_len:
             raise ValueError(f"speculative_config's model: {path} has a context of "
                              f"{checkpoint.model.config.n_positions} tokens; the engine serves "
                              f"{engine.max_model_len} (lower max_model_len)")
-        # its own cache, as many tokens as the target's: it mirrors every running sequence
+        # its own cache, as many tokens as the target's (it mirrors every running sequence;
+        # the target's was sized for both), and no swap space: a preempted sequence's draft
+        # is dropped (remove), and recomputed from its tokens when it drafts again
         draft_config = dataclasses.replace(
             config, model=path, preset=None, speculative_config=None, enforce_eager=True,
-            enable_prefix_caching=False, kv_cache_tokens=engine.kv_cache_tokens)
+            enable_prefix_caching=False, kv_cache_tokens=engine.kv_cache_tokens,
+            preemption_mode="recompute")
         self.runner = ModelRunner(draft_config, checkpoint.model.eval(), checkpoint.dtype,
                                   engine.vocab_size, engine.eos_token_ids)
         self.runner.prepare(engine.max_model_len)

@@ -44,6 +44,7 @@ if not torch.cuda.is_available():  # CPU tensors need Triton's interpreter, set 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+import cuda_runtime  # noqa: E402
 from paged_cache import cdiv  # noqa: E402
 
 DECODE_BATCH = 8         # paged_attention_cpu: the most decodes attended together
@@ -476,6 +477,7 @@ def _reduce_splits_kernel(
 
 
 TILE_M = 16  # (query, head) pairs per program: tl.dot's minimum (a decode fills G of them)
+MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension (the prefill kernel's tiles)
 TILE_KEYS = 64  # keys per inner step
 # K/V addresses come from a block-id load, so Triton's pipeliner needs 5 stages to keep step
 # n+1's K/V copies in flight during step n's math (at 3 it waits for every copy): 37 KB of
@@ -525,15 +527,27 @@ def launch_grids(meta: AttentionMetadata, num_kv_heads: int, group_size: int, bl
         if num_splits > 1:
             reduce = (num_decodes, num_kv_heads * group_size)
     if num_decodes < num_seqs:
-        prefill = (num_seqs - num_decodes, num_kv_heads,
-                   cdiv(meta.max_query_len * group_size, TILE_M))
+        tiles = cdiv(meta.max_query_len * group_size, TILE_M)
+        if tiles > MAX_GRID_Z:
+            raise ValueError(f"a chunk of {meta.max_query_len} tokens at {group_size} query "
+                             f"heads a K/V head needs {tiles} programs in a grid dimension "
+                             f"CUDA limits to {MAX_GRID_Z}: at most "
+                             f"{max_chunk_tokens(group_size)} tokens")
+        prefill = (num_seqs - num_decodes, num_kv_heads, tiles)
     return LaunchGrids(decode=decode, reduce=reduce, prefill=prefill)
+
+
+def max_chunk_tokens(group_size: int) -> int:
+    """The most tokens of one sequence a step may prefill through the Triton kernel: its
+    grid's third dimension (tiles of TILE_M query-head pairs) within CUDA's MAX_GRID_Z, 131,070
+    tokens at G = 8. The engine refuses a larger max_num_batched_tokens at its start."""
+    return MAX_GRID_Z * TILE_M // group_size
 
 
 def device_num_sms(device: torch.device) -> int:
     """The SMs of a CUDA device; on a CPU (Triton's interpreter), CPU_NUM_SMS."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+    if cuda_runtime.is_cuda(device):
+        return cuda_runtime.num_sms(device)
     return CPU_NUM_SMS
 
 

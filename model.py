@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import cuda_runtime
 from kernels import AttentionMetadata, paged_attention_ref, store_kv
 from linear import Linear, MergedLinear, merge_split, split_merged
 
@@ -150,10 +151,10 @@ def fused_on_cuda(fn):
     @functools.wraps(fn)
     def run(x: torch.Tensor, *args):
         nonlocal compiled
-        if x.device.type != "cuda":
+        if not cuda_runtime.is_cuda(x.device):
             return fn(x, *args)
         if compiled is None:
-            compiled = torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
+            compiled = cuda_runtime.compile_fused(fn)
         return compiled(x, *args)
     return run
 
@@ -426,7 +427,7 @@ class LMHead(nn.Linear):
         weight = self.weight
         if weight.dtype == torch.float32:
             return F.linear(hidden.float(), weight)
-        if weight.is_cuda:
+        if cuda_runtime.is_cuda(weight.device):  # no CPU kernel: torch.mm(out_dtype)
             return torch.mm(hidden.to(weight.dtype), weight.t(), out_dtype=torch.float32)
         return F.linear(hidden.float(), self.fp32_copy())
 

@@ -28,8 +28,9 @@ from functools import partial
 
 import torch
 
+import cuda_runtime
 from input_batch import InputBatch
-from kernels import AttentionMetadata, select_attention
+from kernels import AttentionMetadata, max_chunk_tokens, paged_attention, select_attention
 from lora import LoRAManager
 from paged_cache import allocate_kv_cache, cdiv, kv_bytes_per_token
 from sampling import invalid_rows, sample, sampling_tensors, upload
@@ -41,6 +42,9 @@ from swap import SwapSpace, swap_space_blocks
 KV_CACHE_BYTES = 1 << 30  # the CPU's KV cache, by default: a full context for every sequence,
                           # within 1 GiB (on CUDA: gpu_memory_utilization of the GPU's memory)
 MAX_CAPTURE_SIZE = 512    # the largest batch a decode graph is captured for (nano-vllm's)
+PROMPT_LOGPROBS_CHUNK = 1024  # prompt positions whose logits and log-softmax are made at once:
+                              # 1,024 x a 152k vocabulary is 0.6 GB of fp32 logits, where an
+                              # 8k-token chunk's all at once took some 15 GB
 
 
 @dataclass
@@ -147,21 +151,27 @@ class ModelRunner:
     """The model, its KV cache, the persistent batch and the decode graphs, on one device."""
 
     def __init__(self, config, model, dtype: torch.dtype, vocab_size: int,
-                 eos_token_ids: list[int]):
+                 eos_token_ids: list[int], draft_kv_bytes_per_token: int = 0):
+        """draft_kv_bytes_per_token: a draft model's K/V bytes a token (0: none), whose cache
+        holds as many tokens as this one's (it mirrors every running sequence): the two share
+        the memory the cache is sized from, and the draft's weights are loaded already."""
         self.config = config
         self.model = model
         self.device = config.device
+        self.dtype = dtype  # the KV cache's (and the model's)
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.attention = select_attention(config.attention, config.device)
         self.generator = torch.Generator(config.device).manual_seed(config.seed)
         c = model.config
+        self._check_chunk_fits_the_grid(c.n_head // c.n_kv_head)
         self.lora_manager: LoRAManager | None = None  # adapters' slots, before the KV cache
         if config.enable_lora:                         # is sized from what is left
             self.lora_manager = LoRAManager(model, config.max_loras, config.max_lora_rank,
                                             config.max_cpu_loras or config.max_loras,
                                             config.device)
         self.kv_bytes_per_token = kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_dim, dtype)
+        self.draft_kv_bytes_per_token = draft_kv_bytes_per_token
         # K and V for every layer and K/V head: grouped-query attention's saving is here. The
         # caches of all layers, k_caches and v_caches (n_layer, NB + 1, BS, Hkv, D); layer i's
         # is [i]; block NB, past the pool's, is the null block (graphs' padding writes there).
@@ -178,33 +188,39 @@ class ModelRunner:
         self.buffers: DecodeBuffers | None = None   # known; with graphs or use_padded_decode
         self.graphs: dict[int, object] = {}         # batch size -> its replay (or eager run)
 
+    def _check_chunk_fits_the_grid(self, group_size: int) -> None:
+        """ValueError at the start, not at a long prompt's step, if a chunk of the token budget
+        would pass the Triton kernel's grid limit (kernels.max_chunk_tokens)."""
+        budget = self.config.max_num_batched_tokens
+        if self.attention is paged_attention and budget > max_chunk_tokens(group_size):
+            raise ValueError(f"max_num_batched_tokens {budget} is more than Triton attention "
+                             f"can prefill at once at {group_size} query heads a K/V head "
+                             f"(CUDA's grid limit): at most {max_chunk_tokens(group_size)}")
+
     # --- the KV cache's size ------------------------------------------------------------
 
     def _kv_cache_tokens(self, context: int) -> int:
         """kv_cache_tokens if given; on CUDA, what gpu_memory_utilization leaves (profiled);
         on a CPU, a full context (max_model_len's, or the model's) for every one of
-        max_num_seqs sequences, within KV_CACHE_BYTES."""
+        max_num_seqs sequences, within KV_CACHE_BYTES. A draft's cache, as many tokens, takes
+        its share of either."""
         config = self.config
         if config.kv_cache_tokens is not None:
             return config.kv_cache_tokens
-        if self.device.startswith("cuda"):
-            return self._profile_kv_cache_bytes() // self.kv_bytes_per_token
+        bytes_per_token = self.kv_bytes_per_token + self.draft_kv_bytes_per_token
+        if cuda_runtime.is_cuda(self.device):
+            return self._profile_kv_cache_bytes() // bytes_per_token
         if config.max_model_len is not None:
             context = config.max_model_len
-        return min(config.max_num_seqs * context, KV_CACHE_BYTES // self.kv_bytes_per_token)
+        return min(config.max_num_seqs * context, KV_CACHE_BYTES // bytes_per_token)
 
     def _profile_kv_cache_bytes(self) -> int:
         """Run a forward of max_num_batched_tokens tokens (and the logits of max_num_seqs rows)
         on a scratch cache, and size the KV cache from the memory it peaked at."""
-        device = torch.device(self.device)
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        self._profile_forward()
-        peak_activations = torch.cuda.max_memory_allocated(device) - before
-        torch.cuda.empty_cache()
-        penalty_state = self.config.max_num_seqs * self.vocab_size * (4 + 1)  # counts, seen
+        free, total, peak_activations = cuda_runtime.profile_memory(self.device,
+                                                                    self._profile_forward)
+        num_input_batches = 1 + (self.draft_kv_bytes_per_token > 0)  # a draft has its own
+        penalty_state = num_input_batches * self.config.max_num_seqs * self.vocab_size * (4 + 1)
         return kv_cache_bytes(total, total - free, peak_activations, penalty_state,
                               self.config.gpu_memory_utilization)
 
@@ -222,7 +238,7 @@ class ModelRunner:
         block_size = config.block_size
         blocks_a_seq = cdiv(chunk, block_size)
         shape = (c.n_layer, blocks_a_seq * len(lens), block_size, c.n_kv_head, c.head_dim)
-        k_caches = torch.zeros(shape, dtype=self.k_caches.dtype, device=self.device)
+        k_caches = torch.zeros(shape, dtype=self.dtype, device=self.device)
         v_caches = torch.zeros_like(k_caches)
         tables = torch.arange(blocks_a_seq * len(lens), dtype=torch.int32, device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
@@ -247,7 +263,7 @@ class ModelRunner:
         config = self.config
         self.input_batch = InputBatch(config.max_num_seqs, max_model_len, config.block_size,
                                       self.vocab_size, config.device)
-        if self.device.startswith("cuda") and not config.enforce_eager:
+        if cuda_runtime.is_cuda(self.device) and not config.enforce_eager:
             self.use_padded_decode(capture=True)
 
     def remove(self, seq: Sequence) -> None:
@@ -293,13 +309,9 @@ class ModelRunner:
             return
         pool = None
         for size in reversed(sizes):  # largest first: the smaller ones reuse its memory
-            graph = torch.cuda.CUDAGraph()
-            self._run_decode(size)  # warm-up: Triton compiles, cuBLAS picks, outside capture
-            with torch.cuda.graph(graph, pool=pool):
-                self._run_decode(size)
-            pool = graph.pool()
-            self.graphs[size] = graph.replay
-        torch.cuda.synchronize(self.device)
+            replay, pool = cuda_runtime.capture_graph(partial(self._run_decode, size), pool)
+            self.graphs[size] = replay
+        cuda_runtime.synchronize(self.device)
 
     @torch.inference_mode()
     def _run_decode(self, size: int) -> None:
@@ -487,20 +499,23 @@ class ModelRunner:
         of sampled_seqs (n,), a sequence once a token it emitted) and output.prompt_logprobs
         (each prompt token scored this step): the token's own log-probability and the top k of
         its row, from the model's log-softmax (before temperature, top-k and top-p, as vLLM
-        returns them). One topk over all rows; token ids and values are read in one copy
-        each."""
+        returns them). The prompt positions' logits are made PROMPT_LOGPROBS_CHUNK positions
+        at a time (a long prompt's would not fit at once); token ids and values are read in
+        one copy each."""
         seqs = sampled_seqs + batch.prompt_seqs  # a row each
         num_sampled = len(sampled_seqs)
         # per row: how many top log-probabilities it asked for (None: none at all)
         wants = [sampled.params.logprobs for sampled in sampled_seqs]
         wants += [scored.params.prompt_logprobs for scored in batch.prompt_seqs]
-        prompt_logits = self.compute_logits(hidden[batch.prompt_logits_indices])  # (m, vocab)
-        logprobs = torch.cat([logits, prompt_logits]).log_softmax(dim=-1)    # (n + m, vocab)
-        targets = torch.cat([token_ids, batch.prompt_targets])[:, None]      # (n + m, 1)
         top_k = max([want for want in wants if want is not None], default=0)
-        top = logprobs.topk(top_k, dim=-1)
-        ids = to_host(torch.cat([targets, top.indices], dim=1))                # (n + m, 1 + k)
-        values = to_host(torch.cat([logprobs.gather(1, targets), top.values], dim=1))
+        found = [top_logprobs(logits, token_ids, top_k)]  # (ids, values) of rows, in order
+        indices = batch.prompt_logits_indices
+        for start in range(0, len(indices), PROMPT_LOGPROBS_CHUNK):
+            end = start + PROMPT_LOGPROBS_CHUNK
+            prompt_logits = self.compute_logits(hidden[indices[start:end]])  # (chunk, vocab)
+            found.append(top_logprobs(prompt_logits, batch.prompt_targets[start:end], top_k))
+        ids = to_host(torch.cat([rows_ids for rows_ids, _ in found]))          # (n + m, 1 + k)
+        values = to_host(torch.cat([rows_values for _, rows_values in found]))
         for row, seq in enumerate(seqs):
             row_top_k = wants[row]
             if row_top_k is None:
@@ -623,6 +638,17 @@ class ModelRunner:
                     new_block_ids=new_block_ids, logits_indices=logits_indices,
                     prompt_logits_indices=prompt_logits_indices, prompt_targets=prompt_targets)
         return ints, sample_seqs, prompt_seqs
+
+
+def top_logprobs(logits: torch.Tensor, targets: torch.Tensor, top_k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of logits (r, vocab) and each row's target token (r,) -> (ids, values), each
+    (r, 1 + top_k): the target and its log-probability, then the row's top_k."""
+    logprobs = logits.log_softmax(dim=-1)
+    top = logprobs.topk(top_k, dim=-1)
+    targets = targets[:, None]
+    return (torch.cat([targets, top.indices], dim=1),
+            torch.cat([logprobs.gather(1, targets), top.values], dim=1))
 
 
 def wants_logprobs(batch: Batch) -> bool:

@@ -37,7 +37,7 @@ import torch
 
 from checkpoint import DTYPES, load_model
 from display import Progress, progress_wanted, render_trace
-from draft_proposer import DraftModelProposer
+from draft_proposer import DraftModelProposer, draft_kv_bytes_per_token, load_draft
 from kernels import keep_freed_memory
 from lora import LoRARequest
 from model import PRESETS
@@ -309,9 +309,13 @@ class Engine:
             self.tokenizer, self.eos_token_ids, self.vocab_size)
         if config.max_model_len is not None and config.max_model_len > c.n_positions:
             raise ValueError(f"max_model_len {config.max_model_len} > the context {c.n_positions}")
+        spec_config = config.speculative_config
+        draft = None  # a draft model: loaded first, its weights and its cache sized with ours
+        if spec_config is not None and spec_config.method == "draft_model":
+            draft = load_draft(spec_config.model, config, checkpoint.dtype, self.tokenizer)
         # the device side: the KV cache (sized here), the persistent batch, the graphs
         self.model_runner = ModelRunner(config, self.model, checkpoint.dtype, self.vocab_size,
-                                        self.eos_token_ids)
+                                        self.eos_token_ids, draft_kv_bytes_per_token(draft))
         self.block_pool = self.model_runner.block_pool
         self.max_model_len = self._max_model_len(config.max_model_len, c.n_positions)
         self.model_runner.prepare(self.max_model_len)
@@ -332,15 +336,16 @@ class Engine:
         self._aborted_outputs: list[RequestOutput] = []  # for the next step() to return
         self.dead: str | None = None  # why the engine cannot step any more (a device error)
         self.speculator: Speculator | None = None  # speculative decoding, if configured
-        spec_config = config.speculative_config
         if spec_config is not None:
-            self.speculator = Speculator(spec_config, self._proposer(spec_config), config.device)
+            self.speculator = Speculator(spec_config, self._proposer(spec_config, draft),
+                                         config.device)
 
-    def _proposer(self, spec_config: SpeculativeConfig):
-        """The proposer speculative_config names: n-gram lookup, or a draft model."""
+    def _proposer(self, spec_config: SpeculativeConfig, draft):
+        """The proposer speculative_config names: n-gram lookup, or a draft model (draft,
+        loaded)."""
         if spec_config.method == "ngram":
             return NgramProposer(spec_config.prompt_lookup_min, spec_config.prompt_lookup_max)
-        return DraftModelProposer(spec_config.model, self)
+        return DraftModelProposer(spec_config.model, draft, self)
 
     def _vocab_size(self, num_embeddings: int) -> int:
         """The token ids a prompt may hold and a step may sample: the tokenizer's. Qwen's

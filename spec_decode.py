@@ -216,11 +216,12 @@ def count_drafts(penalties: Penalties, num_rows: list[int], drafts: list[list[in
     sequence's own, row 1 with token 5 counted once more, row 2 with 5 and 9."""
     device = penalties.presence.device
     repeats = upload(dict(repeats=num_rows), torch.int64, device)["repeats"]
+    size = sum(num_rows)  # given, as repeat_interleave would read it from the device (a wait)
     spread = dataclasses.replace(
-        penalties, presence=penalties.presence.repeat_interleave(repeats),
-        frequency=penalties.frequency.repeat_interleave(repeats),
-        repetition=penalties.repetition.repeat_interleave(repeats),
-        input_batch_rows=penalties.input_batch_rows.repeat_interleave(repeats))
+        penalties, presence=penalties.presence.repeat_interleave(repeats, output_size=size),
+        frequency=penalties.frequency.repeat_interleave(repeats, output_size=size),
+        repetition=penalties.repetition.repeat_interleave(repeats, output_size=size),
+        input_batch_rows=penalties.input_batch_rows.repeat_interleave(repeats, output_size=size))
     rows = []
     token_ids = []
     first_row = 0
@@ -232,11 +233,11 @@ def count_drafts(penalties: Penalties, num_rows: list[int], drafts: list[list[in
     uploaded = upload(dict(rows=rows, token_ids=token_ids), torch.int64, device)
     index = (uploaded["rows"], uploaded["token_ids"])
     if penalties.output_counts is not None:
-        counts = penalties.output_counts.repeat_interleave(repeats, dim=0)
+        counts = penalties.output_counts.repeat_interleave(repeats, dim=0, output_size=size)
         ones = torch.ones(len(rows), device=device)
         spread.output_counts = counts.index_put_(index, ones, accumulate=True)
     if penalties.seen is not None:
-        seen = penalties.seen.repeat_interleave(repeats, dim=0)
+        seen = penalties.seen.repeat_interleave(repeats, dim=0, output_size=size)
         seen[index] = True
         spread.seen = seen
     return spread

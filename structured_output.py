@@ -22,6 +22,10 @@ nor the engine's steps wait) and gives each sample a Grammar; ModelRunner._sampl
 apply_grammar_bitmask; Engine._append_tokens calls accept_token; check_stop ends a sequence
 whose grammar is_terminated().
 
+llguidance is imported at the first constrained request (import_llguidance): an engine runs
+without it (the GPU image has none), and a constrained request there fails alone, saying
+which package it needs (a 400 over HTTP).
+
 Left out: structural tags and reasoning parsers (vLLM's: the constraint starts after
 </think>), jump-forward decoding, speculative drafts for constrained sequences.
 """
@@ -31,10 +35,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-import llguidance
-import llguidance.tiktoken
 import numpy as np
 import torch
+
+import cuda_runtime
 
 # Limits, checked before a request is queued: a constraint's text (a schema, a regular
 # expression, a grammar, the choices joined), the time its compilation may take, and
@@ -53,6 +57,23 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")  # one of them, pe
 # a JSON schema's keywords whose value maps names to schemas, and those whose value is data
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 DATA_KEYWORDS = ("enum", "const", "default", "examples")
+
+
+class StructuredOutputUnavailableError(ValueError):
+    """A constrained request, where llguidance is not installed: it alone is refused."""
+
+
+def import_llguidance():
+    """The llguidance module (and its tiktoken bridge), imported at first use: an engine that
+    constrains nothing needs no llguidance; StructuredOutputUnavailableError without it."""
+    try:
+        import llguidance
+        import llguidance.tiktoken
+    except ImportError:
+        raise StructuredOutputUnavailableError(
+            "structured output needs the llguidance package (>= 1.9), which is not installed "
+            "here: pip install llguidance") from None
+    return llguidance
 
 
 @dataclass
@@ -158,6 +179,7 @@ def llguidance_grammar(params: StructuredOutputsParams) -> str:
     """The constraint in llguidance's own form (a JSON schema, a regular expression and a Lark
     grammar each become one), to compile; ValueError if its text is not what its kind needs
     (a schema that is not JSON, a GBNF grammar that does not convert)."""
+    llguidance = import_llguidance()
     kind = params.kind
     text = constraint_text(kind, getattr(params, kind))
     if kind in ("json", "json_object"):
@@ -190,7 +212,8 @@ class StructuredOutputManager:
         self.num_compiled = 0  # compilations (cache misses), for the tests and bench.py
 
     @property
-    def ll_tokenizer(self) -> llguidance.LLTokenizer:
+    def ll_tokenizer(self) -> "llguidance.LLTokenizer":
+        llguidance = import_llguidance()
         with self._lock:
             if self._ll_tokenizer is None:
                 self._ll_tokenizer = llguidance.tiktoken.lltokenizer_from_encoding(
@@ -199,7 +222,7 @@ class StructuredOutputManager:
             return self._ll_tokenizer
 
     def compile(self, params: StructuredOutputsParams | None, field: str | None = None
-                ) -> llguidance.LLMatcher | None:
+                ) -> "llguidance.LLMatcher | None":
         """The compiled constraint of params (None: unconstrained), from the cache or compiled
         now; ValueError naming the field (`field`, else structured_outputs.<kind>) if it does
         not compile (an invalid schema or regular expression, an unsupported keyword) or is
@@ -220,7 +243,8 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)
         return matcher
 
-    def _compile(self, params: StructuredOutputsParams, field: str) -> llguidance.LLMatcher:
+    def _compile(self, params: StructuredOutputsParams, field: str) -> "llguidance.LLMatcher":
+        llguidance = import_llguidance()
         ll_tokenizer = self.ll_tokenizer
         start = time.perf_counter()
         try:
@@ -252,7 +276,7 @@ class Grammar:
     """One sequence's matcher (vLLM's StructuredOutputGrammar): a copy of its request's
     compiled constraint that has consumed the sequence's output tokens so far."""
 
-    def __init__(self, compiled: llguidance.LLMatcher):
+    def __init__(self, compiled: "llguidance.LLMatcher"):
         self.matcher = compiled.deep_copy()  # microseconds: the compiled parts are shared
         self.num_accepted_tokens = 0
 
@@ -289,7 +313,7 @@ class Grammar:
         self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
 
 
-def new_grammar(compiled: llguidance.LLMatcher | None) -> Grammar | None:
+def new_grammar(compiled: "llguidance.LLMatcher | None") -> Grammar | None:
     """A new sequence's Grammar for its request's compiled constraint (None: unconstrained)."""
     if compiled is None:
         return None
@@ -325,21 +349,28 @@ def apply_grammar_bitmask(seqs: list, logits: torch.Tensor) -> torch.Tensor:
     """The logits (n, vocab) of a step's sampling rows, with -inf on every token that a
     constrained row's grammar rules out; the same tensor, untouched, if no row is
     constrained. Not in place: the log-probabilities returned are the model's own. The mask
-    (a byte a token, unpacked on the host) goes to the device in one copy."""
+    (a byte a token, unpacked on the host) and the rows it covers go to the device as the
+    step's other inputs do (sampling.upload): pinned on CUDA, never waited for."""
     rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
     if not rows:
         return logits
     vocab_size = logits.shape[1]
     bitmask = grammar_bitmask(seqs, rows, vocab_size)
     ruled_out = unpack_bitmask(~bitmask, vocab_size)  # the negated words: set where ruled out
-    if logits.is_cuda:
-        ruled_out = ruled_out.pin_memory()  # torch's caching host allocator: sampling.upload
-    ruled_out = ruled_out.to(logits.device, non_blocking=True)
+    ruled_out = to_device(ruled_out, logits.device)
     if len(rows) == len(seqs):  # every row constrained: one pass, no gather
         return logits.masked_fill(ruled_out, float("-inf"))
-    index = torch.tensor(rows, device=logits.device)
+    index = to_device(torch.tensor(rows), logits.device)
     masked = logits[index].masked_fill(ruled_out, float("-inf"))  # (c, vocab)
     return logits.index_copy(0, index, masked)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device in one non-blocking copy, pinned on CUDA (torch's caching
+    host allocator, as sampling.upload's: imported from there, it would import this module)."""
+    if cuda_runtime.is_cuda(device):
+        host = cuda_runtime.pinned(host)
+    return host.to(device, non_blocking=True)
 
 
 def accept_token(seq, token: int) -> None:

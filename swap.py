@@ -30,6 +30,7 @@ import time
 
 import torch
 
+import cuda_runtime
 from paged_cache import cdiv
 
 MIN_TIMED_TOKENS = 64  # a step times the prefill rate only if it computes this many tokens:
@@ -48,11 +49,13 @@ class SwapSpace:
     def __init__(self, num_blocks: int, k_caches: torch.Tensor, v_caches: torch.Tensor):
         n_layer, _, block_size, n_kv_head, head_dim = k_caches.shape
         shape = (num_blocks, n_layer, block_size, n_kv_head, head_dim)
-        pin = k_caches.device.type == "cuda"  # pinned: fast, asynchronous copies
         # empty, not zeros: a host block is always written (swapped out) before it is read,
         # and on a CPU the pages of an unused pool are never touched
-        self.k = torch.empty(shape, dtype=k_caches.dtype, pin_memory=pin)
-        self.v = torch.empty(shape, dtype=k_caches.dtype, pin_memory=pin)
+        empty = torch.empty
+        if cuda_runtime.is_cuda(k_caches.device):  # pinned: fast, asynchronous copies
+            empty = cuda_runtime.pinned_empty
+        self.k = empty(shape, dtype=k_caches.dtype)
+        self.v = empty(shape, dtype=k_caches.dtype)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.free_block_ids = list(range(num_blocks))[::-1]  # pop() hands out block 0 first
@@ -146,5 +149,5 @@ def swap_space_blocks(swap_space_gib: float, block_size: int, kv_bytes_per_token
 
 def synchronize(device: torch.device) -> None:
     """Wait for the device's copies (on a CPU they are done when they return)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if cuda_runtime.is_cuda(device):
+        cuda_runtime.synchronize(device)

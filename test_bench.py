@@ -288,6 +288,23 @@ def test_ci_gpu_dry_run_checks_its_bench_flags_and_runs_them_on_the_cpu(tmp_path
     assert all(r["us"] > 0 and r["vocab"] == 1000 for r in sampling)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU passes part 1: the script would "
+                    "run whole")
+def test_ci_gpu_stops_when_part_1_finds_no_gpu(tmp_path):
+    """Without a GPU (or with torch built without CUDA) part 1 fails, and the script stops
+    there: the later parts would "pass" with every CUDA test skipped."""
+    env = dict(os.environ, OUT=str(tmp_path))
+    env.pop("DRY_RUN", None)
+    result = subprocess.run(["bash", ".ci/gpu"], cwd=HERE, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1, result.stdout[-3000:]
+    status = (tmp_path / "status.txt").read_text().splitlines()
+    assert [line.split()[0] for line in status[1:]] == ["1-versions"]
+    assert status[1].split()[1] != "0"
+    assert "torch sees no GPU" in (tmp_path / "gpu.log").read_text()
+    assert "== stopped: part 1 failed" in result.stdout
+
+
 def test_ci_gpu_runs_within_its_deadline():
     """The parts' limits fit the deadline the device tool's 7 minutes allow: the script cuts
     each to what is left, but a part given less than its own limit is a part cut short."""

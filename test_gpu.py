@@ -108,7 +108,7 @@ def test_decode_replayed_from_cuda_graphs_gives_eager_decodes_log_probabilities(
     runs = {}
     for eager in (False, True):
         llm = LLM(preset="llama-tiny", device="cuda", dtype="bfloat16", kv_cache_tokens=4096,
-                  enforce_eager=eager)
+                  max_num_seqs=8, enforce_eager=eager)  # graphs of 1, 2, 4 and 8 alone
         replays = count_replays(llm.engine)
         runs[eager] = [o.outputs[0] for o in llm.generate(prompts, params)], replays
         del llm
@@ -149,7 +149,8 @@ def test_bf16_engine_on_cuda_gives_the_stored_transformers_bf16_log_probabilitie
     (computed on a CPU: no transformers needed here)."""
     ref = bf16_reference()
     llm = fixture_llm("llama31-bf16", tmp_path, device="cuda", dtype="bfloat16",
-                      kv_cache_tokens=2304, max_num_batched_tokens=512)
+                      kv_cache_tokens=2304, max_num_batched_tokens=512, max_num_seqs=1,
+                      enforce_eager=True)
     by_position = prompt_logprobs(llm, ref["input_ids"][0].tolist(), 20)
     want = ref["logits"].log_softmax(dim=-1)
     errors = [max(abs(logprob - want[i, token].item()) for token, logprob in top.items())
@@ -182,7 +183,8 @@ def test_bf16_engine_on_cuda_gives_transformers_bf16_log_probabilities_live(tmp_
         "transformers", reason="transformers is not installed (the lent GPU machine has it)")
     ids = bf16_reference()["input_ids"][0].tolist()
     llm = fixture_llm("llama31-bf16", tmp_path, device="cuda", dtype="bfloat16",
-                      kv_cache_tokens=2304, max_num_batched_tokens=512)
+                      kv_cache_tokens=2304, max_num_batched_tokens=512, max_num_seqs=1,
+                      enforce_eager=True)
     by_position = prompt_logprobs(llm, ids, 1)
     ours = torch.tensor([top[token] for top, token in zip(by_position, ids[1:])])
     del llm

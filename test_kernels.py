@@ -1,6 +1,7 @@
 """kernels.py's guarantees: paged attention (the CPU path and the Triton kernel, in Triton's
 interpreter) equals the reference; the kernel as launched compiles for sm_80 and sm_90.
 """
+import ast
 import collections
 import dataclasses
 import json
@@ -362,6 +363,32 @@ def test_decodes_get_no_program_of_the_prefill_kernel():
         decode=None, reduce=None, prefill=(64, 2, 197))
 
 
+def test_a_chunk_past_cudas_grid_limit_is_refused_by_the_launch_and_at_the_start():
+    """The prefill kernel's grid has cdiv(chunk * G, TILE_M) programs in its third dimension,
+    which CUDA limits to 65,535: 131,070 tokens at G = 8 fit, one more does not. The engine
+    refuses a token budget past it when it starts, and the launch any chunk past it."""
+    assert kernels.max_chunk_tokens(8) == 131070
+    meta = engine_args(torch.float16, 64, ((449, 449),), num_heads=8, num_kv_heads=1)[3]
+    meta.max_query_len = 131070
+    assert kernels.launch_grids(meta, 1, 8, 16, 132).prefill == (1, 1, 65535)
+    meta.max_query_len = 131071
+    with pytest.raises(ValueError, match="needs 65536 programs in a grid dimension CUDA limits "
+                                         "to 65535: at most 131070 tokens"):
+        kernels.launch_grids(meta, 1, 8, 16, 132)
+    limit = kernels.max_chunk_tokens(4)  # llama-tiny's G
+    with pytest.raises(ValueError, match=f"max_num_batched_tokens {limit + 1} is more than "
+                                         f"Triton attention can prefill at once .* {limit}"):
+        Engine(EngineConfig(preset="llama-tiny", device="cpu", dtype="float32",
+                            attention="triton", kv_cache_tokens=256,
+                            max_num_batched_tokens=limit + 1))
+
+
+def test_a_cuda_devices_sms_come_from_the_runtime(fake_cuda):
+    """On CUDA the decode splits fill the device's own SMs (on a CPU, CPU_NUM_SMS)."""
+    assert kernels.device_num_sms(torch.device("cuda")) == fake_cuda.NUM_SMS
+    assert fake_cuda.NUM_SMS != kernels.CPU_NUM_SMS
+
+
 @pytest.mark.parametrize("num_decodes, num_kv_heads, max_context, num_sms, num_splits", [
     (1, 2, 32768, 132, 64),   # batch 1, Qwen2.5-0.5B: every SM, up to MAX_KV_SPLITS
     (1, 2, 1024, 132, 4),     # a table of 1024 keys: 4 splits of MIN_SPLIT_KEYS
@@ -397,8 +424,11 @@ def test_a_cuda_step_waits_for_the_device_only_to_read_its_results(monkeypatch):
     top-k and top-p; log-probabilities) under set_sync_debug_mode("error"): any wait for the
     GPU raises, except in model_runner.to_host, where the step reads its tokens on purpose. A
     step that fails fails its requests (finish_reason "error"), so none may."""
+    # the KV cache sized by the profile (the one CUDA test engine that is), within a tenth of
+    # the GPU; graphs of 1 to 8 sequences alone
     engine = Engine(EngineConfig(preset="tiny", device="cuda", dtype="bfloat16",
-                                 max_num_batched_tokens=32))
+                                 max_num_batched_tokens=32, max_num_seqs=8,
+                                 gpu_memory_utilization=0.1))
     kinds = [SamplingParams(temperature=0), SamplingParams(seed=1, top_k=20, logprobs=2),
              SamplingParams(top_p=0.9, prompt_logprobs=1)]
 
@@ -429,6 +459,26 @@ def test_a_cuda_step_waits_for_the_device_only_to_read_its_results(monkeypatch):
         torch.cuda.set_sync_debug_mode("default")
     assert reads  # the steps read their tokens
     assert not [o for o in outputs if o.finished and o.outputs[0].finish_reason == "error"]
+
+
+# the modules whose code runs in a CUDA step with tensors of counts (kernels.py repeats by an
+# int, in the CPU's attention: no wait)
+STEP_MODULES = ("model_runner", "input_batch", "sampling", "spec_decode", "structured_output")
+
+
+def test_no_repeat_interleave_in_a_step_waits_for_the_device():
+    """repeat_interleave by a tensor of repeats reads their sum from the device, a wait in the
+    middle of a step, unless output_size gives it: every call in the step's modules does
+    (a CUDA test finds such a wait only on a GPU; this, on every CI)."""
+    unsized = []
+    for name in STEP_MODULES:
+        with open(os.path.join(HERE, name + ".py")) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == \
+                    "repeat_interleave" and "output_size" not in [k.arg for k in node.keywords]:
+                unsized.append(f"{name}.py:{node.lineno}")
+    assert unsized == []
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")

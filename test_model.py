@@ -202,6 +202,17 @@ def test_each_function_compiled_on_cuda_traces_as_one_graph(name):
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
+def test_a_fused_function_on_cuda_is_compiled_on_its_first_call_alone(fake_cuda):
+    """fused_on_cuda on a CUDA tensor (fake_cuda's: compiled means the function itself): the
+    first call compiles, the next reuse it, and the result is the function's."""
+    fn = M.rms_norm.__wrapped__
+    fused = M.fused_on_cuda(fn)
+    args = FUSED_INPUTS["rms_norm"]()
+    assert torch.equal(fused(*args), fn(*args))
+    fused(*args)
+    assert fake_cuda.calls_to("compile_fused") == [("rms_norm",)]
+
+
 def test_the_lm_heads_fp32_copy_follows_its_weight():
     """The CPU's fp32 copy of the head is made again when the weight changes: written in
     place, or given new data (the model cast to fp16): the logits are always the current

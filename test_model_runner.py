@@ -1,7 +1,8 @@
 """model_runner.py's guarantees: the padded decode path (CUDA graphs' static buffers, run
 eagerly on the CPU) gives the unpadded path's tokens and writes its padding to the null block
 alone; decodes go first in the flat batch; the KV cache's size on CUDA; NaN logits fail their
-request alone; the device's default limits.
+request alone; the device's default limits. The CUDA path itself (sizing, capture, pinned
+uploads) runs here on the CPU through conftest's fake_cuda.
 """
 import dataclasses
 
@@ -9,7 +10,9 @@ import pytest
 import torch
 
 import model_runner
-from conftest import GREEDY, PROMPTS, assert_no_leaks, run_to_end, tiny, token_ids
+import nanoserve
+from checkpoint import load_model, save_checkpoint
+from conftest import FAKE_GPU, GREEDY, PROMPTS, assert_no_leaks, run_to_end, tiny, token_ids
 from model_runner import capture_sizes, kv_cache_bytes
 from nanoserve import EngineConfig
 from sampling import SamplingParams
@@ -117,6 +120,93 @@ def test_the_kv_cache_takes_what_gpu_memory_utilization_leaves():
     with pytest.raises(ValueError, match="no GPU memory is left for the KV cache: "
                                          "gpu_memory_utilization 0.1"):
         kv_cache_bytes(80 * gib, 7 * gib, 2 * gib, 0, 0.1)
+
+
+def profiled_kv_cache_tokens(runner, num_input_batches: int = 1) -> int:
+    """The tokens FAKE_GPU's memory leaves a cache of runner's at gpu_memory_utilization 0.5
+    (the draft's, if any, beside it: draft_kv_bytes_per_token), in whole blocks."""
+    penalty_state = num_input_batches * runner.config.max_num_seqs * runner.vocab_size * 5
+    budget = kv_cache_bytes(FAKE_GPU["total"], FAKE_GPU["used"], FAKE_GPU["peak"],
+                            penalty_state, 0.5)
+    num_tokens = budget // (runner.kv_bytes_per_token + runner.draft_kv_bytes_per_token)
+    return num_tokens // runner.config.block_size * runner.config.block_size
+
+
+def test_a_cuda_engine_sizes_its_kv_cache_from_a_profiled_forward(fake_cuda):
+    """No kv_cache_tokens on CUDA: a forward of the token budget runs on a scratch cache (in
+    the cache's dtype) under the memory profile, and the cache takes what it leaves."""
+    llm = tiny(kv_cache_tokens=None, gpu_memory_utilization=0.5, enforce_eager=True)
+    runner = llm.engine.model_runner
+    assert len(fake_cuda.calls_to("profile_memory")) == 1
+    assert llm.engine.kv_cache_tokens == profiled_kv_cache_tokens(runner) > 0
+
+
+def test_the_cuda_path_gives_the_cpu_paths_tokens(fake_cuda, alone):
+    """Every CUDA branch of a step, on the CPU: the cache sized by the profile, decode graphs
+    captured largest first, each after the first sharing its memory pool, and replayed (the
+    padded path), the inputs uploaded pinned, a pinned swap space: every token is the CPU
+    path's."""
+    llm = tiny(kv_cache_tokens=None, gpu_memory_utilization=0.5, max_num_seqs=8,
+               preemption_mode="swap", swap_space=0.001)
+    assert sorted(llm.engine.model_runner.graphs) == [1, 2, 4, 8]
+    pools = [pool for (pool,) in fake_cuda.calls_to("capture_graph")]
+    assert pools[0] is None and len(set(pools[1:])) == 1 and len(pools) == 4
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == alone
+    assert fake_cuda.calls_to("pinned")
+    assert len(fake_cuda.calls_to("pinned_empty")) == 2  # the swap space's K and V
+    assert_no_leaks(llm.engine)
+
+
+def test_a_draft_models_cache_is_sized_with_the_targets_from_one_profile(fake_cuda,
+                                                                         monkeypatch, tmp_path):
+    """A draft model on CUDA: loaded before the profile (its weights are in the memory used),
+    one profile for both, the budget split over the two caches' bytes a token, the draft's
+    cache as many tokens as the target's, and no swap space of its own."""
+    save_checkpoint(load_model(None, "tiny", 1).model, str(tmp_path), dtype=torch.float32)
+    real_load_draft = nanoserve.load_draft
+
+    def load_draft(*args):
+        fake_cuda.record("load_draft")
+        return real_load_draft(*args)
+    monkeypatch.setattr(nanoserve, "load_draft", load_draft)
+    llm = tiny(kv_cache_tokens=None, gpu_memory_utilization=0.5, preemption_mode="swap",
+               speculative_config={"model": str(tmp_path), "num_speculative_tokens": 2})
+    target = llm.engine.model_runner
+    draft = llm.engine.speculator.proposer.runner
+    names = [call[0] for call in fake_cuda.calls if call[0] in ("load_draft", "profile_memory")]
+    assert names == ["load_draft", "profile_memory"]
+    assert target.draft_kv_bytes_per_token == draft.kv_bytes_per_token
+    assert llm.engine.kv_cache_tokens == profiled_kv_cache_tokens(target, 2) > 0
+    assert draft.block_pool.num_blocks == target.block_pool.num_blocks
+    assert target.swap_space is not None and draft.swap_space is None
+
+
+def test_prompt_logprobs_are_made_in_chunks_of_positions_with_the_same_values(monkeypatch):
+    """A prompt's positions are scored PROMPT_LOGPROBS_CHUNK at a time (here 2), each chunk's
+    logits made on their own, and every log-probability is the unchunked one's: the same
+    tokens, the same values but for the last bits (the LM head's product over fewer rows sums
+    in another order: 5e-7 apart here)."""
+    params = SamplingParams(max_tokens=3, temperature=0, logprobs=2, prompt_logprobs=3)
+    want = tiny().generate(PROMPTS[2:4], params)
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_CHUNK", 2)
+    llm = tiny()
+    runner = llm.engine.model_runner
+    real_compute_logits = runner.compute_logits
+    rows = []
+
+    def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
+        rows.append(len(hidden))
+        return real_compute_logits(hidden)
+    monkeypatch.setattr(runner, "compute_logits", compute_logits)
+    got = llm.generate(PROMPTS[2:4], params)
+    for ours, theirs in zip(got, want):
+        positions = ours.prompt_logprobs[1:] + ours.outputs[0].logprobs
+        wanted = theirs.prompt_logprobs[1:] + theirs.outputs[0].logprobs
+        assert [list(top) for top in positions] == [list(top) for top in wanted]
+        assert max(abs(top[token] - other[token]) for top, other in zip(positions, wanted)
+                   for token in top) < 1e-5
+    num_positions = sum(len(o.prompt_token_ids) - 1 for o in got)
+    assert max(rows) == 2 and len(rows) >= num_positions / 2
 
 
 @pytest.mark.parametrize("value", [0, 1.5, float("nan"), True, "0.9"])

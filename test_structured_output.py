@@ -8,13 +8,14 @@ HTTP API (response_format, structured_outputs) and --jsonl take them.
 import io
 import json
 import re
+import subprocess
 import sys
 
 import pytest
 import torch
 
 import structured_output
-from conftest import assert_no_leaks, http, nanoserve_main, parse_events, run_to_end, \
+from conftest import HERE, assert_no_leaks, http, nanoserve_main, parse_events, run_to_end, \
     server_in_process
 from nanoserve import LLM
 from sampling import SamplingParams
@@ -311,6 +312,34 @@ def test_an_unconstrained_batch_is_not_touched():
     assert apply_grammar_bitmask([Unconstrained()] * 3, logits) is logits
 
 
+class AllowsTheFirstTen:
+    """A grammar that allows tokens 0 to 9 alone, whatever came before."""
+
+    def sync(self, output_token_ids: list[int]) -> None:
+        pass
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = 0
+        bitmask[row, 0] = 2**10 - 1
+
+
+class Constrained:
+    """A sampling row as apply_grammar_bitmask sees it, with AllowsTheFirstTen."""
+    grammar = AllowsTheFirstTen()
+    token_ids = []
+    num_prompt_tokens = 0
+
+
+def test_a_cuda_step_uploads_the_mask_and_its_rows_pinned(fake_cuda):
+    """On CUDA the mask and the rows it covers go up as the step's other inputs do, from
+    pinned memory (never waited for); the constrained row alone is masked."""
+    logits = torch.randn(3, 257)
+    masked = apply_grammar_bitmask([Unconstrained(), Constrained(), Unconstrained()], logits)
+    assert torch.equal(masked[[0, 2]], logits[[0, 2]])
+    assert torch.equal(masked[1, :10], logits[1, :10]) and masked[1, 10:].isneginf().all()
+    assert [shape for (shape,) in fake_cuda.calls_to("pinned")] == [(1, 257), (1,)]
+
+
 def test_a_grammar_that_fell_behind_is_rebuilt_from_the_tokens(llm):
     """sync(): a matcher that has not consumed a sequence's tokens (rolled back, say) is
     rebuilt from them, and allows what the one that consumed them allows."""
@@ -440,3 +469,43 @@ def test_jsonl_lines_take_structured_outputs(capsys, monkeypatch):
     assert got[1]["error"] == ('line 2: structured_outputs.regex: at 1(8): invalid regex "a(b" '
                                "(in regex): regex parse error: unclosed group")
     assert (status, err) == (1, "error: 1 of 2 lines failed\n")
+
+
+# ----------------------------------------------------------------------------- without llguidance
+
+WITHOUT_LLGUIDANCE = """
+import importlib
+import re
+import sys
+sys.modules["llguidance"] = None  # `import llguidance` now raises ImportError, as if absent
+with open("pyproject.toml") as f:
+    listed = re.search(r"^py-modules = \\[(.*?)\\]$", f.read(), re.M | re.S).group(1)
+for name in re.findall(r'"([^"]+)"', listed):
+    importlib.import_module(name)
+from conftest import http, server_in_process, tiny
+from sampling import SamplingParams
+llm = tiny()
+plain = llm.generate(["A"], SamplingParams(max_tokens=3, temperature=0))[0].outputs[0]
+print("plain:", len(plain.token_ids))
+try:
+    llm.generate(["A"], SamplingParams(max_tokens=3, structured_outputs={"regex": "a+"}))
+except ValueError as e:
+    print("offline:", type(e).__name__, e)
+with server_in_process(llm.engine) as url:
+    status, body = http(url, "/v1/completions", dict(prompt="A", max_tokens=3,
+                                                      structured_outputs={"regex": "a+"}))
+print("http:", status, body["error"]["message"])
+"""
+
+
+def test_an_engine_imports_and_serves_without_llguidance():
+    """The GPU image has no llguidance: every module imports without it, an engine serves a
+    plain request, and a constrained one is refused, naming the package, offline (a
+    ValueError) and over HTTP (400)."""
+    result = subprocess.run([sys.executable, "-c", WITHOUT_LLGUIDANCE], cwd=HERE,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    message = ("structured output needs the llguidance package (>= 1.9), which is not "
+               "installed here: pip install llguidance")
+    assert result.stdout.splitlines() == [
+        "plain: 3", f"offline: StructuredOutputUnavailableError {message}", f"http: 400 {message}"]
