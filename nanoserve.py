@@ -540,9 +540,9 @@ class Engine:
         seq_id = sample_id(request_id, index)
         if params.seed is not None:
             params = dataclasses.replace(params, seed=(params.seed + index) % 2**64)
+        detokenizer = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         seq = Sequence(seq_id, text, token_ids, params, BlockTable(self.block_pool),
-                       detokenizer=Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output),
-                       request_id=request_id, index=index, stream=stream)
+                       detokenizer=detokenizer, request_id=request_id, index=index, stream=stream)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # the first prompt token has no log-probability
         return seq

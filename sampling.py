@@ -6,8 +6,9 @@ into device tensors (SamplingTensors; the penalties' token counts and the logit_
 when some sequence uses them), and sample() turns the logits (n, vocab) into n tokens at once:
 logit_bias and min_tokens' bans, penalties, greedy or temperature, min_p, top-k, top-p, then
 the Gumbel-max draw, a seeded sequence's from noise of its seed and the output position alone
-(noise_seed), so that its tokens do not depend on its batch. generation_config_defaults() reads a checkpoint's generation_config.json
-as the default fields of requests that leave them unset.
+(noise_seed), so that its tokens do not depend on its batch. generation_config_defaults()
+reads a checkpoint's generation_config.json as the default fields of requests that leave them
+unset.
 
 The engine (model_runner.py) calls sampling_tensors(), sample(), and invalid_rows() on the
 same logits (rows of NaN, which it fails); nothing here knows of the model or the KV cache.
@@ -256,12 +257,12 @@ def sample(logits: torch.Tensor, t: SamplingTensors, generator: torch.Generator)
     """One token per row of logits (n, vocab) -> (n,), the whole batch at once, in vLLM's
     order: logit_bias (and min_tokens' bans), then the penalties; greedy rows take the argmax;
     the others temperature, min_p, top-k, top-p, then the Gumbel-max trick, argmax(probs / E)
-    with E ~ Exponential(1), a draw from probs. A seeded row's E comes from its (seed, output
-    position)'s noise and no row depends on another's parameters or logits: its tokens do not depend on its
-    batch, and a row of NaN logits gets some token while the others keep theirs (the engine
-    fails it: invalid_rows()). The logits are not changed in place: log-probabilities are the
-    model's own, before all this. Speculative decoding's verify() (spec_decode.py) uses the
-    same three parts: adjust_logits, sampling_probs, draw."""
+    with E ~ Exponential(1), a draw from probs. A seeded row's E is its (seed, output
+    position)'s noise and no row depends on another's parameters or logits: its tokens do not
+    depend on its batch, and a row of NaN logits gets some token while the others keep theirs
+    (the engine fails it: invalid_rows()). The logits are not changed in place:
+    log-probabilities are the model's own, before all this. Speculative decoding's verify()
+    (spec_decode.py) uses the same three parts: adjust_logits, sampling_probs, draw."""
     logits = adjust_logits(logits, t)
     greedy = logits.argmax(dim=-1) if t.any_greedy else None
     if t.all_greedy:

@@ -174,6 +174,27 @@ def test_a_seeded_row_samples_the_gumbel_max_of_its_own_uniforms():
         assert token == (probs / -uniform.log()).argmax()
 
 
+def test_a_seeded_row_draws_by_its_seed_and_output_position_alone():
+    """A seeded row's noise is a function of its seed and the output position it samples:
+    position 5 draws the same token first, after positions 0 to 4 drew, and beside other rows;
+    other positions draw from other noise (not all the same token); the seeds s and s + 1 of
+    a request's samples are not the same noise shifted by a position."""
+    logits = random_logits(3, seed=4)
+    logits[2] = logits[0]
+
+    def draw_at(positions: list[int], seed: int = 7) -> list[int]:
+        rows = [SimpleNamespace(params=SamplingParams(seed=seed), num_output_tokens=position)
+                for position in positions]
+        t = sampling_tensors(rows, SAMPLING_VOCAB, [0], "cpu")
+        return sample(logits[:len(rows)], t, torch.Generator().manual_seed(0)).tolist()
+
+    first = draw_at([5])
+    tokens = [draw_at([position])[0] for position in range(8)]
+    assert draw_at([5]) == first == tokens[5:6] == draw_at([2, 1, 5])[2:]
+    assert len(set(tokens)) > 1
+    assert [draw_at([position], seed=8)[0] for position in range(7)] != tokens[1:]
+
+
 def test_greedy_rows_beside_sampled_rows_take_their_argmax():
     params = [SamplingParams(temperature=0), SamplingParams(temperature=5.0),
               SamplingParams(temperature=0), SamplingParams(temperature=5.0)]
@@ -247,7 +268,8 @@ def test_min_p_applies_to_the_tempered_distribution():
     n = 4000
     t = SamplingTensors(temperature=torch.full((n,), temperature), top_k=torch.full((n,), 4),
                         top_p=torch.ones(n), greedy=torch.zeros(n, dtype=torch.bool),
-                        seeds=[None] * n, positions=[0] * n, all_greedy=False, any_top_k_top_p=False,
+                        seeds=[None] * n, positions=[0] * n, all_greedy=False,
+                        any_top_k_top_p=False,
                         min_p=torch.full((n,), min_p))
     tokens = sample(probs.log().expand(n, 4), t, torch.Generator().manual_seed(0))
     freq = torch.bincount(tokens, minlength=4) / n
