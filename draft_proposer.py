@@ -12,7 +12,9 @@ of which it accepted [the, cat] and emitted "ran": the draft had computed [.. on
 and sampled sat; it keeps [.. on, the, cat], computes [ran] and samples 3 new drafts.
 
 A draft token is sampled from the draft's softmax(logits / temperature) (greedy for a greedy
-request), and that distribution, q, goes with it for the rejection test.
+request), and that distribution, q, goes with it for the rejection test. A seeded request's
+draft draws the guess for its output position i with that position's DRAFT_NOISE
+(sampling.noise_seed): its drafts, like its tokens, depend on its seed, not on its batch.
 """
 import dataclasses
 
@@ -21,7 +23,7 @@ import torch
 from checkpoint import Checkpoint, load_model
 from model_runner import ModelRunner
 from paged_cache import BlockTable, kv_bytes_per_token
-from sampling import GREEDY_BELOW, SamplingParams
+from sampling import DRAFT_NOISE, GREEDY_BELOW, SamplingParams
 from scheduler import Sequence
 
 PROBE_TEXT = "Hello, world! The quick brown fox jumps over 13 lazy dogs."
@@ -63,7 +65,8 @@ class DraftModelProposer:
             enable_prefix_caching=False, kv_cache_tokens=engine.kv_cache_tokens,
             preemption_mode="recompute")
         self.runner = ModelRunner(draft_config, checkpoint.model.eval(), checkpoint.dtype,
-                                  engine.vocab_size, engine.eos_token_ids)
+                                  engine.vocab_size, engine.eos_token_ids,
+                                  noise_stream=DRAFT_NOISE)
         self.runner.prepare(engine.max_model_len)
         self.draft_seqs: dict[Sequence, Sequence] = {}  # target sequence -> its draft's
 
@@ -122,16 +125,13 @@ class DraftModelProposer:
 
     def _new_draft(self, seq: Sequence) -> Sequence:
         """A draft sequence for seq: its prompt, and sampling by temperature alone (greedy for
-        a greedy request), seeded if seq is."""
+        a greedy request), with seq's seed (its runner draws from the seed's DRAFT_NOISE)."""
         params = seq.params
         temperature = 0.0 if params.temperature < GREEDY_BELOW else params.temperature
         draft_params = SamplingParams(temperature=temperature, max_tokens=params.max_tokens,
-                                      ignore_eos=True)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(self.runner.device).manual_seed(params.seed)
+                                      ignore_eos=True, seed=params.seed)
         return Sequence(seq.seq_id, None, seq.prompt_token_ids, draft_params,
-                        BlockTable(self.runner.block_pool), generator)
+                        BlockTable(self.runner.block_pool))
 
     def remove(self, seq: Sequence) -> None:
         """seq finished or was preempted: its draft's blocks and row go."""

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import cuda_runtime
 from kernels import lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
 
 
@@ -58,7 +59,7 @@ class Linear(nn.Linear):
         all adapters of the step at once: a shrink to rank R, an expand into the part's slice."""
         slots = self.lora_mapping.token_slots
         shrink, expand = lora_shrink_ref, lora_expand_ref
-        if x.is_cuda:
+        if cuda_runtime.is_cuda(x.device):
             shrink, expand = lora_shrink, lora_expand
         start = 0
         for lora_a, lora_b in zip(self.lora_a, self.lora_b):

@@ -33,7 +33,7 @@ from input_batch import InputBatch
 from kernels import AttentionMetadata, max_chunk_tokens, paged_attention, select_attention
 from lora import LoRAManager
 from paged_cache import allocate_kv_cache, cdiv, kv_bytes_per_token
-from sampling import invalid_rows, sample, sampling_tensors, upload
+from sampling import TOKEN_NOISE, invalid_rows, sample, sampling_tensors, upload
 from scheduler import Sequence
 from spec_decode import SpecRows, accept_runs, count_drafts, output_offsets, verify
 from structured_output import apply_grammar_bitmask
@@ -151,10 +151,12 @@ class ModelRunner:
     """The model, its KV cache, the persistent batch and the decode graphs, on one device."""
 
     def __init__(self, config, model, dtype: torch.dtype, vocab_size: int,
-                 eos_token_ids: list[int], draft_kv_bytes_per_token: int = 0):
+                 eos_token_ids: list[int], draft_kv_bytes_per_token: int = 0,
+                 noise_stream: int = TOKEN_NOISE):
         """draft_kv_bytes_per_token: a draft model's K/V bytes a token (0: none), whose cache
         holds as many tokens as this one's (it mirrors every running sequence): the two share
-        the memory the cache is sized from, and the draft's weights are loaded already."""
+        the memory the cache is sized from, and the draft's weights are loaded already.
+        noise_stream: which of a seeded row's noises it samples with (sampling.noise_seed)."""
         self.config = config
         self.model = model
         self.device = config.device
@@ -163,6 +165,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.attention = select_attention(config.attention, config.device)
         self.generator = torch.Generator(config.device).manual_seed(config.seed)
+        self.noise_stream = noise_stream  # seeded rows' token noise (DRAFT_NOISE: a draft's)
         c = model.config
         self._check_chunk_fits_the_grid(c.n_head // c.n_kv_head)
         self.lora_manager: LoRAManager | None = None  # adapters' slots, before the KV cache
@@ -292,8 +295,12 @@ class ModelRunner:
             return self.execute_model(num_scheduled_tokens, spec_decode_tokens)
         start = time.perf_counter()
         output = self.execute_model(num_scheduled_tokens, spec_decode_tokens)
-        num_tokens = sum(num_scheduled_tokens.values())
-        self.swap_space.time_step(num_tokens, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        # a decode runs one token, or one and its drafts; any other sequence's are prefill's
+        num_prefill_tokens = sum(n for seq, n in num_scheduled_tokens.items()
+                                 if n > 1 and seq not in spec_decode_tokens)
+        self.swap_space.time_step(num_prefill_tokens, sum(num_scheduled_tokens.values()),
+                                  seconds)
         return output
 
     def use_padded_decode(self, capture: bool = False) -> None:
@@ -483,7 +490,8 @@ class ModelRunner:
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The sampled token ids (n,) and whether each row's logits are invalid (n,) int64."""
-        tensors = sampling_tensors(seqs, self.vocab_size, self.eos_token_ids, self.device)
+        tensors = sampling_tensors(seqs, self.vocab_size, self.eos_token_ids, self.device,
+                                   stream=self.noise_stream)
         if any(seq.params.has_penalties for seq in seqs):
             tensors.penalties = self.input_batch.penalties(seqs)
         masked = apply_grammar_bitmask(seqs, logits)  # structured output: first of all

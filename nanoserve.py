@@ -276,12 +276,6 @@ def sample_id(request_id: str, index: int) -> str:
     return f"{index}_{request_id}"
 
 
-def seeded_generator_states(seqs) -> list[tuple[torch.Generator, torch.Tensor]]:
-    """(generator, its state) of each seeded sequence among seqs, to be set back."""
-    return [(seq.generator, seq.generator.get_state()) for seq in seqs
-            if seq.generator is not None]
-
-
 class Engine:
     """Continuous batching over a paged KV cache: add requests any time, call step().
     add_request(), abort() and has_unfinished() may be called from any thread (each waits for
@@ -416,17 +410,14 @@ class Engine:
             return ModelOutput()
         if self.lora_manager is not None:  # the running sequences' adapters into device slots
             self.lora_manager.activate(self.scheduler.running)
-        # A batch may fail after sampling: its seeded sequences' generators have then drawn,
-        # and alone they must draw the same again, as if the batch had never run.
-        generator_states = seeded_generator_states(num_scheduled_tokens)
+        # A batch may fail after sampling; alone, its seeded sequences draw the same again:
+        # their noise is a function of seed and output position (sampling.noise_seed).
         try:
             return self.model_runner.execute_timed(num_scheduled_tokens, spec_decode_tokens)
         except Exception as e:  # noqa: BLE001 (find the request that fails; it alone fails)
             self._fail_fast_on_device_error(e)
             for seq in num_scheduled_tokens:  # whatever the failed batch wrote of their rows
                 self.model_runner.remove(seq)
-            for generator, state in generator_states:
-                generator.set_state(state)
             return self._run_one_at_a_time(num_scheduled_tokens, spec_decode_tokens)
 
     def _fail_fast_on_device_error(self, error: Exception) -> None:
@@ -583,12 +574,9 @@ class Engine:
         seq_id = sample_id(request_id, index)
         if params.seed is not None:
             params = dataclasses.replace(params, seed=(params.seed + index) % 2**64)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(self.config.device).manual_seed(params.seed)
-        seq = Sequence(seq_id, text, token_ids, params, BlockTable(self.block_pool), generator,
-                       Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output),
-                       request_id=request_id, index=index, stream=stream)
+        detokenizer = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        seq = Sequence(seq_id, text, token_ids, params, BlockTable(self.block_pool),
+                       detokenizer=detokenizer, request_id=request_id, index=index, stream=stream)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # the first prompt token has no log-probability
         return seq

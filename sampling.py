@@ -5,9 +5,10 @@ is made. Each step, sampling_tensors() gathers the parameters of the sequences t
 into device tensors (SamplingTensors; the penalties' token counts and the logit_bias rows only
 when some sequence uses them), and sample() turns the logits (n, vocab) into n tokens at once:
 logit_bias and min_tokens' bans, penalties, greedy or temperature, min_p, top-k, top-p, then
-the Gumbel-max draw, a seeded sequence from its own generator, so that its tokens do not
-depend on its batch. generation_config_defaults() reads a checkpoint's generation_config.json
-as the default fields of requests that leave them unset.
+the Gumbel-max draw, a seeded sequence's from noise of its seed and the output position alone
+(noise_seed), so that its tokens do not depend on its batch. generation_config_defaults()
+reads a checkpoint's generation_config.json as the default fields of requests that leave them
+unset.
 
 The engine (model_runner.py) calls sampling_tensors(), sample(), and invalid_rows() on the
 same logits (rows of NaN, which it fails); nothing here knows of the model or the KV cache.
@@ -42,6 +43,15 @@ MAX_N = 128               # samples of one request at most (OpenAI's limit)
 # row (CPU, 64 x 151,936: 35 ms for k 20, 91 for 1024, 1,840 for the sort).
 MAX_TOP_K_CANDIDATES = 1024
 NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32}  # upload's dtypes
+# A seeded sequence's noise is a function of its seed and of the output position the token is
+# for, never of how many draws came before: its tokens then do not depend on what shared its
+# steps, how many drafts it got, or a failed batch run again. Each position has three
+# independent streams (noise_seed's `stream`):
+TOKEN_NOISE = 0    # the draw of the position's token: sample()'s, and verify()'s for that row
+ACCEPT_NOISE = 1   # verify()'s acceptance uniform of a draft model's draft
+DRAFT_NOISE = 2    # the draft model's own draw of its guess (independent of the two above)
+NUM_NOISE_STREAMS = 3
+GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment: 2**64 over the golden ratio, odd
 
 
 @dataclass
@@ -210,7 +220,9 @@ class SamplingTensors:
     top_k: torch.Tensor             # (n,) int64; the vocabulary size where off
     top_p: torch.Tensor             # (n,) fp32; 1 where off
     greedy: torch.Tensor            # (n,) bool
-    generators: list                # per row: its own torch.Generator, or None (the engine's)
+    seeds: list                     # per row: its request's seed, or None (the engine's noise)
+    positions: list                 # per row: the output position its token is for (0: the
+                                    # first token after the prompt); seeded rows' noise reads it
     all_greedy: bool
     any_top_k_top_p: bool           # some row that draws (not greedy) uses top-k or top-p
     any_greedy: bool = True         # False: no row takes the argmax, and it is not computed
@@ -222,6 +234,8 @@ class SamplingTensors:
                                                 # min_tokens bans a token (end-of-text, stop ids)
     min_p: torch.Tensor | None = None           # (n,) fp32; 0 where off
     penalties: "Penalties | None" = None  # InputBatch.penalties' (input_batch.py)
+    stream: int = TOKEN_NOISE       # the noise stream of the token draw (DRAFT_NOISE: a draft
+                                    # model's guesses, draft_proposer.py)
 
 
 @dataclass
@@ -244,17 +258,17 @@ def sample(logits: torch.Tensor, t: SamplingTensors, generator: torch.Generator)
     """One token per row of logits (n, vocab) -> (n,), the whole batch at once, in vLLM's
     order: logit_bias (and min_tokens' bans), then the penalties; greedy rows take the argmax;
     the others temperature, min_p, top-k, top-p, then the Gumbel-max trick, argmax(probs / E)
-    with E ~ Exponential(1), a draw from probs. A seeded row's E comes from its own generator
-    and no row depends on another's parameters or logits: its tokens do not depend on its
-    batch, and a row of NaN logits gets some token while the others keep theirs (the engine
-    fails it: invalid_rows()). The logits are not changed in place: log-probabilities are the
-    model's own, before all this. Speculative decoding's verify() (spec_decode.py) uses the
-    same three parts: adjust_logits, sampling_probs, draw."""
+    with E ~ Exponential(1), a draw from probs. A seeded row's E is its (seed, output
+    position)'s noise and no row depends on another's parameters or logits: its tokens do not
+    depend on its batch, and a row of NaN logits gets some token while the others keep theirs
+    (the engine fails it: invalid_rows()). The logits are not changed in place:
+    log-probabilities are the model's own, before all this. Speculative decoding's verify()
+    (spec_decode.py) uses the same three parts: adjust_logits, sampling_probs, draw."""
     logits = adjust_logits(logits, t)
     greedy = logits.argmax(dim=-1) if t.any_greedy else None
     if t.all_greedy:
         return greedy
-    drawn = draw(sampling_probs(logits, t), t.generators, generator)
+    drawn = draw(sampling_probs(logits, t), t, generator)
     return drawn if greedy is None else torch.where(t.greedy, greedy, drawn)
 
 
@@ -279,18 +293,46 @@ def sampling_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return logits.softmax(dim=-1)
 
 
-def draw(probs: torch.Tensor, generators: list, generator: torch.Generator) -> torch.Tensor:
+def draw(probs: torch.Tensor, t: SamplingTensors, generator: torch.Generator) -> torch.Tensor:
     """One token per row of probs (n, vocab) -> (n,), by the Gumbel-max trick: argmax(probs / E),
-    E ~ Exponential(1); a seeded row's E from its own generator. probs need not sum to 1
-    (speculative decoding draws from max(p - q, 0) unnormalised). probs is overwritten."""
+    E ~ Exponential(1), E = -log U; a seeded row's U its own noise (seeded_uniform_, stream
+    t.stream), the others' from the engine's generator. probs need not sum to 1 (speculative
+    decoding draws from max(p - q, 0) unnormalised). probs is overwritten."""
     uniform = torch.rand(probs.shape, generator=generator, device=probs.device) \
-        if None in generators else torch.empty_like(probs)
-    for row, gen in enumerate(generators):
-        if gen is not None:
-            uniform[row].uniform_(generator=gen)
+        if None in t.seeds else torch.empty_like(probs)
+    seeded_uniform_(uniform, t.seeds, t.positions, t.stream)
     # E = -log U ~ Exp(1) > 0 (no NaN), and probs / log U = -(probs / E) bit for bit: its
     # argmin is argmax(probs / E), without a pass to negate
     return probs.div_(uniform.log_()).argmin(dim=-1)
+
+
+def seeded_uniform_(uniform: torch.Tensor, seeds: list, positions: list, stream: int) -> None:
+    """Overwrite each seeded row of uniform (n, ...) with uniforms in [0, 1) from its own noise:
+    a generator seeded with noise_seed(seed, position, stream), so that row's values depend on
+    nothing else. Rows whose seed is None keep theirs. One generator on uniform's device,
+    seeded again for each row (a host-side setting: no wait for the device)."""
+    noise = None
+    for row, (seed, position) in enumerate(zip(seeds, positions)):
+        if seed is None:
+            continue
+        if noise is None:
+            noise = torch.Generator(uniform.device)
+        noise.manual_seed(noise_seed(seed, position, stream))
+        uniform[row].uniform_(generator=noise)
+
+
+def noise_seed(seed: int, position: int, stream: int) -> int:
+    """The generator seed of a seeded sequence's noise for its output token `position`, stream
+    `stream` (TOKEN_NOISE, ACCEPT_NOISE or DRAFT_NOISE): element NUM_NOISE_STREAMS * position
+    + stream of the SplitMix64 sequence of `seed` (Steele et al. 2014; Java's SplittableRandom),
+    an int in [0, 2**64). A mix, not seed + position: the seeds seed + i of a request's n
+    samples would share their noise, shifted by i positions; and a CPU generator (a Mersenne
+    Twister) keeps only the low 32 bits of its seed, which SplitMix64's finaliser makes depend
+    on every bit of the seed and the position."""
+    z = (seed + (NUM_NOISE_STREAMS * position + stream + 1) * GOLDEN_GAMMA) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return z ^ (z >> 31)
 
 
 def invalid_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -400,11 +442,15 @@ def upload(host_lists: dict[str, list], dtype: torch.dtype, device: str
 
 
 def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int],
-                     device: str, output_offsets: list[int] | None = None) -> SamplingTensors:
+                     device: str, output_offsets: list[int] | None = None,
+                     stream: int = TOKEN_NOISE) -> SamplingTensors:
     """The sampling parameters of the sequences that sample (a row each), as device tensors;
     the penalties' state, kept from step to step, is the persistent batch's (input_batch.py).
     output_offsets: per row, the tokens its sequence emits before it in this step (a
-    speculative step's rows: spec_decode.output_offsets); None: 0 each."""
+    speculative step's rows: spec_decode.output_offsets); None: 0 each. stream: the noise
+    stream of seeded rows' token draws (SamplingTensors.stream)."""
+    if output_offsets is None:
+        output_offsets = [0] * len(seqs)
     params = [seq.params for seq in seqs]
     greedy = [p.temperature < GREEDY_BELOW for p in params]
     temperature = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
@@ -419,14 +465,13 @@ def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[
     tensors = SamplingTensors(
         temperature=floats["temperature"], top_p=floats["top_p"],
         greedy=ints["greedy"].bool(), top_k=ints["top_k"],
-        generators=[seq.generator for seq in seqs], all_greedy=all(greedy),
+        seeds=[p.seed for p in params], all_greedy=all(greedy), stream=stream,
+        positions=[seq.num_output_tokens + offset for seq, offset in zip(seqs, output_offsets)],
         any_top_k_top_p=bool(used_top_k), any_greedy=any(greedy),
         max_top_k=max_top_k if max_top_k <= MAX_TOP_K_CANDIDATES else None)
     if any(p.min_p > 0 for p in params):
         min_p = [p.min_p for p in params]
         tensors.min_p = upload(dict(min_p=min_p), torch.float32, device)["min_p"]
-    if output_offsets is None:
-        output_offsets = [0] * len(seqs)
     tensors.logit_bias = logit_bias_rows(seqs, vocab_size, eos_token_ids, device, output_offsets)
     return tensors
 

@@ -58,7 +58,6 @@ class Sequence:
     prompt_token_ids: list[int]
     params: "SamplingParams"  # noqa: F821 (sampling.SamplingParams)
     block_table: BlockTable
-    generator: torch.Generator | None = None  # per-request RNG when params.seed is set
     detokenizer: "Detokenizer" = None         # noqa: F821 (tokenizer.Detokenizer)
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0              # tokens whose K/V are in the cache
@@ -147,13 +146,16 @@ class SchedulerOutput:
     swapped_out: dict[Sequence, list[tuple[int, int]]] = field(default_factory=dict)
     swapped_in: dict[Sequence, list[tuple[int, int]]] = field(default_factory=dict)
 
-    def schedule(self, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> None:
-        """seq runs num_new of its uncomputed tokens this step, then its drafts if any."""
-        self.phases[seq] = scheduled_phase(seq, num_new, len(drafts or []))
-        if drafts:
-            self.scheduled_spec_decode_tokens[seq] = drafts
-            num_new += len(drafts)
+    def schedule(self, seq: Sequence, num_new: int) -> None:
+        """seq runs num_new of its uncomputed tokens this step."""
+        self.phases[seq] = scheduled_phase(seq, num_new)
         self.num_scheduled_tokens[seq] = num_new
+
+    def add_drafts(self, seq: Sequence, drafts: list[int]) -> None:
+        """seq, scheduled to decode, verifies drafts after its token: 1 + k tokens."""
+        self.phases[seq] = "verify"
+        self.scheduled_spec_decode_tokens[seq] = drafts
+        self.num_scheduled_tokens[seq] += len(drafts)
 
     def unschedule(self, seq: Sequence) -> int:
         """seq, preempted, does not run after all: the tokens it had been given (0 if none)."""
@@ -162,21 +164,19 @@ class SchedulerOutput:
         return self.num_scheduled_tokens.pop(seq, 0)
 
 
-def scheduled_phase(seq: Sequence, num_new: int, num_drafts: int = 0) -> str:
-    """What seq computes when it is given num_new tokens and num_drafts drafts: "verify", its
-    newest token and drafts after it (speculative decoding); "decode", its one newest token,
+def scheduled_phase(seq: Sequence, num_new: int) -> str:
+    """What seq computes when it is given num_new tokens: "decode", its one newest token,
     sampled at the step before; "recompute", a chunk starting in tokens it had computed
     before a preemption by recompute forgot them; else "prefill", a chunk of its prompt (or of
     output it never computed). Decided when the step is scheduled, where it is known, not
-    worked out afterwards from how the sequence changed. "decode" means one token everywhere
-    (is_decode, num_decodes, the decode kernels and graphs): a verifying sequence is no decode.
+    worked out afterwards from how the sequence changed. A decode given drafts becomes
+    "verify" (SchedulerOutput.add_drafts): "decode" means one token everywhere (is_decode,
+    num_decodes, the decode kernels and graphs).
 
     Example: a sequence preempted with 40 of its 50 prompt tokens computed (recompute_until
     40) is readmitted with a budget of 32 tokens a step: 0-31 "recompute", 32-49 "recompute"
     (the chunk starts at 32 < 40, 8 of its tokens new), then its first decode "decode"."""
     start = seq.num_computed_tokens
-    if num_drafts:
-        return "verify"
     is_newest_token = start + 1 == len(seq.token_ids)
     if num_new == 1 and is_newest_token and start >= seq.num_prompt_tokens:
         return "decode"
@@ -341,6 +341,11 @@ class Scheduler:
     #    and those behind it are admitted. Under --policy
     #    priority a request that does not fit preempts running ones of a strictly lower
     #    priority if that makes room (_preempt_lower_priority), and is the step's last.
+    # 3) Last, speculative decoding's drafts, for the running sequences that decode, from the
+    #    budget and free blocks every real token of the step left (_schedule_drafts): a draft
+    #    is a guess, so it never preempts anyone, nor keeps out a decode, a prefill chunk or
+    #    an admission. (vLLM schedules a running request's drafts with its token, before
+    #    admitting; here admissions rank before drafts too.)
     # static (request-level batching) admits only when nothing runs, a whole batch at once.
     def schedule(self) -> SchedulerOutput:
         """The next step's batch, and who was admitted, preempted and swapped to make it."""
@@ -359,26 +364,25 @@ class Scheduler:
         if self.policy == "static" and not self.running:
             self._admit_static_batch(output)
         budget = self._schedule_running(output)
-        if self.policy == "static":
-            return
         # A step that preempted admits no one: memory ran out, and the running sequences need
         # the free blocks for their next tokens. Whoever was admitted now would be the next
         # victim, its work lost (thrashing); the preempted ones wait at the front instead.
-        if output.preempted:
-            return
-        self._schedule_waiting(output, budget)
+        if self.policy != "static" and not output.preempted:
+            budget = self._schedule_waiting(output, budget)
+        self._schedule_drafts(output, budget)
 
     def _schedule_running(self, output: SchedulerOutput) -> int:
-        """Schedule the running sequences, decodes first, preempting the newest running
-        sequence (of the lowest priority: _victim) while blocks are short; return the token
-        budget left.
+        """Schedule the running sequences' own tokens (their drafts come last:
+        _schedule_drafts), decodes first, preempting the newest running sequence (of the
+        lowest priority: _victim) while blocks are short; return the token budget left.
 
         Worked example: four blocks of 4 tokens, all held. Running in admission order:
         A (8 tokens computed, 2 blocks), B (4 computed, 1 block), C (3 computed, 1 block),
         each decoding one token. A's 9th token needs a 3rd block: none is free, so C, the
         newest, is preempted and its block goes to A. B's 5th token needs a 2nd block: none
         is free, and the newest running sequence is now B itself, so B preempts itself.
-        This step runs A alone; B and then C wait at the front of the queue."""
+        This step runs A alone; B and then C wait at the front of the queue. Had A drafts,
+        they would change none of this: they get blocks only once B has its own."""
         budget = self.max_num_batched_tokens
         decodes_first = sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1)
         for seq in decodes_first:  # a stable sort: admission order within each group
@@ -386,11 +390,6 @@ class Scheduler:
                 continue  # preempted earlier in this loop to make room for an older one
             num_new = self._num_new_tokens(seq.num_uncomputed_tokens, budget)
             if num_new == 0:
-                continue
-            drafts = self._take_drafts(seq, budget - num_new)
-            if drafts:
-                output.schedule(seq, num_new, drafts)
-                budget -= num_new + len(drafts)
                 continue
             while not seq.block_table.ensure(seq.num_computed_tokens + num_new):
                 victim = self._victim()
@@ -403,27 +402,43 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _take_drafts(self, seq: Sequence, budget: int) -> list[int]:
-        """The drafts seq verifies this step (its spec_token_ids, taken): as many as the budget
-        has room for after its own token, and none unless their blocks are free now. A draft
-        is a guess: it never preempts anyone."""
-        drafts = seq.spec_token_ids[:budget]
-        seq.spec_token_ids = []
-        if not drafts:
-            return drafts
-        if not seq.block_table.ensure(seq.num_computed_tokens + 1 + len(drafts)):
-            return []
-        return drafts
+    def _schedule_drafts(self, output: SchedulerOutput, budget: int) -> None:
+        """Give each running sequence that decodes this step its drafts (spec_token_ids, taken
+        from every running sequence), oldest first, from what the budget and the free blocks
+        have left once every real token of the step is placed: as many as both have room for
+        after its own token. A draft is a guess: it never preempts anyone nor takes a block
+        or a token of the budget that a real token needs."""
+        for seq in self.running:
+            drafts = seq.spec_token_ids
+            seq.spec_token_ids = []
+            if not drafts or output.phases.get(seq) != "decode":
+                continue
+            num_tokens = seq.num_computed_tokens + 1  # its own token's slot is taken already
+            room = self._draft_room(seq, num_tokens)
+            drafts = drafts[:min(budget, room)]
+            if not drafts:
+                continue
+            took_blocks = seq.block_table.ensure(num_tokens + len(drafts))
+            assert took_blocks, "_draft_room counted these blocks as free"
+            output.add_drafts(seq, drafts)
+            budget -= len(drafts)
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+    def _draft_room(self, seq: Sequence, num_tokens: int) -> int:
+        """How many tokens past its first num_tokens seq's blocks can hold, with all the free
+        blocks added."""
+        num_blocks = len(seq.block_table.block_ids) + self.block_pool.num_free_blocks
+        return num_blocks * self.block_pool.block_size - num_tokens
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> int:
         """Admit waiting sequences in policy order while max_num_seqs, the budget and the
-        blocks allow; each looks up its cached prefix before it takes anything."""
+        blocks allow; each looks up its cached prefix before it takes anything. Returns the
+        token budget left."""
         passed_over = set()  # request ids whose samples wait: for a sibling, or a LoRA slot
         # a full batch admits no one, unless under priority a preemption makes room
         while len(self.running) < self.max_num_seqs or self.policy == "priority":
             seq = self.waiting.peek(self.num_schedule_calls, passed_over)
             if seq is None:
-                return
+                return budget
             if self._waits_for_a_sibling(seq):  # only this request's samples wait
                 passed_over.add(seq.request_id)
                 continue
@@ -433,7 +448,7 @@ class Scheduler:
                 num_computed = seq.num_computed_tokens
             num_new = self._num_new_tokens(len(seq.token_ids) - num_computed, budget)
             if num_new == 0:
-                return
+                return budget
             if not self._has_lora_slot(seq):  # as vLLM: passed over, those behind it go on
                 passed_over.add(seq.request_id)
                 continue
@@ -441,7 +456,7 @@ class Scheduler:
             if not self._has_room(seq, cached_block_ids):
                 victims = self._lower_priority_victims(seq, cached_block_ids)
                 if not victims:
-                    return
+                    return budget
             for victim in victims:
                 budget += self._preempt_in_step(victim, output)
             self._admit(seq, output, cached_hashes, cached_block_ids)
@@ -450,7 +465,8 @@ class Scheduler:
             output.schedule(seq, num_new)
             budget -= num_new
             if victims:  # the step's last admission: its victims are not readmitted in it
-                return
+                return budget
+        return budget
 
     def _num_new_tokens(self, num_uncomputed: int, budget: int) -> int:
         """How many of a sequence's uncomputed tokens this step can take: all that the budget

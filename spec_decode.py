@@ -18,13 +18,29 @@ Worked example, greedy, drafts [the, cat, sat] after "... on":
 The K/V of "sat" were written to the cache but are never read: the sequence's
 num_computed_tokens moves back past them, and blocks past the accepted tokens are freed.
 
-Sampled rows keep the target's distribution p by rejection sampling: a draft token d drawn
-from the proposer's q is accepted with probability min(1, p(d) / q(d)); if rejected, the
-token is drawn from max(p - q, 0), normalised. An n-gram guess is one token with q(d) = 1:
-accepted with probability p(d), else drawn from p with d removed. Every sampling field
-(temperature, top-k/p, min_p, penalties, logit_bias, min_tokens, seeds) shapes p at each
-position as if the tokens had come one step at a time: position j sees the drafts before it
-counted by the penalties and in min_tokens.
+Sampled rows keep the target's distribution p. An n-gram guess d is one token, q(d) = 1:
+rejection sampling would accept it with probability p(d), else draw from p with d removed.
+verify() gets exactly that by drawing each row's token from p as a step without drafts would,
+with the same noise, and accepting while the token equals the draft: it is d with probability
+p(d), and given it is not d it follows p without d. Worked example, sampled, drafts [the, cat]
+after "... on":
+    query tokens      on    the   cat         (3 positions, one forward)
+    drawn from p      the   dog   sat         (each row with its own position's noise)
+    accepted          the                     (dog != cat: stop)
+    emitted           the   dog               what two steps without drafts would have drawn
+A seeded sequence's noise is a function of its seed and the output position alone
+(sampling.noise_seed), so with n-gram drafts its tokens are those it has without speculation:
+how many drafts it got, hence its batch, changes nothing. A draft model's q is not one-hot,
+and rejection sampling accepts more often than a match would: d, drawn by the draft with its
+position's DRAFT_NOISE, is accepted if u < p(d) / q(d), u the position's ACCEPT_NOISE uniform;
+rejected, the token is drawn from max(p - q, 0), normalised, with the position's TOKEN_NOISE
+(a row without a draft: from p, as without speculation). A seeded sequence's tokens then
+depend on its seed and on which positions had a draft, nothing else: alone or batched they
+are the same while it gets the same drafts (the batch can cut them: disable_by_batch_size,
+the token budget, free blocks), and they differ from those without speculation. Every
+sampling field (temperature, top-k/p, min_p, penalties, logit_bias, min_tokens, seeds) shapes
+p at each position as if the tokens had come one step at a time: position j sees the drafts
+before it counted by the penalties and in min_tokens.
 
 In this file: SpeculativeConfig (vLLM's speculative_config; Engine._proposer makes its
 proposer), the engine's Speculator (who drafts, and backs off when drafts keep failing), then
@@ -39,7 +55,8 @@ from dataclasses import dataclass
 import torch
 
 from options import check_int
-from sampling import Penalties, SamplingTensors, adjust_logits, draw, sampling_probs, upload
+from sampling import (ACCEPT_NOISE, Penalties, SamplingTensors, adjust_logits, draw,
+                      sampling_probs, seeded_uniform_, upload)
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
@@ -245,42 +262,34 @@ def count_drafts(penalties: Penalties, num_rows: list[int], drafts: list[list[in
 
 def verify(logits: torch.Tensor, t: SamplingTensors, rows: SpecRows,
            generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rejection sampler over a step's rows, logits (R, vocab) -> (drawn (R,), accepted
-    (R,)), both int64 on the device. accepted: a draft row's draft stands (greedy: it is the
-    argmax; sampled: uniform u < p(d) / q(d)). drawn: the row's token if its run stops there:
-    a draft row's is drawn from max(p - q, 0) (the rejection's distribution), any other row's
-    from p (a bonus token after all drafts, or an ordinary sample); greedy rows' is the
-    argmax. p is the target's distribution after every sampling field (sampling.py), q the
-    proposer's (one-hot for ngram)."""
+    """Verification over a step's rows, logits (R, vocab) -> (drawn (R,), accepted (R,)), both
+    int64 on the device. accepted: a draft row's draft stands. drawn: the row's token if its run
+    stops there. p is the target's distribution after every sampling field (sampling.py), q the
+    proposer's. Greedy rows: drawn is the argmax, accepted where it is the draft. n-gram
+    drafts (q one-hot, rows.draft_probs None): drawn is the row's token drawn from p as
+    without drafts, accepted where it is the draft. A draft model's: rejection sampling,
+    accepted where u < p(d) / q(d), drawn from max(p - q, 0) (p on a row without a draft)."""
     logits = adjust_logits(logits, t)
     greedy = logits.argmax(dim=-1)
     is_greedy_match = greedy == rows.draft_token_ids
     if t.all_greedy:
         return greedy, is_greedy_match.to(torch.int64)
     probs = sampling_probs(logits, t)
+    if rows.draft_probs is None:
+        drawn = torch.where(t.greedy, greedy, draw(probs, t, generator))
+        accepted = (drawn == rows.draft_token_ids) & rows.is_draft_row
+        return drawn, accepted.to(torch.int64)
     d = rows.draft_token_ids[:, None]
     p_draft = probs.gather(1, d)[:, 0]
     q = rows.draft_probs
-    if q is None:  # ngram: q is one-hot at d
-        q = torch.zeros_like(probs).scatter_(1, d, 1.0) * rows.is_draft_row[:, None]
     q_draft = q.gather(1, d)[:, 0]
-    uniform = uniform_per_row(len(probs), t.generators, generator, probs.device)
+    uniform = torch.rand(len(probs), generator=generator, device=probs.device)
+    seeded_uniform_(uniform, t.seeds, t.positions, ACCEPT_NOISE)
     is_sampled_match = uniform * q_draft < p_draft  # u < p / q, without dividing by q = 0
     accepted = torch.where(t.greedy, is_greedy_match, is_sampled_match) & rows.is_draft_row
     residual = (probs - q).clamp_(min=0)  # q is 0 on rows without a draft: p itself
-    drawn = draw(residual, t.generators, generator)
-    drawn = torch.where(t.greedy, greedy, drawn)
+    drawn = torch.where(t.greedy, greedy, draw(residual, t, generator))
     return drawn, accepted.to(torch.int64)
-
-
-def uniform_per_row(num_rows: int, generators: list, generator: torch.Generator,
-                    device) -> torch.Tensor:
-    """(R,) uniforms in [0, 1): a seeded row's from its own generator, in row order."""
-    uniform = torch.rand(num_rows, generator=generator, device=device)
-    for row, gen in enumerate(generators):
-        if gen is not None:
-            uniform[row] = torch.rand(1, generator=gen, device=device)[0]
-    return uniform
 
 
 def accept_runs(num_rows: list[int], drafts: list[list[int]], drawn: list[int],

@@ -33,9 +33,10 @@ import torch
 import cuda_runtime
 from paged_cache import cdiv
 
-MIN_TIMED_TOKENS = 64  # a step times the prefill rate only if it computes this many tokens:
-                       # a few decodes' step is slower a token, and would make recomputing
-                       # look dearer than a readmission's prefill is
+MIN_TIMED_TOKENS = 64  # a step times the prefill rate only if this many of its tokens are
+                       # prefill tokens: a decode step is slower a token (the weights read
+                       # for each sequence's one token), and would make recomputing look
+                       # dearer than a readmission's prefill is
 RATE_WEIGHT = 0.2      # each timed step's share of the moving average of the prefill rate
 NUM_TIMED_BLOCKS = 8   # blocks copied out and in to time the copy when the pool is made
 
@@ -111,10 +112,14 @@ class SwapSpace:
 
     # --- when swapping beats recomputing ---------------------------------------------------
 
-    def time_step(self, num_tokens: int, seconds: float) -> None:
-        """A step computed num_tokens tokens in `seconds`: a large one updates the prefill
-        rate (a moving average, seconds a token)."""
-        if num_tokens < MIN_TIMED_TOKENS:
+    def time_step(self, num_prefill_tokens: int, num_tokens: int, seconds: float) -> None:
+        """A step computed num_tokens tokens in `seconds`, num_prefill_tokens of them prefill
+        tokens (prompt chunks, recomputes; not decodes nor their drafts): one of at least
+        MIN_TIMED_TOKENS prefill tokens updates the prefill rate (a moving average, seconds a
+        token); decode steps, however large, never do. A mixed step counts whole, its
+        seconds over all its tokens: beside 64 or more prefill tokens the weights are read
+        once for all, and a decode riding along costs about what a prompt token does."""
+        if num_prefill_tokens < MIN_TIMED_TOKENS:
             return
         per_token = seconds / num_tokens
         if self.recompute_seconds_per_token is None:

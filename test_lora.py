@@ -159,6 +159,22 @@ def test_padded_decode_steps_read_each_tokens_slot_from_the_static_buffer(tmp_pa
     assert_same_outputs(llm.generate(prompts, GREEDY, lora_request=loras), expected)
 
 
+def test_the_cuda_path_with_adapters_gives_the_cpu_paths_tokens(tmp_path, fake_cuda):
+    """On "CUDA" (conftest's fake_cuda, on the CPU): the Triton shrink and expand (in
+    Triton's interpreter) and decode graphs replaying with the slots' static buffer give
+    every token and log-probability the CPU path gives."""
+    requests = [adapter(tmp_path, "tiny", name, seed=i, lora_id=i + 1)
+                for i, name in enumerate("ab")] + [None]
+    prompts = ["ab", "cd", "ef"]  # small: each token is a program in Triton's interpreter
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=1)
+    expected = lora_llm(max_loras=2).generate(prompts, params, lora_request=requests)
+    llm = lora_llm(max_loras=2, kv_cache_tokens=None, gpu_memory_utilization=0.5,
+                   max_num_seqs=4)
+    assert sorted(llm.engine.model_runner.graphs) == [1, 2, 4]
+    assert_same_outputs(llm.generate(prompts, params, lora_request=requests), expected)
+    assert_no_leaks(llm.engine)
+
+
 def test_the_prefix_cache_never_shares_kv_between_adapters(tmp_path):
     a = adapter(tmp_path, "tiny", "a", seed=0, lora_id=1)
     b = adapter(tmp_path, "tiny", "b", seed=1, lora_id=2)

@@ -836,8 +836,8 @@ def test_a_failing_request_fails_alone(alone, monkeypatch):
 
 def test_a_seeded_request_in_a_batch_that_failed_after_sampling_samples_as_alone(monkeypatch):
     """The batch fails after sampling (gathering a poisoned request's log-probabilities), so
-    each sequence runs again alone: the seeded request's generator, which drew for the failed
-    batch, is set back first, and its tokens are those it makes alone."""
+    each sequence runs again alone: the seeded request's noise is a function of its seed and
+    the output position (sampling.noise_seed), so its tokens are those it makes alone."""
     seeded = SamplingParams(max_tokens=8, seed=11, temperature=1.5, ignore_eos=True)
     want = tiny().generate(["ab"], seeded)[0].outputs[0].token_ids
     engine = tiny().engine

@@ -15,8 +15,9 @@ from conftest import (NEAR_TIE, PROMPTS, assert_no_leaks, chat_checkpoint, check
                       nanoserve_main, server_in_process, tiny, token_ids)
 from input_batch import InputBatch
 from nanoserve import Engine
-from sampling import (Penalties, SamplingParams, SamplingTensors, apply_penalties,
-                      apply_top_k_top_p, invalid_rows, sample, sampling_tensors)
+from sampling import (TOKEN_NOISE, Penalties, SamplingParams, SamplingTensors, apply_penalties,
+                      apply_top_k_top_p, invalid_rows, noise_seed, sample,
+                      sampling_tensors)
 from tokenizer import EOT
 
 
@@ -89,9 +90,9 @@ SAMPLING_VOCAB = 2048  # past sampling.MAX_TOP_K_CANDIDATES: a top_k may or may 
 
 
 def rows_to_sample(params: list[SamplingParams]) -> list[SimpleNamespace]:
-    """What sampling_tensors() reads of a Sequence: its params, and row i's own generator of
-    seed i (new ones at each call: a draw uses them up)."""
-    return [SimpleNamespace(params=p, generator=torch.Generator().manual_seed(i))
+    """What sampling_tensors() reads of a Sequence: its params, row i's seeded with i, and its
+    output tokens so far (none: each row samples output position 0)."""
+    return [SimpleNamespace(params=dataclasses.replace(p, seed=i), num_output_tokens=0)
             for i, p in enumerate(params)]
 
 
@@ -158,17 +159,40 @@ def test_a_small_top_k_sorts_no_row_of_the_vocabulary(monkeypatch):
 
 
 def test_a_seeded_row_samples_the_gumbel_max_of_its_own_uniforms():
-    """A seeded row's token is argmax(softmax(logits / T) / E), E = -log U, U its generator's
-    uniforms over the vocabulary: what its seed gives does not change with the code."""
+    """A seeded row's token is argmax(softmax(logits / T) / E), E = -log U, U the uniforms over
+    the vocabulary of a generator seeded with noise_seed(its seed, its output position,
+    TOKEN_NOISE): what its seed gives does not change with the code."""
     n = 8
     logits = random_logits(n, seed=2)
     params = [SamplingParams(temperature=0.9) for _ in range(n)]
     t = sampling_tensors(rows_to_sample(params), SAMPLING_VOCAB, [0], "cpu")
     tokens = sample(logits, t, torch.Generator().manual_seed(0))
     for i, token in enumerate(tokens.tolist()):
-        uniform = torch.empty(SAMPLING_VOCAB).uniform_(generator=torch.Generator().manual_seed(i))
+        generator = torch.Generator().manual_seed(noise_seed(i, 0, TOKEN_NOISE))
+        uniform = torch.empty(SAMPLING_VOCAB).uniform_(generator=generator)
         probs = (logits[i] / 0.9).softmax(dim=-1)
         assert token == (probs / -uniform.log()).argmax()
+
+
+def test_a_seeded_row_draws_by_its_seed_and_output_position_alone():
+    """A seeded row's noise is a function of its seed and the output position it samples:
+    position 5 draws the same token first, after positions 0 to 4 drew, and beside other rows;
+    other positions draw from other noise (not all the same token); the seeds s and s + 1 of
+    a request's samples are not the same noise shifted by a position."""
+    logits = random_logits(3, seed=4)
+    logits[2] = logits[0]
+
+    def draw_at(positions: list[int], seed: int = 7) -> list[int]:
+        rows = [SimpleNamespace(params=SamplingParams(seed=seed), num_output_tokens=position)
+                for position in positions]
+        t = sampling_tensors(rows, SAMPLING_VOCAB, [0], "cpu")
+        return sample(logits[:len(rows)], t, torch.Generator().manual_seed(0)).tolist()
+
+    first = draw_at([5])
+    tokens = [draw_at([position])[0] for position in range(8)]
+    assert draw_at([5]) == first == tokens[5:6] == draw_at([2, 1, 5])[2:]
+    assert len(set(tokens)) > 1
+    assert [draw_at([position], seed=8)[0] for position in range(7)] != tokens[1:]
 
 
 def test_greedy_rows_beside_sampled_rows_take_their_argmax():
@@ -224,7 +248,7 @@ def test_sampling_draws_from_the_top_p_nucleus_of_the_tempered_distribution():
     n = 4000
     t = SamplingTensors(temperature=torch.full((n,), temperature), top_k=torch.full((n,), 4),
                         top_p=torch.full((n,), top_p), greedy=torch.zeros(n, dtype=torch.bool),
-                        generators=[None] * n, all_greedy=False, any_top_k_top_p=True)
+                        seeds=[None] * n, positions=[0] * n, all_greedy=False, any_top_k_top_p=True)
     tokens = sample(probs.log().expand(n, 4), t, torch.Generator().manual_seed(0))
     freq = torch.bincount(tokens, minlength=4) / n
     assert (freq - expected).abs().max() < 0.025, (freq, expected)
@@ -244,7 +268,8 @@ def test_min_p_applies_to_the_tempered_distribution():
     n = 4000
     t = SamplingTensors(temperature=torch.full((n,), temperature), top_k=torch.full((n,), 4),
                         top_p=torch.ones(n), greedy=torch.zeros(n, dtype=torch.bool),
-                        generators=[None] * n, all_greedy=False, any_top_k_top_p=False,
+                        seeds=[None] * n, positions=[0] * n, all_greedy=False,
+                        any_top_k_top_p=False,
                         min_p=torch.full((n,), min_p))
     tokens = sample(probs.log().expand(n, 4), t, torch.Generator().manual_seed(0))
     freq = torch.bincount(tokens, minlength=4) / n

@@ -129,6 +129,41 @@ def test_waiting_queue_in_order_is_the_order_peek_admits_them_in(policy):
                                               "sjf": ["0", "1", "4", "2"]}[policy]
 
 
+def decoding_seq(scheduler, block_pool, seq_id, prompt_len, drafts=()) -> Sequence:
+    """A running sequence whose prompt is computed and whose first output token is not: it
+    decodes at the next step, verifying `drafts`."""
+    seq = running_seq(scheduler, block_pool, seq_id, prompt_len, prompt_len)
+    seq.token_ids.append(0)
+    seq.spec_token_ids = list(drafts)
+    return seq
+
+
+def test_a_draft_never_takes_the_block_of_another_sequences_token():
+    """Four blocks of 4 tokens, one free. A (6 tokens computed, 2 blocks) decodes its 7th with
+    2 drafts, which would need a 3rd block; B (4 computed, 1 block) decodes its 5th token,
+    which needs a 2nd. B's real token takes the free block; A's drafts get what is left: room
+    for one more token in its 2nd block. Nobody is preempted."""
+    scheduler, block_pool = make_scheduler(num_blocks=4)
+    a = decoding_seq(scheduler, block_pool, "a", 6, drafts=[5, 6])
+    b = decoding_seq(scheduler, block_pool, "b", 4)
+    output = scheduler.schedule()
+    assert output.preempted == []
+    assert output.num_scheduled_tokens == {a: 2, b: 1}
+    assert output.scheduled_spec_decode_tokens == {a: [5]}
+
+
+def test_drafts_come_after_every_real_token_and_admission_of_the_step():
+    """A budget of 5 tokens: A decodes with 3 drafts, and a waiting prompt of 3 tokens is
+    admitted first, whole; A's drafts get the one token left."""
+    scheduler, block_pool = make_scheduler(budget=5)
+    a = decoding_seq(scheduler, block_pool, "a", 4, drafts=[1, 2, 3])
+    waiting = Sequence("w", "", [7, 8, 9], SamplingParams(), BlockTable(block_pool))
+    scheduler.add(waiting)
+    output = scheduler.schedule()
+    assert output.num_scheduled_tokens == {a: 2, waiting: 3}
+    assert output.scheduled_spec_decode_tokens == {a: [1]}
+
+
 def test_static_admits_only_when_nothing_runs():
     scheduler, block_pool = make_scheduler(policy="static", max_num_seqs=2)
     seqs = [Sequence(str(i), "", [1, 2, 3], SamplingParams(), BlockTable(block_pool))

@@ -184,13 +184,81 @@ def test_rollback_leaves_no_block_held_and_caches_only_accepted_tokens(drafts):
     assert_no_leaks(engine)
 
 
+# ----------------------------------------------------------------------------- seeded: exact
+
+SEEDED = SamplingParams(max_tokens=32, temperature=0.7, top_k=2, seed=123, ignore_eos=True)
+
+
+@pytest.mark.parametrize("config", [
+    {"method": "ngram", "num_speculative_tokens": 4},   # on a CPU: no drafts past 4 sequences
+    NGRAM | {"max_num_batched_tokens": 24}])            # drafts at any size, cut by the budget
+def test_a_seeded_request_samples_the_same_alone_and_beside_five_others_with_ngram_drafts(
+        config):
+    """Seed 123 alone drafts; beside five other requests it drafts less or not at all (the
+    batch passes disable_by_batch_size, or the others' prefill chunks take the budget): its
+    tokens are the same, as they are without speculation."""
+    config = dict(config)
+    engine_args = dict(max_num_batched_tokens=config.pop("max_num_batched_tokens", 512))
+    prompt = PROMPTS[4]
+    expected = token_ids(tiny(**engine_args).generate([prompt], SEEDED))[0]
+    llm = tiny(speculative_config=config, **engine_args)
+    alone = token_ids(llm.generate([prompt], SEEDED))[0]
+    num_drafts_alone = spec_stats(llm)[0]
+    others = [SamplingParams(max_tokens=32, seed=i) for i in range(5)]
+    batched = token_ids(llm.generate(PROMPTS[:4] + [prompt] + PROMPTS[5:],
+                                     others[:4] + [SEEDED] + others[4:]))[4]
+    assert num_drafts_alone > 0
+    assert alone == batched == expected
+    assert_no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(), dict(top_k=3, top_p=0.9), dict(temperature=1.5, min_p=0.05),
+    dict(frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=1.3),
+    dict(min_tokens=10, logit_bias={256: 6.0}, ignore_eos=False)])
+def test_seeded_outputs_with_ngram_drafts_equal_those_without_speculation(fields):
+    """An n-gram draft is accepted where the position's own draw equals it: seeded tokens are
+    those without speculation, whatever the sampling fields, for several seeds and n = 2
+    (top_k 2 unless set: the tiny model's random weights spread their probability, and a
+    draft is then accepted often enough to be seen)."""
+    params = [SamplingParams(**(dict(max_tokens=32, temperature=0.7, top_k=2, seed=seed, n=2,
+                                     ignore_eos=True) | fields)) for seed in range(len(PROMPTS))]
+    expected = tiny().generate(PROMPTS, params)
+    llm = tiny(speculative_config=NGRAM)
+    outputs = llm.generate(PROMPTS, params)
+    assert [[c.token_ids for c in o.outputs] for o in outputs] == \
+        [[c.token_ids for c in o.outputs] for o in expected]
+    num_drafts, num_accepted = spec_stats(llm)
+    assert num_accepted < num_drafts  # drafts were rejected
+    if "repetition_penalty" not in fields:  # penalised, a repeat (an n-gram draft) is rare
+        assert num_accepted > 0
+    assert_no_leaks(llm.engine)
+
+
+def test_a_seeded_request_samples_the_same_alone_and_batched_with_a_draft_model(drafts):
+    """A draft model's rejection sampling draws each position's acceptance uniform and token
+    from the seed and the position: alone or beside five others (drafting at any batch size
+    and a roomy budget, so it gets the same drafts) its tokens are the same."""
+    llm = tiny(speculative_config=draft_config(drafts["poor"], 3))
+    prompt = PROMPTS[4]
+    alone = token_ids(llm.generate([prompt], SEEDED))[0]
+    others = [SamplingParams(max_tokens=32, seed=i) for i in range(5)]
+    batched = token_ids(llm.generate(PROMPTS[:4] + [prompt] + PROMPTS[5:],
+                                     others[:4] + [SEEDED] + others[4:]))[4]
+    assert alone == batched
+    num_drafts, num_accepted = spec_stats(llm)
+    assert num_accepted < num_drafts  # drafts were rejected: the residual draws ran
+    assert_no_leaks(llm.engine)
+
+
 # ----------------------------------------------------------------------------- sampled: the
 # target's distribution
 
 def uniform_rows(num_rows: int, vocab: int) -> SamplingTensors:
     return SamplingTensors(temperature=torch.ones(num_rows), top_k=torch.full((num_rows,), vocab),
                            top_p=torch.ones(num_rows), greedy=torch.zeros(num_rows, dtype=torch.bool),
-                           generators=[None] * num_rows, all_greedy=False, any_top_k_top_p=False,
+                           seeds=[None] * num_rows, positions=[0] * num_rows, all_greedy=False,
+                           any_top_k_top_p=False,
                            any_greedy=False)
 
 

@@ -149,6 +149,27 @@ def test_auto_swaps_when_the_copy_costs_less_than_the_recompute(copy_seconds, nu
     assert swap_space.swap_is_cheaper(num_tokens) == swaps
 
 
+def test_only_prefill_tokens_time_the_recompute_rate(monkeypatch):
+    """auto's prefill rate (seconds a token of recompute): 64 decodes in a step, or 16 decodes
+    of 1 token and 3 drafts, leave it unknown; a step of 64 prompt tokens sets it; decodes
+    after that leave it as it was. (A decode step is dearer a token than a prefill's.)"""
+    runner = tiny(preemption_mode="auto").engine.model_runner
+
+    def no_model(num_scheduled_tokens, spec_decode_tokens):
+        return None
+    monkeypatch.setattr(runner, "execute_model", no_model)
+    decodes = {object(): 1 for _ in range(64)}
+    verifying = {object(): [1, 2, 3] for _ in range(16)}
+    runner.execute_timed(decodes, {})
+    runner.execute_timed({seq: 4 for seq in verifying}, verifying)
+    assert runner.swap_space.recompute_seconds_per_token is None
+    runner.execute_timed({object(): 64}, {})
+    rate = runner.swap_space.recompute_seconds_per_token
+    assert rate is not None
+    runner.execute_timed(decodes, {})
+    assert runner.swap_space.recompute_seconds_per_token == rate
+
+
 def test_preemption_mode_and_swap_space_are_validated_naming_the_field():
     for fields, message in [(dict(preemption_mode="disk"), "unknown preemption_mode 'disk'"),
                             (dict(swap_space=-1.0), "swap_space must be a number in"),
