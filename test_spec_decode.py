@@ -250,6 +250,20 @@ def test_sampled_outputs_keep_the_target_distribution_end_to_end(drafts):
         assert abs(have[token] - count) / num_samples < 0.12
 
 
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_a_draft_model_that_is_the_target_has_every_sampled_draft_accepted(temperature,
+                                                                            drafts):
+    """The draft's q is the distribution its tokens were drawn from, at the request's
+    temperature: with the target's own weights q equals p, and min(1, p(d) / q(d)) accepts
+    every draft (a q taken at temperature 1 rejects some)."""
+    params = [SamplingParams(max_tokens=16, temperature=temperature, seed=i, ignore_eos=True)
+              for i in range(4)]
+    llm = tiny(speculative_config=draft_config(drafts["same"], 3))
+    llm.generate(PROMPTS[:4], params)
+    num_draft_tokens, num_accepted_tokens = spec_stats(llm)
+    assert num_draft_tokens > 0 and num_accepted_tokens == num_draft_tokens
+
+
 # ----------------------------------------------------------------------------- proposers
 
 def test_ngram_proposer_takes_what_followed_the_latest_earlier_match():
@@ -261,6 +275,8 @@ def test_ngram_proposer_takes_what_followed_the_latest_earlier_match():
     assert proposer.find_draft([1, 2, 3, 4, 5], 3) == []  # no suffix occurs earlier
     # the longest suffix wins: [7, 1, 2] occurs at 2 (then 9), [1, 2] later at 6 (then 5)
     assert proposer.find_draft([0, 0, 7, 1, 2, 9, 1, 2, 5, 7, 1, 2], 1) == [9]
+    # [1, 2] at 0 (then 7, 8) and at 4 (then 5, 6): the latest with 2 tokens after it
+    assert proposer.find_draft([1, 2, 7, 8, 1, 2, 5, 6, 1, 2], 2) == [5, 6]
 
 
 def test_accept_runs_keeps_drafts_up_to_the_first_rejected_then_the_models_token():
