@@ -277,6 +277,8 @@ def test_ngram_proposer_takes_what_followed_the_latest_earlier_match():
     assert proposer.find_draft([0, 0, 7, 1, 2, 9, 1, 2, 5, 7, 1, 2], 1) == [9]
     # [1, 2] at 0 (then 7, 8) and at 4 (then 5, 6): the latest with 2 tokens after it
     assert proposer.find_draft([1, 2, 7, 8, 1, 2, 5, 6, 1, 2], 2) == [5, 6]
+    # [1, 2] at 3 has exactly 4 tokens after it: enough
+    assert proposer.find_draft([1, 2, 7, 1, 2, 5, 6, 1, 2], 4) == [5, 6, 1, 2]
 
 
 def test_accept_runs_keeps_drafts_up_to_the_first_rejected_then_the_models_token():
