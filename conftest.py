@@ -73,7 +73,7 @@ def pytest_configure(config) -> None:
 def no_unexpected_fallback(request, monkeypatch):
     """Fail a test whose engines re-ran a failed batch one sequence at a time, unless it is
     marked allows_fallback: the fallback keeps the outputs right, so a step that raises would
-    otherwise pass unseen. (An engine in a server's own process is not watched here.)"""
+    otherwise pass unseen. (The shared server's own process is checked by its fixture.)"""
     errors = []
     run_one_at_a_time = Engine._run_one_at_a_time
 
@@ -301,9 +301,13 @@ def stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def server():
+    """A server in a process of its own, shared by a module's tests: its batches must never
+    have fallen back (no_unexpected_fallback cannot see into that process)."""
     proc, url = start_server()
     yield url
+    metrics = http(url, "/metrics")[1]
     stop(proc)
+    assert "nanoserve:num_fallbacks_total 0\n" in metrics
 
 
 def http(url: str, path: str, body=None, method=None, raw: bytes | None = None,

@@ -131,10 +131,12 @@ def test_sampling_fields_apply_at_every_drafted_position(fields, drafts):
     assert num_accepted > 0
 
 
-def test_logprobs_are_those_of_the_emitted_tokens(drafts):
+@pytest.mark.parametrize("proposer", ["same", "poor"])  # every draft accepted; most rejected
+def test_logprobs_are_those_of_the_emitted_tokens(proposer, drafts):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
     expected = tiny().generate(PROMPTS[:3], params)
-    got = tiny(speculative_config=draft_config(drafts["same"], 4)).generate(PROMPTS[:3], params)
+    llm = tiny(speculative_config=draft_config(drafts[proposer], 4))
+    got = llm.generate(PROMPTS[:3], params)
     for want, have in zip(expected, got):
         assert len(have.outputs[0].logprobs) == len(want.outputs[0].logprobs) == 24
         for entry_want, entry_have in zip(want.outputs[0].logprobs, have.outputs[0].logprobs):
@@ -262,6 +264,21 @@ def test_a_draft_model_that_is_the_target_has_every_sampled_draft_accepted(tempe
     llm.generate(PROMPTS[:4], params)
     num_draft_tokens, num_accepted_tokens = spec_stats(llm)
     assert num_draft_tokens > 0 and num_accepted_tokens == num_draft_tokens
+
+
+def test_a_draft_model_proposes_no_more_drafts_than_a_sequence_may_emit(drafts):
+    """k = 3, the target's own weights as the draft: beside a sequence that may take 3
+    drafts, one of max_tokens 3 decodes with 1 token of room besides the step's own: it
+    verifies 1 draft, not the 2 or 3 a draft model running 3 forwards could give it."""
+    engine = tiny(speculative_config=draft_config(drafts["same"], 3)).engine
+    engine.add_request(PROMPTS[2], GREEDY, "long")
+    engine.add_request(PROMPTS[2], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                       "short")
+    short_drafts = []
+    while engine.has_unfinished():
+        engine.step()
+        short_drafts.append(engine.last_step.num_draft_tokens.get("short", 0))
+    assert max(short_drafts) == 1
 
 
 # ----------------------------------------------------------------------------- proposers
