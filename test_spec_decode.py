@@ -281,6 +281,17 @@ def test_a_draft_model_proposes_no_more_drafts_than_a_sequence_may_emit(drafts):
     assert max(short_drafts) == 1
 
 
+def test_a_bonus_token_is_drawn_from_the_whole_target_distribution():
+    """logit_bias makes token 0 nearly certain: the n-gram drafts (0s) are accepted and the
+    bonus token after them is drawn from p, so it is 0 as well; a sampler that treated the
+    bonus row as a draft row of token 0 would draw it from p without 0."""
+    params = SamplingParams(max_tokens=30, seed=5, logit_bias={0: 100}, ignore_eos=True)
+    llm = tiny(speculative_config=NGRAM)
+    output = llm.generate([{"prompt_token_ids": [0] * 8}], params)[0].outputs[0]
+    assert spec_stats(llm)[1] > 0
+    assert output.token_ids == [0] * 30
+
+
 # ----------------------------------------------------------------------------- proposers
 
 def test_ngram_proposer_takes_what_followed_the_latest_earlier_match():
