@@ -301,6 +301,7 @@ def test_ngram_proposer_takes_what_followed_the_latest_earlier_match():
     assert proposer.find_draft(tokens, 3) == [3, 4, 1]
     assert proposer.find_draft(tokens, 1) == [3]
     assert proposer.find_draft([1, 2, 3, 4, 5], 3) == []  # no suffix occurs earlier
+    assert proposer.find_draft([1, 2, 3], 3) == []  # no room before a suffix of 3 tokens
     # the longest suffix wins: [7, 1, 2] occurs at 2 (then 9), [1, 2] later at 6 (then 5)
     assert proposer.find_draft([0, 0, 7, 1, 2, 9, 1, 2, 5, 7, 1, 2], 1) == [9]
     # [1, 2] at 0 (then 7, 8) and at 4 (then 5, 6): the latest with 2 tokens after it
