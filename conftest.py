@@ -131,6 +131,29 @@ def run_to_end(engine: Engine, deltas: dict | None = None, steps: int | None = N
     return deltas
 
 
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "allows_fallback: the test makes a batch fail on "
+                            "purpose, so the engine may run its sequences one at a time")
+
+
+@pytest.fixture(autouse=True)
+def no_unexpected_fallback(request, monkeypatch):
+    """Fail a test whose engines re-ran a failed batch one sequence at a time, unless it is
+    marked allows_fallback: the fallback keeps the outputs right, so a step that raises would
+    otherwise pass unseen. (The shared server's own process is checked by its fixture.)"""
+    errors = []
+    run_one_at_a_time = Engine._run_one_at_a_time
+
+    def counted(engine, *args):
+        errors.append(repr(sys.exc_info()[1]))  # execute calls it while handling the error
+        return run_one_at_a_time(engine, *args)
+    monkeypatch.setattr(Engine, "_run_one_at_a_time", counted)
+    yield errors
+    if errors and request.node.get_closest_marker("allows_fallback") is None:
+        pytest.fail(f"{len(errors)} batches failed and ran one sequence at a time; the first "
+                    f"raised {errors[0]}", pytrace=False)
+
+
 @pytest.fixture(scope="module")
 def alone() -> list[list[int]]:
     """Greedy outputs of each prompt served on its own: the reference for batching tests."""
@@ -345,9 +368,13 @@ def stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def server():
+    """A server in a process of its own, shared by a module's tests: its batches must never
+    have fallen back (no_unexpected_fallback cannot see into that process)."""
     proc, url = start_server()
     yield url
+    metrics = http(url, "/metrics")[1]
     stop(proc)
+    assert "nanoserve:num_fallbacks_total 0\n" in metrics
 
 
 def http(url: str, path: str, body=None, method=None, raw: bytes | None = None,

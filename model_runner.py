@@ -79,6 +79,7 @@ class ModelOutput:
     logprobs: dict[Sequence, list[dict]] = field(default_factory=dict)  # each emitted token's
     prompt_logprobs: dict[Sequence, list[dict]] = field(default_factory=dict)  # scored this step
     failed: dict[Sequence, str] = field(default_factory=dict)  # failed alone -> the error
+    fell_back: bool = False  # the batch failed, and each sequence ran alone (Engine.execute)
 
 
 def to_host(tensor: torch.Tensor) -> list:

@@ -215,6 +215,7 @@ class StepRecord:
     swapped_in: list[str] = field(default_factory=list)   # readmitted from host memory
     lora_names: dict[str, str] = field(default_factory=dict)  # scheduled with a LoRA adapter
     swap_blocks_used: int = 0       # host blocks holding swapped-out K/V (swap.py)
+    fell_back: bool = False         # the batch failed and each sequence ran alone
 
 
 @dataclass
@@ -233,6 +234,9 @@ class EngineStats:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    # steps whose batch failed and ran again one sequence at a time: a step that raises is
+    # seen here (and in /metrics), not only in the requests that fail alone
+    num_fallbacks: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -254,6 +258,8 @@ class EngineStats:
         self.num_batched_seqs += len(step.scheduled)
         self.num_batched_tokens += sum(step.scheduled.values())
         self.peak_batch_size = max(self.peak_batch_size, len(step.scheduled))
+        if step.fell_back:
+            self.num_fallbacks += 1
 
 
 class EngineDeadError(RuntimeError):
@@ -496,7 +502,8 @@ class Engine:
             swapped_in=[seq.seq_id for seq in scheduler_output.swapped_in],
             lora_names={seq.seq_id: seq.lora_request.lora_name for seq in scheduled
                         if seq.lora_request is not None},
-            swap_blocks_used=self.swap_blocks_used)
+            swap_blocks_used=self.swap_blocks_used,
+            fell_back=model_output.fell_back)
         self.stats.record(self.last_step)
         if self.step_records is not None:
             self.step_records.append(self.last_step)
@@ -663,7 +670,7 @@ class Engine:
     def _run_one_at_a_time(self, num_scheduled_tokens: dict[Sequence, int],
                            spec_decode_tokens: dict[Sequence, list[int]]) -> ModelOutput:
         """The batch failed: run each sequence alone; those that fail alone fail."""
-        merged = ModelOutput()
+        merged = ModelOutput(fell_back=True)
         logits = []
         for seq, num_new in num_scheduled_tokens.items():
             drafts = {seq: spec_decode_tokens[seq]} if seq in spec_decode_tokens else {}

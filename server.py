@@ -277,6 +277,7 @@ class EngineThread(threading.Thread):
                    engine.stats.spec_decode_num_accepted_tokens),
                   ("num_swapped_out_total", "counter", engine.scheduler.num_swapped_out),
                   ("num_swapped_in_total", "counter", engine.scheduler.num_swapped_in),
+                  ("num_fallbacks_total", "counter", engine.stats.num_fallbacks),
                   ("swap_blocks_used", "gauge", step.swap_blocks_used if step else 0)]
         lines = []
         for name, kind, value in values:

@@ -128,6 +128,7 @@ def failing_forward(*args):
     raise ValueError("the model failed")
 
 
+@pytest.mark.allows_fallback
 def test_a_prompt_that_fails_says_why_and_exits_1(capsys, monkeypatch):
     monkeypatch.setattr("model.GPT.forward", failing_forward)
     status, out, err = nanoserve_main(capsys, "--prompt", "ROMEO:", "--max-tokens", "3")

@@ -20,7 +20,8 @@ import torch
 import nanoserve
 from conftest import (DEVICE, GREEDY, PROMPTS, CountSyncs, assert_no_leaks,
                       assert_paged_equals_dense_at_every_position, http, nanoserve_main, new_seq,
-                      parse_events, progress_frames, run_to_end, tiny, token_ids)
+                      parse_events, progress_frames, run_to_end, server_in_process, tiny,
+                      token_ids)
 from nanoserve import LLM, Engine, EngineConfig, accumulate
 from sampling import SamplingParams
 from server import Server, ServerConfig
@@ -810,6 +811,7 @@ def test_outputs_and_params_are_copies(alone):
 
 # ----------------------------------------------------------------------------- failure, abort
 
+@pytest.mark.allows_fallback
 def test_a_failing_request_fails_alone(alone, monkeypatch):
     """The model raises whenever one request's token is in the batch: that request alone ends
     with finish_reason "error" and the error; the others' tokens do not change."""
@@ -834,6 +836,27 @@ def test_a_failing_request_fails_alone(alone, monkeypatch):
     assert_no_leaks(engine)
 
 
+@pytest.mark.allows_fallback
+def test_a_failed_batch_is_counted_as_a_fallback_in_the_stats_and_the_metrics(monkeypatch):
+    """The batch that holds a poisoned request fails and runs again one sequence at a time:
+    one fallback, in EngineStats and /metrics (the outputs alone would not show it)."""
+    engine = tiny().engine
+    real_forward = engine.model.forward
+
+    def forward(input_ids, *args):
+        if (input_ids == 256).any():
+            raise RuntimeError("poisoned batch")
+        return real_forward(input_ids, *args)
+    monkeypatch.setattr(engine.model, "forward", forward)
+    engine.add_request("ab", GREEDY, "good")
+    engine.add_request("bad<|endoftext|>", GREEDY, "bad")
+    run_to_end(engine)
+    assert engine.stats.num_fallbacks == 1
+    with server_in_process(engine) as url:
+        assert "nanoserve:num_fallbacks_total 1\n" in http(url, "/metrics")[1]
+
+
+@pytest.mark.allows_fallback
 def test_a_seeded_request_in_a_batch_that_failed_after_sampling_samples_as_alone(monkeypatch):
     """The batch fails after sampling (gathering a poisoned request's log-probabilities), so
     each sequence runs again alone: the seeded request's noise is a function of its seed and
@@ -1009,6 +1032,36 @@ def test_abort_from_another_thread_waits_for_the_step_in_flight(alone, monkeypat
     assert all(deltas[i][-1].outputs[0].finish_reason == "abort" for i in ids[1::2])
     assert [whole_token_ids(deltas[i]) for i in ids[::2]] == alone[::2]
     assert_no_leaks(engine)
+
+
+# ----------------------------------------------------------------------------- speculation
+
+class WrongProposer:
+    """Drafts one token that the greedy model never takes next: the token after the one it
+    does take (want: the prompt's greedy output alone)."""
+
+    def __init__(self, want: list[int]):
+        self.want = want
+
+    def propose(self, wanted: dict) -> None:
+        for seq in wanted:
+            seq.spec_token_ids = [(self.want[seq.num_output_tokens] + 1) % 256]
+
+    def remove(self, seq) -> None:
+        pass
+
+
+def test_the_speculator_learns_how_many_drafts_were_accepted_not_the_bonus_token():
+    """Every draft rejected: the engine tells the speculator none was accepted (the token
+    the step emits anyway is no accepted draft), so the sequence backs off (1, 2, 4, .. steps)
+    and verifies drafts at 6 of its 40 decodes, not at every one."""
+    want = token_ids(tiny().generate(["ab"], GREEDY))[0]
+    llm = tiny(speculative_config={"method": "ngram", "num_speculative_tokens": 1})
+    llm.engine.speculator.proposer = WrongProposer(want)
+    assert token_ids(llm.generate(["ab"], GREEDY))[0] == want
+    stats = llm.engine.stats
+    assert stats.spec_decode_num_accepted_tokens == 0
+    assert stats.spec_decode_num_drafts == 6
 
 
 # ----------------------------------------------------------------------------- packaging

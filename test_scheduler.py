@@ -91,6 +91,22 @@ def test_chunks_never_exceed_the_token_budget():
     assert max(sizes) == 24 and len(sizes) > 40
 
 
+def test_drafts_count_against_the_token_budget():
+    """With n-gram drafts at any batch size and a budget of 16, no step computes more than
+    16 tokens, drafts included (6 decodes with 4 drafts each would be 30)."""
+    llm = tiny(max_num_batched_tokens=16, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 1024})
+    engine = llm.engine
+    for prompt in PROMPTS:
+        engine.add_request(prompt * 2, GREEDY)  # each prompt repeats: the n-grams find drafts
+    sizes = []
+    while engine.has_unfinished():
+        engine.step()
+        sizes.append(sum(engine.last_step.scheduled.values()))
+    assert engine.stats.spec_decode_num_draft_tokens > 0
+    assert max(sizes) == 16
+
+
 def test_sjf_runs_the_shortest_job_first_and_bounds_starvation():
     scheduler, _ = make_scheduler(max_num_seqs=1, policy="sjf", sjf_max_wait_steps=2)
     jobs = {name: Sequence(name, "", [1, 2], SamplingParams(max_tokens=n), BlockTable(_))
@@ -331,6 +347,19 @@ def test_a_waiting_request_of_higher_priority_preempts_a_lower_running_one():
     output = scheduler.schedule()
     assert output.preempted == [low] and output.num_scheduled_tokens == {high: 6}
     assert low.status == SequenceStatus.WAITING and high.status == SequenceStatus.RUNNING
+
+
+def test_a_waiting_request_preempts_the_lowest_priority_running_one_first():
+    """Running priorities 2 (older) and 1, a priority-0 request waiting that one preemption
+    makes room for: the priority-2 sequence gives way, though the other is newer."""
+    scheduler, block_pool = make_scheduler(num_blocks=6, policy="priority")
+    lowest = running_seq(scheduler, block_pool, "lowest", 8, 7)  # 2 blocks, room for token 8
+    lower = running_seq(scheduler, block_pool, "lower", 8, 7)
+    lowest.priority, lower.priority = 2, 1
+    high = queued(scheduler, block_pool, "high", 9)              # needs 3 blocks; 2 are free
+    output = scheduler.schedule()
+    assert output.preempted == [lowest]
+    assert output.num_scheduled_tokens == {lower: 1, high: 9}
 
 
 @pytest.mark.parametrize("priority, prompt_len", [(1, 6), (2, 6), (0, 16)],

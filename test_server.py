@@ -543,6 +543,7 @@ def test_http_bad_input_gets_an_openai_error_and_the_server_goes_on(
     assert metric(server, "kv_blocks_used") == 0
 
 
+@pytest.mark.allows_fallback
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
 def test_a_request_failing_in_the_engine_gets_a_500_and_a_concurrent_one_goes_on(offline,
                                                                                  stream):

@@ -131,10 +131,12 @@ def test_sampling_fields_apply_at_every_drafted_position(fields, drafts):
     assert num_accepted > 0
 
 
-def test_logprobs_are_those_of_the_emitted_tokens(drafts):
+@pytest.mark.parametrize("proposer", ["same", "poor"])  # every draft accepted; most rejected
+def test_logprobs_are_those_of_the_emitted_tokens(proposer, drafts):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
     expected = tiny().generate(PROMPTS[:3], params)
-    got = tiny(speculative_config=draft_config(drafts["same"], 4)).generate(PROMPTS[:3], params)
+    llm = tiny(speculative_config=draft_config(drafts[proposer], 4))
+    got = llm.generate(PROMPTS[:3], params)
     for want, have in zip(expected, got):
         assert len(have.outputs[0].logprobs) == len(want.outputs[0].logprobs) == 24
         for entry_want, entry_have in zip(want.outputs[0].logprobs, have.outputs[0].logprobs):
@@ -318,6 +320,46 @@ def test_sampled_outputs_keep_the_target_distribution_end_to_end(drafts):
         assert abs(have[token] - count) / num_samples < 0.12
 
 
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_a_draft_model_that_is_the_target_has_every_sampled_draft_accepted(temperature,
+                                                                            drafts):
+    """The draft's q is the distribution its tokens were drawn from, at the request's
+    temperature: with the target's own weights q equals p, and min(1, p(d) / q(d)) accepts
+    every draft (a q taken at temperature 1 rejects some)."""
+    params = [SamplingParams(max_tokens=16, temperature=temperature, seed=i, ignore_eos=True)
+              for i in range(4)]
+    llm = tiny(speculative_config=draft_config(drafts["same"], 3))
+    llm.generate(PROMPTS[:4], params)
+    num_draft_tokens, num_accepted_tokens = spec_stats(llm)
+    assert num_draft_tokens > 0 and num_accepted_tokens == num_draft_tokens
+
+
+def test_a_draft_model_proposes_no_more_drafts_than_a_sequence_may_emit(drafts):
+    """k = 3, the target's own weights as the draft: beside a sequence that may take 3
+    drafts, one of max_tokens 3 decodes with 1 token of room besides the step's own: it
+    verifies 1 draft, not the 2 or 3 a draft model running 3 forwards could give it."""
+    engine = tiny(speculative_config=draft_config(drafts["same"], 3)).engine
+    engine.add_request(PROMPTS[2], GREEDY, "long")
+    engine.add_request(PROMPTS[2], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                       "short")
+    short_drafts = []
+    while engine.has_unfinished():
+        engine.step()
+        short_drafts.append(engine.last_step.num_draft_tokens.get("short", 0))
+    assert max(short_drafts) == 1
+
+
+def test_a_bonus_token_is_drawn_from_the_whole_target_distribution():
+    """logit_bias makes token 0 nearly certain: the n-gram drafts (0s) are accepted and the
+    bonus token after them is drawn from p, so it is 0 as well; a sampler that treated the
+    bonus row as a draft row of token 0 would draw it from p without 0."""
+    params = SamplingParams(max_tokens=30, seed=5, logit_bias={0: 100}, ignore_eos=True)
+    llm = tiny(speculative_config=NGRAM)
+    output = llm.generate([{"prompt_token_ids": [0] * 8}], params)[0].outputs[0]
+    assert spec_stats(llm)[1] > 0
+    assert output.token_ids == [0] * 30
+
+
 # ----------------------------------------------------------------------------- proposers
 
 def test_ngram_proposer_takes_what_followed_the_latest_earlier_match():
@@ -327,8 +369,13 @@ def test_ngram_proposer_takes_what_followed_the_latest_earlier_match():
     assert proposer.find_draft(tokens, 3) == [3, 4, 1]
     assert proposer.find_draft(tokens, 1) == [3]
     assert proposer.find_draft([1, 2, 3, 4, 5], 3) == []  # no suffix occurs earlier
+    assert proposer.find_draft([1, 2, 3], 3) == []  # no room before a suffix of 3 tokens
     # the longest suffix wins: [7, 1, 2] occurs at 2 (then 9), [1, 2] later at 6 (then 5)
     assert proposer.find_draft([0, 0, 7, 1, 2, 9, 1, 2, 5, 7, 1, 2], 1) == [9]
+    # [1, 2] at 0 (then 7, 8) and at 4 (then 5, 6): the latest with 2 tokens after it
+    assert proposer.find_draft([1, 2, 7, 8, 1, 2, 5, 6, 1, 2], 2) == [5, 6]
+    # [1, 2] at 3 has exactly 4 tokens after it: enough
+    assert proposer.find_draft([1, 2, 7, 1, 2, 5, 6, 1, 2], 4) == [5, 6, 1, 2]
 
 
 def test_accept_runs_keeps_drafts_up_to_the_first_rejected_then_the_models_token():

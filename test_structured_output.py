@@ -19,7 +19,8 @@ from conftest import HERE, assert_no_leaks, http, nanoserve_main, parse_events, 
     server_in_process
 from nanoserve import LLM
 from sampling import SamplingParams
-from structured_output import Grammar, StructuredOutputsParams, apply_grammar_bitmask
+from structured_output import (MAX_CHOICES, Grammar, StructuredOutputsParams,
+                               apply_grammar_bitmask)
 
 # nested objects, an array with bounds, enums, bounded integers and strings, required fields
 PERSON = {
@@ -279,6 +280,13 @@ def test_a_constraint_too_slow_to_compile_is_refused(llm, monkeypatch):
     with pytest.raises(ValueError, match=r"structured_outputs.regex took .* s to compile; at most"):
         llm.engine.add_request("x", SamplingParams(structured_outputs={"regex": "[0-9]{1,4}x"}))
     assert_no_leaks(llm.engine)
+
+
+def test_a_choice_holds_at_most_max_choices_strings():
+    StructuredOutputsParams(choice=[str(i) for i in range(MAX_CHOICES)])
+    with pytest.raises(ValueError, match=f"choice has {MAX_CHOICES + 1} strings; at most "
+                                         f"{MAX_CHOICES}"):
+        StructuredOutputsParams(choice=[str(i) for i in range(MAX_CHOICES + 1)])
 
 
 def test_structured_outputs_must_be_params_or_their_fields():

@@ -93,6 +93,14 @@ def test_copies_out_and_back_in_restore_the_blocks_k_and_v_elsewhere():
                                                                         v_before)
 
 
+def test_every_host_block_can_be_handed_out_once():
+    swap_space, _, _ = small_swap_space(num_host_blocks=4)
+    assert sorted(swap_space.allocate(4)) == [0, 1, 2, 3]
+    assert not swap_space.can_allocate(1)
+    with pytest.raises(RuntimeError, match="asked for 1 host blocks; 0 are free"):
+        swap_space.allocate(1)
+
+
 def swapping_scheduler(num_blocks=4, num_host_blocks=8, mode="swap"):
     swap_space, _, _ = small_swap_space(num_host_blocks, num_blocks)
     block_pool = BlockPool(num_blocks, block_size=4)
