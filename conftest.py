@@ -13,8 +13,15 @@ import threading
 from http.client import HTTPConnection
 
 import pytest
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+# The tests' models are tiny: a second thread a process costs more than it saves, and the
+# server's and command line's subprocesses run beside the suite's (two threads a process ran
+# the suite in 15 minutes on two cores). Subprocesses inherit it; a test may still ask for more.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402 (after OMP_NUM_THREADS)
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import cli
 import cuda_runtime

@@ -9,6 +9,7 @@ name whose head is one of our classes must be that class's own: `Engine._detoken
 import ast
 import functools
 import glob
+import keyword
 import os
 import re
 
@@ -130,7 +131,7 @@ def unknown_names(span: str, code: CodeNames) -> list[str]:
     if not IDENTIFIER.match(span):
         return []
     parts = span.removesuffix("()").split(".")
-    known = code.names | code.strings | OUTSIDE_NAMES
+    known = code.names | code.strings | OUTSIDE_NAMES | set(keyword.kwlist)
     missing = [part for part in parts if part not in known]
     head, *rest = parts
     if rest and head in code.members and not code.has_member(head, rest[0]):

@@ -42,7 +42,7 @@ MAX_NUM_BATCHED_TOKENS = {"large_budget": 512, "small_budget": 8}  # 8: prompts 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}  # drafts while at most 4 sequences run (a CPU's default)
 ANY_BATCH = {"disable_by_batch_size": 1024}
-CHOICES = ["Montague", "Capulet", "a plague o' both your houses"]
+CHOICES = ["Montague", "Capulet", "a plague"]  # each well within max_tokens
 HAS_LLGUIDANCE = importlib.util.find_spec("llguidance") is not None
 
 
@@ -295,10 +295,18 @@ def test_the_stop_string_and_min_tokens_end_the_plain_engines_outputs(plain):
     assert (ended.finish_reason, len(ended.token_ids), ended.token_ids[-1]) == ("stop", 9, 256)
 
 
+def differs_with_its_drafts(config: dict[str, str], request: Request) -> bool:
+    """A seeded sample under a draft model: rejection sampling makes its tokens depend on which
+    positions had drafts, which the batch decides (the README says so beside the rule)."""
+    return config["spec"] == "draft" and not request.is_greedy
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_each_request_equals_itself_alone(config, served, requests):
     run = served(config)
     for request in requests:
+        if differs_with_its_drafts(config, request):
+            continue
         assert samples(run.batch[request.name]) == samples(run.alone[request.name]), \
             request.name
         assert [c.finish_reason for c in run.batch[request.name].outputs] == \
@@ -306,7 +314,9 @@ def test_each_request_equals_itself_alone(config, served, requests):
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
-def test_logprobs_equal_those_alone(config, served):
+def test_logprobs_equal_those_alone(config, served, requests):
+    if config["spec"] == "draft":
+        pytest.skip("a seeded sample's tokens under a draft model depend on its drafts")
     run = served(config)
     batch = run.batch["seeded_penalties_logprobs"].outputs[0].logprobs
     alone = run.alone["seeded_penalties_logprobs"].outputs[0].logprobs

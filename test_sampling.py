@@ -516,8 +516,9 @@ def record_params(monkeypatch, engine: Engine) -> list[SamplingParams]:
     seen = []
     add_request = engine.add_request
 
-    def add_and_record(prompt, params=None, request_id=None, stream=True, priority=0):
-        request_id = add_request(prompt, params, request_id, stream, priority)
+    def add_and_record(prompt, params=None, request_id=None, stream=True, priority=0,
+                       lora_request=None):
+        request_id = add_request(prompt, params, request_id, stream, priority, lora_request)
         seen.append(engine.seqs[request_id].params)
         return request_id
     monkeypatch.setattr(engine, "add_request", add_and_record)

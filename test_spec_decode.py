@@ -226,14 +226,13 @@ def test_seeded_outputs_with_ngram_drafts_equal_those_without_speculation(fields
     params = [SamplingParams(**(dict(max_tokens=32, temperature=0.7, top_k=2, seed=seed, n=2,
                                      ignore_eos=True) | fields)) for seed in range(len(PROMPTS))]
     expected = tiny().generate(PROMPTS, params)
-    llm = tiny(speculative_config=NGRAM)
+    llm = tiny(speculative_config=NGRAM | {"disable_by_batch_size": 64})
     outputs = llm.generate(PROMPTS, params)
     assert [[c.token_ids for c in o.outputs] for o in outputs] == \
         [[c.token_ids for c in o.outputs] for o in expected]
     num_drafts, num_accepted = spec_stats(llm)
-    assert num_accepted < num_drafts  # drafts were rejected
     if "repetition_penalty" not in fields:  # penalised, a repeat (an n-gram draft) is rare
-        assert num_accepted > 0
+        assert 0 < num_accepted < num_drafts  # drafts were accepted and rejected
     assert_no_leaks(llm.engine)
 
 
