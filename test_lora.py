@@ -10,6 +10,9 @@ import re
 import pytest
 import torch
 
+import kernels
+import linear
+
 from checkpoint import read_safetensors, write_safetensors
 import watch
 from conftest import (HERE, assert_no_leaks, http, run_to_end, server_thread, start_server, stop,
@@ -159,10 +162,22 @@ def test_padded_decode_steps_read_each_tokens_slot_from_the_static_buffer(tmp_pa
     assert_same_outputs(llm.generate(prompts, GREEDY, lora_request=loras), expected)
 
 
-def test_the_cuda_path_with_adapters_gives_the_cpu_paths_tokens(tmp_path, fake_cuda):
-    """On "CUDA" (conftest's fake_cuda, on the CPU): the Triton shrink and expand (in
-    Triton's interpreter) and decode graphs replaying with the slots' static buffer give
-    every token and log-probability the CPU path gives."""
+def test_the_cuda_path_with_adapters_gives_the_cpu_paths_tokens(tmp_path, fake_cuda,
+                                                               monkeypatch):
+    """On "CUDA" (conftest's fake_cuda, on the CPU): the CUDA path's shrink and expand (the
+    Triton kernels' references here: test_kernels checks the kernels against them, and
+    interpreted at every projection of every step they would take minutes) and decode graphs
+    replaying with the slots' static buffer give every token and log-probability the CPU
+    path gives."""
+    calls = []
+
+    def recorded(kernel):
+        def run(*args):
+            calls.append(kernel.__name__)
+            return kernel(*args)
+        return run
+    monkeypatch.setattr(linear, "lora_shrink", recorded(kernels.lora_shrink_ref))
+    monkeypatch.setattr(linear, "lora_expand", recorded(kernels.lora_expand_ref))
     requests = [adapter(tmp_path, "tiny", name, seed=i, lora_id=i + 1)
                 for i, name in enumerate("ab")] + [None]
     prompts = ["ab", "cd", "ef"]  # small: each token is a program in Triton's interpreter
@@ -172,6 +187,7 @@ def test_the_cuda_path_with_adapters_gives_the_cpu_paths_tokens(tmp_path, fake_c
                    max_num_seqs=4)
     assert sorted(llm.engine.model_runner.graphs) == [1, 2, 4]
     assert_same_outputs(llm.generate(prompts, params, lora_request=requests), expected)
+    assert {"lora_shrink_ref", "lora_expand_ref"} <= set(calls)
     assert_no_leaks(llm.engine)
 
 
