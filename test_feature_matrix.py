@@ -199,30 +199,16 @@ def what_is_held(engine: Engine) -> list[str]:
     return []
 
 
-def count_fallbacks(engine: Engine) -> list[int]:
-    """A one-item list that counts the engine's batches that failed and were run one sequence
-    at a time: the fallback turns a step that raises into right outputs, so only the count
-    shows it."""
-    count = [0]
-    run_one_at_a_time = engine._run_one_at_a_time
-
-    def counted(*args):
-        count[0] += 1
-        return run_one_at_a_time(*args)
-    engine._run_one_at_a_time = counted
-    return count
-
-
 def served_under(config: dict[str, str], requests: list[Request], draft_path: str) -> Served:
     """The batch on a fresh engine of config, then each request alone on the same engine."""
     engine = tiny(**engine_args(config, draft_path)).engine
-    fallbacks = count_fallbacks(engine)
     chunks = []
     batch = serve(engine, requests, chunks)
     held = what_is_held(engine)
     alone = {r.name: serve(engine, [r], chunks)[r.name] for r in requests}
     held += what_is_held(engine)
-    return Served(batch, alone, held, fallbacks[0], engine.scheduler.num_preemptions,
+    return Served(batch, alone, held, engine.stats.num_fallbacks,
+                  engine.scheduler.num_preemptions,
                   engine.scheduler.num_swapped_out, engine.stats.spec_decode_num_accepted_tokens,
                   engine.stats.num_cached_tokens, sum(chunks))
 
