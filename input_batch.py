@@ -123,11 +123,11 @@ class InputBatch:
         return block_ids.to(torch.int64) * self.block_size + positions % self.block_size
 
     def penalties(self, seqs: list[Sequence]) -> Penalties:
-        """The Penalties of a step's sampling rows, seqs in order. A row's state is built once,
-        in the first step its sequence samples with penalties: its tokens (prompt and output)
-        go up in one upload, its three penalty values in another. After that it takes only
-        the tokens it samples, on the device (count_sampled): the host does nothing for it
-        but name its row. A row without penalties gets whatever its row holds, which its
+        """The Penalties of a step's sampling sequences, seqs in order. A row's state is built
+        once, in the first step its sequence samples with penalties: its tokens (prompt and
+        output) go up in one upload, its three penalty values in another. After that it takes
+        only the tokens it samples, on the device (count_sampled): the host does nothing for it
+        but name its row. A sequence without penalties gets whatever its row holds, which the
         neutral values (see remove) ignore."""
         if self.output_counts is None:
             self._make_penalty_state()

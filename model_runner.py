@@ -14,7 +14,7 @@ replays them with one call. Its tensors' addresses are fixed at capture, so a gr
 reads its inputs from static buffers (DecodeBuffers) that each step fills in place. A graph
 is captured for each of a few batch sizes (capture_sizes: 1, 2, 4, 8, then every 16), largest
 first and sharing one memory pool; a decode step of b sequences replays the graph of the next
-size up, its padding rows writing their K/V to the null block (the last of the cache, which
+size up, its padding entries writing their K/V to the null block (the last of the cache, which
 no sequence owns) and attending to it alone. Block tables are always the whole width
 max_model_len needs, so the kernels' shapes are the graph's. Prefills and mixed steps run
 eagerly; the logits and sampling run outside the graph (their shapes vary with the
@@ -33,9 +33,9 @@ from input_batch import InputBatch
 from kernels import AttentionMetadata, max_chunk_tokens, paged_attention, select_attention
 from lora import LoRAManager
 from paged_cache import allocate_kv_cache, cdiv, kv_bytes_per_token
-from sampling import TOKEN_NOISE, invalid_rows, sample, sampling_tensors, upload
+from sampling import TOKEN_NOISE, invalid_logits, sample, sampling_tensors, upload
 from scheduler import Sequence
-from spec_decode import SpecRows, accept_runs, count_drafts, output_offsets, verify
+from spec_decode import SpecDecodeMetadata, accept_runs, count_drafts, output_offsets, verify
 from structured_output import apply_grammar_bitmask
 from swap import SwapSpace, swap_space_blocks
 
@@ -63,7 +63,7 @@ class Batch:
     prompt_seqs: list[Sequence]     # (m,) their sequences
     is_decode: bool = False         # every sequence has one new token: a graph may run it
     # (n,) each sampling sequence's drafts verified this step ([] for none); None: no drafts
-    # in the step, a row a sequence
+    # in the step, one entry a sequence
     sample_drafts: list[list[int]] | None = None
     lora_slots: torch.Tensor | None = None  # (N,) int64 each token's LoRA slot, -1 none; None:
                                             # no adapter in the step (lora.py)
@@ -75,7 +75,7 @@ class ModelOutput:
     no uncomputed token left (one, or with drafts the accepted ones and one more), the
     log-probabilities asked for, and the sequences that failed."""
     sampled_token_ids: dict[Sequence, list[int]] = field(default_factory=dict)
-    logits: torch.Tensor | None = None  # (R, vocab) fp32: the sampling rows' (Batch)
+    logits: torch.Tensor | None = None  # (R, vocab) fp32: the sampling positions' (Batch)
     logprobs: dict[Sequence, list[dict]] = field(default_factory=dict)  # each emitted token's
     prompt_logprobs: dict[Sequence, list[dict]] = field(default_factory=dict)  # scored this step
     failed: dict[Sequence, str] = field(default_factory=dict)  # failed alone -> the error
@@ -121,14 +121,15 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 @dataclass
 class DecodeBuffers:
     """A graphed decode step's inputs and output, at the largest captured batch size B: each
-    step writes its first b rows and pads the rest; a graph of size s reads rows [:s]."""
+    step writes its b decodes' entries first and pads the rest; a graph of size s reads the
+    first s entries."""
     input_ids: torch.Tensor         # (B,) int64
     positions: torch.Tensor         # (B,) int64
     slot_mapping: torch.Tensor      # (B,) int64; padding: the null block's first slot
     block_tables: torch.Tensor      # (B, W) int32, W the whole table width; padding: null block
     context_lens: torch.Tensor      # (B,) int32; padding: 1
     query_start_loc: torch.Tensor   # (B + 1,) int32: 0, 1, 2, ... (a token a sequence)
-    lora_slots: torch.Tensor        # (B,) int64 each row's LoRA slot; padding, base: -1
+    lora_slots: torch.Tensor        # (B,) int64 each decode's LoRA slot; padding, base: -1
     hidden: torch.Tensor | None = None  # (B, C): the graphs' output
 
     @classmethod
@@ -141,7 +142,7 @@ class DecodeBuffers:
                    query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device))
 
     def metadata(self, size: int) -> AttentionMetadata:
-        """The attention metadata of a decode step padded to `size`, over rows [:size]."""
+        """The attention metadata of a decode step padded to `size`: its first `size` entries."""
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
             context_lens=self.context_lens[:size], query_start_loc=self.query_start_loc[:size + 1],
@@ -157,7 +158,7 @@ class ModelRunner:
         """draft_kv_bytes_per_token: a draft model's K/V bytes a token (0: none), whose cache
         holds as many tokens as this one's (it mirrors every running sequence): the two share
         the memory the cache is sized from, and the draft's weights are loaded already.
-        noise_stream: which of a seeded row's noises it samples with (sampling.noise_seed)."""
+        noise_stream: which of a seeded sequence's noises it samples with (sampling.noise_seed)."""
         self.config = config
         self.model = model
         self.device = config.device
@@ -166,7 +167,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.attention = select_attention(config.attention, config.device)
         self.generator = torch.Generator(config.device).manual_seed(config.seed)
-        self.noise_stream = noise_stream  # seeded rows' token noise (DRAFT_NOISE: a draft's)
+        self.noise_stream = noise_stream  # seeded sequences' token noise (DRAFT_NOISE: a draft's)
         c = model.config
         self._check_chunk_fits_the_grid(c.n_head // c.n_kv_head)
         self.lora_manager: LoRAManager | None = None  # adapters' slots, before the KV cache
@@ -410,7 +411,7 @@ class ModelRunner:
             token_ids, invalid = self._sample(batch.sample_seqs, logits)
         if wants_logprobs(batch):
             self._gather_logprobs(batch, hidden, logits, token_ids, batch.sample_seqs, output)
-        # The step's wait for the sampled tokens and whether each row's logits were NaN, in
+        # The step's wait for the sampled tokens and whether each one's logits were NaN, in
         # one read (log-probabilities, if asked for, were read above: two more).
         sampled, is_invalid = to_host(torch.stack([token_ids, invalid]))
         for seq, token, nan in zip(batch.sample_seqs, sampled, is_invalid):
@@ -422,75 +423,79 @@ class ModelRunner:
 
     def _verify(self, batch: Batch, hidden: torch.Tensor, logits: torch.Tensor,
                 output: ModelOutput) -> ModelOutput:
-        """A step with drafts: sample at every row of the sampling sequences (k + 1 rows for
+        """A step with drafts: sample at every sampling position of its sequences (k + 1 for
         k drafts, each as if its tokens had come one step at a time), keep each sequence's
         accepted run (spec_decode.verify, accept_runs), then count its tokens and gather
         their log-probabilities."""
         seqs = batch.sample_seqs
         drafts = batch.sample_drafts
-        num_rows = [1 + len(seq_drafts) for seq_drafts in drafts]
-        row_seqs = [seq for seq, n in zip(seqs, num_rows) for _ in range(n)]
-        tensors = sampling_tensors(row_seqs, self.vocab_size, self.eos_token_ids, self.device,
-                                   output_offsets(num_rows))
+        num_sampled_tokens = [1 + len(seq_drafts) for seq_drafts in drafts]
+        position_seqs = [seq for seq, n in zip(seqs, num_sampled_tokens) for _ in range(n)]
+        tensors = sampling_tensors(position_seqs, self.vocab_size, self.eos_token_ids, self.device,
+                                   output_offsets(num_sampled_tokens))
         if any(seq.params.has_penalties for seq in seqs):
-            tensors.penalties = count_drafts(self.input_batch.penalties(seqs), num_rows, drafts)
-        masked = apply_grammar_bitmask(row_seqs, logits)  # a constrained row has no drafts
-        drawn, accepted = verify(masked, tensors, self._spec_rows(seqs, drafts), self.generator)
-        invalid = invalid_rows(logits).to(drawn.dtype)
+            tensors.penalties = count_drafts(self.input_batch.penalties(seqs),
+                                             num_sampled_tokens, drafts)
+        masked = apply_grammar_bitmask(position_seqs, logits)  # a constrained one has no drafts
+        spec = self._spec_decode_metadata(seqs, drafts)
+        drawn, accepted = verify(masked, tensors, spec, self.generator)
+        invalid = invalid_logits(logits).to(drawn.dtype)
         drawn, accepted, invalid = to_host(torch.stack([drawn, accepted, invalid]))
-        emitted = accept_runs(num_rows, drafts, drawn, accepted)
+        emitted = accept_runs(num_sampled_tokens, drafts, drawn, accepted)
         if tensors.penalties is not None:
             self.input_batch.count_emitted(seqs, emitted)
-        first_row = 0
-        emitted_rows = []  # each emitted token's logits row, the token, and its sequence
+        first = 0  # the sequence's first sampling position
+        emitted_positions = []  # each emitted token's sampling position, the token, its sequence
         emitted_targets = []
         emitted_seqs = []
-        for seq, n, tokens in zip(seqs, num_rows, emitted):
-            rows = range(first_row, first_row + len(tokens))
-            first_row += n
-            if any(invalid[row] for row in rows):
+        for seq, n, tokens in zip(seqs, num_sampled_tokens, emitted):
+            positions = range(first, first + len(tokens))
+            first += n
+            if any(invalid[position] for position in positions):
                 output.failed[seq] = NAN_LOGITS
                 continue
             output.sampled_token_ids[seq] = tokens
-            emitted_rows += rows
+            emitted_positions += positions
             emitted_targets += tokens
             emitted_seqs += [seq] * len(tokens)
         if wants_logprobs(batch):
-            emitted_ids = upload(dict(rows=emitted_rows, targets=emitted_targets), torch.int64,
-                                 self.device)
-            self._gather_logprobs(batch, hidden, logits[emitted_ids["rows"]],
+            emitted_ids = upload(dict(positions=emitted_positions, targets=emitted_targets),
+                                 torch.int64, self.device)
+            self._gather_logprobs(batch, hidden, logits[emitted_ids["positions"]],
                                   emitted_ids["targets"], emitted_seqs, output)
         return output
 
-    def _spec_rows(self, seqs: list[Sequence], drafts: list[list[int]]) -> SpecRows:
-        """What verify() needs of a step's drafts, a row each: the draft after the row's
-        token (0 on a sequence's last row), whether there is one, and the proposer's q."""
-        row_drafts = []
-        is_draft_row = []
+    def _spec_decode_metadata(self, seqs: list[Sequence], drafts: list[list[int]]
+                              ) -> SpecDecodeMetadata:
+        """What verify() needs of a step's drafts, one entry a sampling position: the draft
+        after the position's token (0 at a sequence's last), whether there is one, and the
+        proposer's q."""
+        position_drafts = []
+        has_draft = []
         for seq_drafts in drafts:
-            row_drafts += seq_drafts + [0]
-            is_draft_row += [1] * len(seq_drafts) + [0]
-        ints = upload(dict(drafts=row_drafts, is_draft_row=is_draft_row), torch.int64,
+            position_drafts += seq_drafts + [0]
+            has_draft += [1] * len(seq_drafts) + [0]
+        ints = upload(dict(drafts=position_drafts, has_draft=has_draft), torch.int64,
                       self.device)
         draft_probs = None
         if any(seq.draft_probs is not None for seq in seqs):
-            draft_probs = torch.cat([self._draft_probs_rows(seq, len(seq_drafts))
+            draft_probs = torch.cat([self._draft_probs(seq, len(seq_drafts))
                                      for seq, seq_drafts in zip(seqs, drafts)])
-        return SpecRows(draft_token_ids=ints["drafts"],
-                        is_draft_row=ints["is_draft_row"].bool(), draft_probs=draft_probs)
+        return SpecDecodeMetadata(draft_token_ids=ints["drafts"],
+                                  has_draft=ints["has_draft"].bool(), draft_probs=draft_probs)
 
-    def _draft_probs_rows(self, seq: Sequence, num_drafts: int) -> torch.Tensor:
-        """(1 + num_drafts, vocab): seq's draft distributions, then a row of zeros (its last
-        row has no draft); all zeros for a sequence without them."""
-        rows = torch.zeros(1 + num_drafts, self.vocab_size, device=self.device)
+    def _draft_probs(self, seq: Sequence, num_drafts: int) -> torch.Tensor:
+        """(1 + num_drafts, vocab): seq's draft distributions, then zeros (its last sampling
+        position has no draft); all zeros for a sequence without them."""
+        probs = torch.zeros(1 + num_drafts, self.vocab_size, device=self.device)
         if seq.draft_probs is None:
-            return rows
-        rows[:num_drafts] = seq.draft_probs[:num_drafts]
-        return rows
+            return probs
+        probs[:num_drafts] = seq.draft_probs[:num_drafts]
+        return probs
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sampled token ids (n,) and whether each row's logits are invalid (n,) int64."""
+        """The sampled token ids (n,) and whether each one's logits are invalid (n,) int64."""
         tensors = sampling_tensors(seqs, self.vocab_size, self.eos_token_ids, self.device,
                                    stream=self.noise_stream)
         if any(seq.params.has_penalties for seq in seqs):
@@ -499,7 +504,7 @@ class ModelRunner:
         token_ids = sample(masked, tensors, self.generator)
         if tensors.penalties is not None:
             self.input_batch.count_sampled(tensors.penalties, token_ids)
-        return token_ids, invalid_rows(logits).to(token_ids.dtype)
+        return token_ids, invalid_logits(logits).to(token_ids.dtype)
 
     def _gather_logprobs(self, batch: Batch, hidden: torch.Tensor, logits: torch.Tensor,
                          token_ids: torch.Tensor, sampled_seqs: list[Sequence],
@@ -511,27 +516,27 @@ class ModelRunner:
         returns them). The prompt positions' logits are made PROMPT_LOGPROBS_CHUNK positions
         at a time (a long prompt's would not fit at once); token ids and values are read in
         one copy each."""
-        seqs = sampled_seqs + batch.prompt_seqs  # a row each
+        seqs = sampled_seqs + batch.prompt_seqs  # a scored token each
         num_sampled = len(sampled_seqs)
-        # per row: how many top log-probabilities it asked for (None: none at all)
+        # per scored token: how many top log-probabilities it asked for (None: none at all)
         wants = [sampled.params.logprobs for sampled in sampled_seqs]
         wants += [scored.params.prompt_logprobs for scored in batch.prompt_seqs]
         top_k = max([want for want in wants if want is not None], default=0)
-        found = [top_logprobs(logits, token_ids, top_k)]  # (ids, values) of rows, in order
+        found = [top_logprobs(logits, token_ids, top_k)]  # (ids, values), in order
         indices = batch.prompt_logits_indices
         for start in range(0, len(indices), PROMPT_LOGPROBS_CHUNK):
             end = start + PROMPT_LOGPROBS_CHUNK
             prompt_logits = self.compute_logits(hidden[indices[start:end]])  # (chunk, vocab)
             found.append(top_logprobs(prompt_logits, batch.prompt_targets[start:end], top_k))
-        ids = to_host(torch.cat([rows_ids for rows_ids, _ in found]))          # (n + m, 1 + k)
-        values = to_host(torch.cat([rows_values for _, rows_values in found]))
-        for row, seq in enumerate(seqs):
-            row_top_k = wants[row]
-            if row_top_k is None:
+        ids = to_host(torch.cat([found_ids for found_ids, _ in found]))      # (n + m, 1 + k)
+        values = to_host(torch.cat([found_values for _, found_values in found]))
+        for i, seq in enumerate(seqs):
+            its_top_k = wants[i]
+            if its_top_k is None:
                 continue
-            entry = {ids[row][0]: values[row][0]}  # the token itself, then its row's top
-            entry |= dict(zip(ids[row][1:1 + row_top_k], values[row][1:1 + row_top_k]))
-            if row < num_sampled:
+            entry = {ids[i][0]: values[i][0]}  # the token itself, then its top its_top_k
+            entry |= dict(zip(ids[i][1:1 + its_top_k], values[i][1:1 + its_top_k]))
+            if i < num_sampled:
                 output.logprobs.setdefault(seq, []).append(entry)
             else:
                 output.prompt_logprobs.setdefault(seq, []).append(entry)

@@ -10,7 +10,7 @@ the Gumbel-max draw, a seeded sequence's from noise of its seed and the output p
 reads a checkpoint's generation_config.json as the default fields of requests that leave them
 unset.
 
-The engine (model_runner.py) calls sampling_tensors(), sample(), and invalid_rows() on the
+The engine (model_runner.py) calls sampling_tensors(), sample(), and invalid_logits() on the
 same logits (rows of NaN, which it fails); nothing here knows of the model or the KV cache.
 """
 import itertools
@@ -261,7 +261,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors, generator: torch.Generator)
     with E ~ Exponential(1), a draw from probs. A seeded row's E is its (seed, output
     position)'s noise and no row depends on another's parameters or logits: its tokens do not
     depend on its batch, and a row of NaN logits gets some token while the others keep theirs
-    (the engine fails it: invalid_rows()). The logits are not changed in place:
+    (the engine fails it: invalid_logits()). The logits are not changed in place:
     log-probabilities are the model's own, before all this. Speculative decoding's verify()
     (spec_decode.py) uses the same three parts: adjust_logits, sampling_probs, draw."""
     logits = adjust_logits(logits, t)
@@ -335,7 +335,7 @@ def noise_seed(seed: int, position: int, stream: int) -> int:
     return z ^ (z >> 31)
 
 
-def invalid_rows(logits: torch.Tensor) -> torch.Tensor:
+def invalid_logits(logits: torch.Tensor) -> torch.Tensor:
     """(n,) bool, on the device: which rows of the model's logits (n, vocab) hold a NaN or +inf
     (an fp16 overflow upstream), which sample() would turn into an arbitrary token (softmax
     over +inf is NaN; the argmax of NaN, its index). The engine calls it on the logits it

@@ -18,14 +18,14 @@ Worked example, greedy, drafts [the, cat, sat] after "... on":
 The K/V of "sat" were written to the cache but are never read: the sequence's
 num_computed_tokens moves back past them, and blocks past the accepted tokens are freed.
 
-Sampled rows keep the target's distribution p. An n-gram guess d is one token, q(d) = 1:
+Sampled positions keep the target's distribution p. An n-gram guess d is one token, q(d) = 1:
 rejection sampling would accept it with probability p(d), else draw from p with d removed.
-verify() gets exactly that by drawing each row's token from p as a step without drafts would,
+verify() gets exactly that by drawing each position's token from p as a step without drafts would,
 with the same noise, and accepting while the token equals the draft: it is d with probability
 p(d), and given it is not d it follows p without d. Worked example, sampled, drafts [the, cat]
 after "... on":
     query tokens      on    the   cat         (3 positions, one forward)
-    drawn from p      the   dog   sat         (each row with its own position's noise)
+    drawn from p      the   dog   sat         (each with its own position's noise)   
     accepted          the                     (dog != cat: stop)
     emitted           the   dog               what two steps without drafts would have drawn
 A seeded sequence's noise is a function of its seed and the output position alone
@@ -34,7 +34,7 @@ how many drafts it got, hence its batch, changes nothing. A draft model's q is n
 and rejection sampling accepts more often than a match would: d, drawn by the draft with its
 position's DRAFT_NOISE, is accepted if u < p(d) / q(d), u the position's ACCEPT_NOISE uniform;
 rejected, the token is drawn from max(p - q, 0), normalised, with the position's TOKEN_NOISE
-(a row without a draft: from p, as without speculation). A seeded sequence's tokens then
+(a position without a draft: from p, as without speculation). A seeded sequence's tokens then
 depend on its seed and on which positions had a draft, nothing else: alone or batched they
 are the same while it gets the same drafts (the batch can cut them: disable_by_batch_size,
 the token budget, free blocks), and they differ from those without speculation. Every
@@ -44,8 +44,9 @@ before it counted by the penalties and in min_tokens.
 
 In this file: SpeculativeConfig (vLLM's speculative_config; Engine._proposer makes its
 proposer), the engine's Speculator (who drafts, and backs off when drafts keep failing), then
-the model runner's side: SpecRows and count_drafts (each speculating sequence's rows and their
-penalties), verify (the rejection sampler) and accept_runs (the emitted tokens). The scheduler (scheduler.py) schedules drafts; the engine's update()
+the model runner's side: SpecDecodeMetadata and count_drafts (each speculating sequence's
+sampling positions and their penalties), verify (the rejection sampler) and accept_runs (the
+emitted tokens). The scheduler (scheduler.py) schedules drafts; the engine's update()
 appends the emitted tokens one at a time, checking stops after each.
 """
 import dataclasses
@@ -210,48 +211,50 @@ class Speculator:
 # --- the model runner's side: verification ----------------------------------------------------
 
 @dataclass
-class SpecRows:
-    """The sampling rows of a step with drafts: a sequence with k drafts has k + 1 rows, row j
-    the position after its j-th token (j = 0: after the token sampled last step)."""
-    draft_token_ids: torch.Tensor   # (R,) int64: row j's draft (the next row's token); any
-                                    # token on a sequence's last row, which has none
-    is_draft_row: torch.Tensor      # (R,) bool: the row holds a draft to accept or reject
-    draft_probs: torch.Tensor | None  # (R, vocab) the proposer's q on draft rows (a draft
+class SpecDecodeMetadata:
+    """The sampling positions of a step with drafts (vLLM's name): a sequence with k drafts
+    samples at k + 1 positions, j the one after its j-th token (j = 0: after the token sampled
+    last step); the step's logits have a row for each, R in all."""
+    draft_token_ids: torch.Tensor   # (R,) int64: position j's draft (position j + 1's token);
+                                    # any token at a sequence's last position, which has none
+    has_draft: torch.Tensor         # (R,) bool: the position holds a draft to accept or reject
+    draft_probs: torch.Tensor | None  # (R, vocab) the proposer's q at draft positions (a draft
                                     # model's), 0 elsewhere; None: every draft one-hot (ngram)
 
 
-def output_offsets(num_rows: list[int]) -> list[int]:
-    """Each row's tokens emitted before it in its own step: [0, 1, .., k] for a sequence of
-    k drafts (min_tokens and the penalties see the drafts before a position)."""
-    return [j for n in num_rows for j in range(n)]
+def output_offsets(num_sampled_tokens: list[int]) -> list[int]:
+    """Each sampling position's tokens emitted before it in its own step: [0, 1, .., k] for a
+    sequence of k drafts (min_tokens and the penalties see the drafts before a position)."""
+    return [j for n in num_sampled_tokens for j in range(n)]
 
 
-def count_drafts(penalties: Penalties, num_rows: list[int], drafts: list[list[int]]) -> Penalties:
-    """The Penalties of a step's sequences (a row each) spread over their rows, each row with
-    the drafts before it counted: position j's penalties are those it would have had with the
-    drafts before it sampled one step at a time. Example, drafts [5, 9]: row 0 as the
-    sequence's own, row 1 with token 5 counted once more, row 2 with 5 and 9."""
+def count_drafts(penalties: Penalties, num_sampled_tokens: list[int],
+                 drafts: list[list[int]]) -> Penalties:
+    """The Penalties of a step's sequences (one entry each) spread over their sampling
+    positions, each with the drafts before it counted: position j's penalties are those it
+    would have had with the drafts before it sampled one step at a time. Example, drafts
+    [5, 9]: position 0 as the sequence's own, 1 with token 5 counted once more, 2 with 5 and 9."""
     device = penalties.presence.device
-    repeats = upload(dict(repeats=num_rows), torch.int64, device)["repeats"]
-    size = sum(num_rows)  # given, as repeat_interleave would read it from the device (a wait)
+    repeats = upload(dict(repeats=num_sampled_tokens), torch.int64, device)["repeats"]
+    size = sum(num_sampled_tokens)  # given: repeat_interleave would read it from the device
     spread = dataclasses.replace(
         penalties, presence=penalties.presence.repeat_interleave(repeats, output_size=size),
         frequency=penalties.frequency.repeat_interleave(repeats, output_size=size),
         repetition=penalties.repetition.repeat_interleave(repeats, output_size=size),
         input_batch_rows=penalties.input_batch_rows.repeat_interleave(repeats, output_size=size))
-    rows = []
+    positions = []
     token_ids = []
-    first_row = 0
-    for n, seq_drafts in zip(num_rows, drafts):
-        for j in range(1, n):  # row first_row + j has drafts 0..j-1 before it
-            rows += [first_row + j] * j
+    first = 0  # the sequence's first sampling position
+    for n, seq_drafts in zip(num_sampled_tokens, drafts):
+        for j in range(1, n):  # position first + j has drafts 0..j-1 before it
+            positions += [first + j] * j
             token_ids += seq_drafts[:j]
-        first_row += n
-    uploaded = upload(dict(rows=rows, token_ids=token_ids), torch.int64, device)
-    index = (uploaded["rows"], uploaded["token_ids"])
+        first += n
+    uploaded = upload(dict(positions=positions, token_ids=token_ids), torch.int64, device)
+    index = (uploaded["positions"], uploaded["token_ids"])
     if penalties.output_counts is not None:
         counts = penalties.output_counts.repeat_interleave(repeats, dim=0, output_size=size)
-        ones = torch.ones(len(rows), device=device)
+        ones = torch.ones(len(positions), device=device)
         spread.output_counts = counts.index_put_(index, ones, accumulate=True)
     if penalties.seen is not None:
         seen = penalties.seen.repeat_interleave(repeats, dim=0, output_size=size)
@@ -260,54 +263,55 @@ def count_drafts(penalties: Penalties, num_rows: list[int], drafts: list[list[in
     return spread
 
 
-def verify(logits: torch.Tensor, t: SamplingTensors, rows: SpecRows,
+def verify(logits: torch.Tensor, t: SamplingTensors, spec: SpecDecodeMetadata,
            generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verification over a step's rows, logits (R, vocab) -> (drawn (R,), accepted (R,)), both
-    int64 on the device. accepted: a draft row's draft stands. drawn: the row's token if its run
-    stops there. p is the target's distribution after every sampling field (sampling.py), q the
-    proposer's. Greedy rows: drawn is the argmax, accepted where it is the draft. n-gram
-    drafts (q one-hot, rows.draft_probs None): drawn is the row's token drawn from p as
-    without drafts, accepted where it is the draft. A draft model's: rejection sampling,
-    accepted where u < p(d) / q(d), drawn from max(p - q, 0) (p on a row without a draft)."""
+    """Verification at a step's sampling positions, logits (R, vocab) -> (drawn (R,),
+    accepted (R,)), both int64 on the device. accepted: a draft position's draft stands. drawn:
+    the position's token if its run stops there. p is the target's distribution after every
+    sampling field (sampling.py), q the proposer's. Greedy: drawn is the argmax, accepted where
+    it is the draft. n-gram drafts (q one-hot, spec.draft_probs None): drawn is the position's
+    token drawn from p as without drafts, accepted where it is the draft. A draft model's:
+    rejection sampling, accepted where u < p(d) / q(d), drawn from max(p - q, 0) (p at a
+    position without a draft)."""
     logits = adjust_logits(logits, t)
     greedy = logits.argmax(dim=-1)
-    is_greedy_match = greedy == rows.draft_token_ids
+    is_greedy_match = greedy == spec.draft_token_ids
     if t.all_greedy:
         return greedy, is_greedy_match.to(torch.int64)
     probs = sampling_probs(logits, t)
-    if rows.draft_probs is None:
+    if spec.draft_probs is None:
         drawn = torch.where(t.greedy, greedy, draw(probs, t, generator))
-        accepted = (drawn == rows.draft_token_ids) & rows.is_draft_row
+        accepted = (drawn == spec.draft_token_ids) & spec.has_draft
         return drawn, accepted.to(torch.int64)
-    d = rows.draft_token_ids[:, None]
+    d = spec.draft_token_ids[:, None]
     p_draft = probs.gather(1, d)[:, 0]
-    q = rows.draft_probs
+    q = spec.draft_probs
     q_draft = q.gather(1, d)[:, 0]
     uniform = torch.rand(len(probs), generator=generator, device=probs.device)
     seeded_uniform_(uniform, t.seeds, t.positions, ACCEPT_NOISE)
     is_sampled_match = uniform * q_draft < p_draft  # u < p / q, without dividing by q = 0
-    accepted = torch.where(t.greedy, is_greedy_match, is_sampled_match) & rows.is_draft_row
-    residual = (probs - q).clamp_(min=0)  # q is 0 on rows without a draft: p itself
+    accepted = torch.where(t.greedy, is_greedy_match, is_sampled_match) & spec.has_draft
+    residual = (probs - q).clamp_(min=0)  # q is 0 without a draft: p itself
     drawn = torch.where(t.greedy, greedy, draw(residual, t, generator))
     return drawn, accepted.to(torch.int64)
 
 
-def accept_runs(num_rows: list[int], drafts: list[list[int]], drawn: list[int],
+def accept_runs(num_sampled_tokens: list[int], drafts: list[list[int]], drawn: list[int],
                 accepted: list[int]) -> list[list[int]]:
-    """Each sequence's emitted tokens, from verify()'s rows read on the host: its drafts up to
-    the first rejected one, then that row's drawn token (or, all accepted, the last row's).
+    """Each sequence's emitted tokens, from verify()'s results read on the host: its drafts up
+    to the first rejected one, then that position's drawn token (or, all accepted, the last's).
     Example: drafts [7, 8, 9], accepted [1, 0, ..], drawn [.., 4, ..] -> [7, 4]."""
     emitted = []
-    first_row = 0
-    for n, seq_drafts in zip(num_rows, drafts):
+    first = 0  # the sequence's first sampling position
+    for n, seq_drafts in zip(num_sampled_tokens, drafts):
         tokens = []
         for j in range(n):
-            row = first_row + j
-            if j < len(seq_drafts) and accepted[row]:
+            position = first + j
+            if j < len(seq_drafts) and accepted[position]:
                 tokens.append(seq_drafts[j])
                 continue
-            tokens.append(drawn[row])
+            tokens.append(drawn[position])
             break
         emitted.append(tokens)
-        first_row += n
+        first += n
     return emitted

@@ -3,12 +3,12 @@ enforced token by token (vLLM's structured_outputs; OpenAI's response_format).
 
 A constraint is compiled (by llguidance) into a matcher over the model's own tokens: from
 the text so far, which tokens may come next. At each step, every constrained sequence that
-samples writes its allowed tokens as one row of a bitmask (bit t of a row: token t may come
-next), the rows go to the device in one copy, and there the logits of the tokens they rule
-out become -inf, before every other sampling transform: no temperature, penalty or top-p can
+samples writes its allowed tokens into its entry of a bitmask (bit t: token t may come next),
+the bitmask goes to the device in one copy, and there the logits of the tokens it rules out
+become -inf, before every other sampling transform: no temperature, penalty or top-p can
 bring them back. The token sampled advances the matcher; once the grammar accepts and allows
-nothing more, the sequence ends (finish_reason "stop"). A batch with no constrained row does
-none of this.
+nothing more, the sequence ends (finish_reason "stop"). A batch with no constrained sequence
+does none of this.
 
 In this file, in order: the limits, StructuredOutputsParams (what a request asks, vLLM's
 names), how a constraint becomes llguidance's grammar (closed_objects, llguidance_grammar),
@@ -283,7 +283,7 @@ class Grammar:
     def accept_token(self, token: int) -> None:
         """Advance by a sampled token; ValueError if the constraint does not allow it, which
         happens only when it left no token to sample (min_tokens' or stop_token_ids' bans
-        covered every token it allows): its row was all -inf."""
+        covered every token it allows): its logits were all -inf."""
         if not self.matcher.consume_token(token):
             raise ValueError(f"structured_outputs: token {token} does not fit the constraint; "
                              "no token it allows was left to sample (min_tokens and "
@@ -305,11 +305,11 @@ class Grammar:
         for token in output_token_ids:
             self.accept_token(token)
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into row `row` of a host bitmask (n, cdiv(vocab, 32))
-        int32: bit t % 32 of word t // 32 set if token t may come next (none if the matcher
-        failed)."""
-        words = bitmask[row]
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        """Write the allowed next tokens into entry `index` of a host bitmask
+        (n, cdiv(vocab, 32)) int32: bit t % 32 of word t // 32 set if token t may come next
+        (none if the matcher failed)."""
+        words = bitmask[index]
         self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
 
 
@@ -320,14 +320,14 @@ def new_grammar(compiled: "llguidance.LLMatcher | None") -> Grammar | None:
     return Grammar(compiled)
 
 
-def grammar_bitmask(seqs: list, rows: list[int], vocab_size: int) -> torch.Tensor:
-    """The allowed tokens of the sequences at `rows` of seqs, one row each, (c, W) int32 on the
-    host, W = cdiv(vocab, 32), each filled by its sequence's matcher (brought up to the
-    sequence's tokens first)."""
+def grammar_bitmask(seqs: list, constrained: list[int], vocab_size: int) -> torch.Tensor:
+    """The allowed tokens of the sequences at indices `constrained` of seqs, an entry each,
+    (c, W) int32 on the host, W = cdiv(vocab, 32), each filled by its sequence's matcher
+    (brought up to the sequence's tokens first)."""
     num_words = (vocab_size + 31) // 32
-    bitmask = torch.empty((len(rows), num_words), dtype=torch.int32)
-    for i, row in enumerate(rows):
-        seq = seqs[row]
+    bitmask = torch.empty((len(constrained), num_words), dtype=torch.int32)
+    for i, index in enumerate(constrained):
+        seq = seqs[index]
         seq.grammar.sync(seq.token_ids[seq.num_prompt_tokens:])
         seq.grammar.fill_bitmask(bitmask, i)
     return bitmask
@@ -346,21 +346,22 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- the step's hooks
 
 def apply_grammar_bitmask(seqs: list, logits: torch.Tensor) -> torch.Tensor:
-    """The logits (n, vocab) of a step's sampling rows, with -inf on every token that a
-    constrained row's grammar rules out; the same tensor, untouched, if no row is
-    constrained. Not in place: the log-probabilities returned are the model's own. The mask
-    (a byte a token, unpacked on the host) and the rows it covers go to the device as the
-    step's other inputs do (sampling.upload): pinned on CUDA, never waited for."""
-    rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
-    if not rows:
+    """The logits (n, vocab) of a step's sampling positions (seqs (n,): each one's sequence),
+    with -inf on every token that a constrained sequence's grammar rules out; the same tensor,
+    untouched, if none is constrained. Not in place: the log-probabilities returned are the
+    model's own. The mask (a byte a token, unpacked on the host) and the indices it covers go
+    to the device as the step's other inputs do (sampling.upload): pinned on CUDA, never
+    waited for."""
+    constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+    if not constrained:
         return logits
     vocab_size = logits.shape[1]
-    bitmask = grammar_bitmask(seqs, rows, vocab_size)
+    bitmask = grammar_bitmask(seqs, constrained, vocab_size)
     ruled_out = unpack_bitmask(~bitmask, vocab_size)  # the negated words: set where ruled out
     ruled_out = to_device(ruled_out, logits.device)
-    if len(rows) == len(seqs):  # every row constrained: one pass, no gather
+    if len(constrained) == len(seqs):  # every one constrained: one pass, no gather
         return logits.masked_fill(ruled_out, float("-inf"))
-    index = to_device(torch.tensor(rows), logits.device)
+    index = to_device(torch.tensor(constrained), logits.device)
     masked = logits[index].masked_fill(ruled_out, float("-inf"))  # (c, vocab)
     return logits.index_copy(0, index, masked)
 

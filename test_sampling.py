@@ -16,7 +16,7 @@ from conftest import (NEAR_TIE, PROMPTS, assert_no_leaks, chat_checkpoint, check
 from input_batch import InputBatch
 from nanoserve import Engine
 from sampling import (TOKEN_NOISE, Penalties, SamplingParams, SamplingTensors, apply_penalties,
-                      apply_top_k_top_p, invalid_rows, noise_seed, sample,
+                      apply_top_k_top_p, invalid_logits, noise_seed, sample,
                       sampling_tensors)
 from tokenizer import EOT
 
@@ -213,7 +213,7 @@ def test_invalid_rows_are_those_with_a_nan_or_inf_logit():
     logits[1, 7] = float("nan")
     logits[2, 100] = float("inf")
     logits[3, :50] = float("-inf")
-    assert invalid_rows(logits).tolist() == [False, True, True, False, False]
+    assert invalid_logits(logits).tolist() == [False, True, True, False, False]
 
 
 def test_a_row_of_nan_logits_leaves_the_other_rows_tokens_as_they_were():

@@ -18,7 +18,7 @@ from ngram_proposer import NgramProposer
 from paged_cache import NO_PARENT, BlockPool, BlockTable, hash_block
 from sampling import SamplingParams, SamplingTensors
 from scheduler import Sequence
-from spec_decode import SpecRows, Speculator, SpeculativeConfig, accept_runs, verify
+from spec_decode import SpecDecodeMetadata, Speculator, SpeculativeConfig, accept_runs, verify
 from structured_output import StructuredOutputsParams
 
 # drafts at any batch size (on a CPU they stop past 4 sequences unless told otherwise)
@@ -255,32 +255,33 @@ def test_a_seeded_request_samples_the_same_alone_and_batched_with_a_draft_model(
 # ----------------------------------------------------------------------------- sampled: the
 # target's distribution
 
-def uniform_rows(num_rows: int, vocab: int) -> SamplingTensors:
-    return SamplingTensors(temperature=torch.ones(num_rows), top_k=torch.full((num_rows,), vocab),
-                           top_p=torch.ones(num_rows), greedy=torch.zeros(num_rows, dtype=torch.bool),
-                           seeds=[None] * num_rows, positions=[0] * num_rows, all_greedy=False,
+def uniform_rows(num_trials: int, vocab: int) -> SamplingTensors:
+    return SamplingTensors(temperature=torch.ones(num_trials),
+                           top_k=torch.full((num_trials,), vocab), top_p=torch.ones(num_trials),
+                           greedy=torch.zeros(num_trials, dtype=torch.bool),
+                           seeds=[None] * num_trials, positions=[0] * num_trials, all_greedy=False,
                            any_top_k_top_p=False,
                            any_greedy=False)
 
 
-def emitted_distribution(p: torch.Tensor, q: torch.Tensor | None, num_rows: int) -> torch.Tensor:
-    """The distribution of the token verify() emits at one position, over num_rows trials:
+def emitted_distribution(p: torch.Tensor, q: torch.Tensor | None, num_trials: int) -> torch.Tensor:
+    """The distribution of the token verify() emits at one position, over num_trials trials:
     target p (vocab,), a draft token drawn from q (vocab,) each trial (None: always token 0,
     an n-gram guess)."""
     generator = torch.Generator().manual_seed(0)
     vocab = len(p)
-    logits = p.log().expand(num_rows, vocab)
+    logits = p.log().expand(num_trials, vocab)
     if q is None:
-        drafts = torch.zeros(num_rows, dtype=torch.int64)
+        drafts = torch.zeros(num_trials, dtype=torch.int64)
         draft_probs = None
     else:
-        drafts = torch.multinomial(q, num_rows, replacement=True, generator=generator)
-        draft_probs = q.expand(num_rows, vocab)
-    rows = SpecRows(draft_token_ids=drafts,
-                    is_draft_row=torch.ones(num_rows, dtype=torch.bool), draft_probs=draft_probs)
-    drawn, accepted = verify(logits, uniform_rows(num_rows, vocab), rows, generator)
+        drafts = torch.multinomial(q, num_trials, replacement=True, generator=generator)
+        draft_probs = q.expand(num_trials, vocab)
+    rows = SpecDecodeMetadata(draft_token_ids=drafts,
+                    has_draft=torch.ones(num_trials, dtype=torch.bool), draft_probs=draft_probs)
+    drawn, accepted = verify(logits, uniform_rows(num_trials, vocab), rows, generator)
     emitted = torch.where(accepted.bool(), drafts, drawn)
-    return torch.bincount(emitted, minlength=vocab) / num_rows
+    return torch.bincount(emitted, minlength=vocab) / num_trials
 
 
 @pytest.mark.parametrize("q", [[0.05, 0.05, 0.1, 0.8], [0.25, 0.25, 0.25, 0.25], None])
@@ -379,10 +380,10 @@ def test_ngram_proposer_takes_what_followed_the_latest_earlier_match():
 
 def test_accept_runs_keeps_drafts_up_to_the_first_rejected_then_the_models_token():
     drafts = [[7, 8, 9], [5], []]
-    num_rows = [4, 2, 1]
+    num_sampled_tokens = [4, 2, 1]
     accepted = [1, 0, 1, 0, 1, 0, 0]
     drawn = [0, 4, 0, 0, 0, 6, 3]
-    assert accept_runs(num_rows, drafts, drawn, accepted) == [[7, 4], [5, 6], [3]]
+    assert accept_runs(num_sampled_tokens, drafts, drawn, accepted) == [[7, 4], [5, 6], [3]]
 
 
 def test_a_sequence_whose_drafts_keep_failing_pauses_longer_each_time():

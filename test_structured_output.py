@@ -311,7 +311,7 @@ def test_a_repeated_constraint_compiles_once(llm):
 
 
 class Unconstrained:
-    """A sampling row as apply_grammar_bitmask sees it, without a grammar."""
+    """A sampling position as apply_grammar_bitmask sees it, without a grammar."""
     grammar = None
 
 
@@ -326,13 +326,13 @@ class AllowsTheFirstTen:
     def sync(self, output_token_ids: list[int]) -> None:
         pass
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        bitmask[row] = 0
-        bitmask[row, 0] = 2**10 - 1
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        bitmask[index] = 0
+        bitmask[index, 0] = 2**10 - 1
 
 
 class Constrained:
-    """A sampling row as apply_grammar_bitmask sees it, with AllowsTheFirstTen."""
+    """A sampling position as apply_grammar_bitmask sees it, with AllowsTheFirstTen."""
     grammar = AllowsTheFirstTen()
     token_ids = []
     num_prompt_tokens = 0
