@@ -13,8 +13,11 @@ and sampled sat; it keeps [.. on, the, cat], computes [ran] and samples 3 new dr
 
 A draft token is sampled from the draft's softmax(logits / temperature) (greedy for a greedy
 request), and that distribution, q, goes with it for the rejection test. A seeded request's
-draft draws the guess for its output position i with that position's DRAFT_NOISE
-(sampling.noise_seed): its drafts, like its tokens, depend on its seed, not on its batch.
+draft draws its guess for output position i with the noise the target draws position i's
+token with (sampling.noise_seed): the target accepts a seeded guess only where its own draw
+equals it (spec_decode.verify), and with the same noise a draft whose q is close to p makes
+the same draw (Gumbel-max coupling: q = p always agrees), so seeded guesses are accepted
+about as often as rejection sampling accepts, and the tokens are those without speculation.
 """
 import dataclasses
 
@@ -23,7 +26,7 @@ import torch
 from checkpoint import Checkpoint, load_model
 from model_runner import ModelRunner
 from paged_cache import BlockTable, kv_bytes_per_token
-from sampling import DRAFT_NOISE, GREEDY_BELOW, SamplingParams
+from sampling import GREEDY_BELOW, SamplingParams
 from scheduler import Sequence
 
 PROBE_TEXT = "Hello, world! The quick brown fox jumps over 13 lazy dogs."
@@ -65,8 +68,7 @@ class DraftModelProposer:
             enable_prefix_caching=False, kv_cache_tokens=engine.kv_cache_tokens,
             preemption_mode="recompute")
         self.runner = ModelRunner(draft_config, checkpoint.model.eval(), checkpoint.dtype,
-                                  engine.vocab_size, engine.eos_token_ids,
-                                  noise_stream=DRAFT_NOISE)
+                                  engine.vocab_size, engine.eos_token_ids)
         self.runner.prepare(engine.max_model_len)
         self.draft_seqs: dict[Sequence, Sequence] = {}  # target sequence -> its draft's
 
@@ -125,7 +127,7 @@ class DraftModelProposer:
 
     def _new_draft(self, seq: Sequence) -> Sequence:
         """A draft sequence for seq: its prompt, and sampling by temperature alone (greedy for
-        a greedy request), with seq's seed (its runner draws from the seed's DRAFT_NOISE)."""
+        a greedy request), with seq's seed (its output positions are seq's: the same noise)."""
         params = seq.params
         temperature = 0.0 if params.temperature < GREEDY_BELOW else params.temperature
         draft_params = SamplingParams(temperature=temperature, max_tokens=params.max_tokens,

@@ -33,7 +33,7 @@ from input_batch import InputBatch
 from kernels import AttentionMetadata, max_chunk_tokens, paged_attention, select_attention
 from lora import LoRAManager
 from paged_cache import allocate_kv_cache, cdiv, kv_bytes_per_token
-from sampling import TOKEN_NOISE, invalid_logits, sample, sampling_tensors, upload
+from sampling import invalid_logits, sample, sampling_tensors, upload
 from scheduler import Sequence
 from spec_decode import SpecDecodeMetadata, accept_runs, count_drafts, output_offsets, verify
 from structured_output import apply_grammar_bitmask
@@ -153,12 +153,10 @@ class ModelRunner:
     """The model, its KV cache, the persistent batch and the decode graphs, on one device."""
 
     def __init__(self, config, model, dtype: torch.dtype, vocab_size: int,
-                 eos_token_ids: list[int], draft_kv_bytes_per_token: int = 0,
-                 noise_stream: int = TOKEN_NOISE):
+                 eos_token_ids: list[int], draft_kv_bytes_per_token: int = 0):
         """draft_kv_bytes_per_token: a draft model's K/V bytes a token (0: none), whose cache
         holds as many tokens as this one's (it mirrors every running sequence): the two share
-        the memory the cache is sized from, and the draft's weights are loaded already.
-        noise_stream: which of a seeded sequence's noises it samples with (sampling.noise_seed)."""
+        the memory the cache is sized from, and the draft's weights are loaded already."""
         self.config = config
         self.model = model
         self.device = config.device
@@ -167,7 +165,6 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.attention = select_attention(config.attention, config.device)
         self.generator = torch.Generator(config.device).manual_seed(config.seed)
-        self.noise_stream = noise_stream  # seeded sequences' token noise (DRAFT_NOISE: a draft's)
         c = model.config
         self._check_chunk_fits_the_grid(c.n_head // c.n_kv_head)
         self.lora_manager: LoRAManager | None = None  # adapters' slots, before the KV cache
@@ -496,8 +493,7 @@ class ModelRunner:
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The sampled token ids (n,) and whether each one's logits are invalid (n,) int64."""
-        tensors = sampling_tensors(seqs, self.vocab_size, self.eos_token_ids, self.device,
-                                   stream=self.noise_stream)
+        tensors = sampling_tensors(seqs, self.vocab_size, self.eos_token_ids, self.device)
         if any(seq.params.has_penalties for seq in seqs):
             tensors.penalties = self.input_batch.penalties(seqs)
         masked = apply_grammar_bitmask(seqs, logits)  # structured output: first of all

@@ -45,12 +45,9 @@ MAX_TOP_K_CANDIDATES = 1024
 NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32}  # upload's dtypes
 # A seeded sequence's noise is a function of its seed and of the output position the token is
 # for, never of how many draws came before: its tokens then do not depend on what shared its
-# steps, how many drafts it got, or a failed batch run again. Each position has three
-# independent streams (noise_seed's `stream`):
-TOKEN_NOISE = 0    # the draw of the position's token: sample()'s, and verify()'s for that row
-ACCEPT_NOISE = 1   # verify()'s acceptance uniform of a draft model's draft
-DRAFT_NOISE = 2    # the draft model's own draw of its guess (independent of the two above)
-NUM_NOISE_STREAMS = 3
+# steps, how many drafts it got, or a failed batch run again. One noise a position: the target
+# draws the position's token with it, and a draft model its guess for the same position
+# (draft_proposer.py), so that a draft close to the target guesses what the target will draw.
 GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment: 2**64 over the golden ratio, odd
 
 
@@ -234,8 +231,6 @@ class SamplingTensors:
                                                 # min_tokens bans a token (end-of-text, stop ids)
     min_p: torch.Tensor | None = None           # (n,) fp32; 0 where off
     penalties: "Penalties | None" = None  # InputBatch.penalties' (input_batch.py)
-    stream: int = TOKEN_NOISE       # the noise stream of the token draw (DRAFT_NOISE: a draft
-                                    # model's guesses, draft_proposer.py)
 
 
 @dataclass
@@ -295,20 +290,20 @@ def sampling_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 def draw(probs: torch.Tensor, t: SamplingTensors, generator: torch.Generator) -> torch.Tensor:
     """One token per row of probs (n, vocab) -> (n,), by the Gumbel-max trick: argmax(probs / E),
-    E ~ Exponential(1), E = -log U; a seeded row's U its own noise (seeded_uniform_, stream
-    t.stream), the others' from the engine's generator. probs need not sum to 1 (speculative
+    E ~ Exponential(1), E = -log U; a seeded row's U its own noise (seeded_uniform_), the
+    others' from the engine's generator. probs need not sum to 1 (speculative
     decoding draws from max(p - q, 0) unnormalised). probs is overwritten."""
     uniform = torch.rand(probs.shape, generator=generator, device=probs.device) \
         if None in t.seeds else torch.empty_like(probs)
-    seeded_uniform_(uniform, t.seeds, t.positions, t.stream)
+    seeded_uniform_(uniform, t.seeds, t.positions)
     # E = -log U ~ Exp(1) > 0 (no NaN), and probs / log U = -(probs / E) bit for bit: its
     # argmin is argmax(probs / E), without a pass to negate
     return probs.div_(uniform.log_()).argmin(dim=-1)
 
 
-def seeded_uniform_(uniform: torch.Tensor, seeds: list, positions: list, stream: int) -> None:
+def seeded_uniform_(uniform: torch.Tensor, seeds: list, positions: list) -> None:
     """Overwrite each seeded row of uniform (n, ...) with uniforms in [0, 1) from its own noise:
-    a generator seeded with noise_seed(seed, position, stream), so that row's values depend on
+    a generator seeded with noise_seed(seed, position), so that row's values depend on
     nothing else. Rows whose seed is None keep theirs. One generator on uniform's device,
     seeded again for each row (a host-side setting: no wait for the device)."""
     noise = None
@@ -317,19 +312,18 @@ def seeded_uniform_(uniform: torch.Tensor, seeds: list, positions: list, stream:
             continue
         if noise is None:
             noise = torch.Generator(uniform.device)
-        noise.manual_seed(noise_seed(seed, position, stream))
+        noise.manual_seed(noise_seed(seed, position))
         uniform[row].uniform_(generator=noise)
 
 
-def noise_seed(seed: int, position: int, stream: int) -> int:
-    """The generator seed of a seeded sequence's noise for its output token `position`, stream
-    `stream` (TOKEN_NOISE, ACCEPT_NOISE or DRAFT_NOISE): element NUM_NOISE_STREAMS * position
-    + stream of the SplitMix64 sequence of `seed` (Steele et al. 2014; Java's SplittableRandom),
-    an int in [0, 2**64). A mix, not seed + position: the seeds seed + i of a request's n
+def noise_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded sequence's noise for its output token `position`: element
+    `position` of the SplitMix64 sequence of `seed` (Steele et al. 2014; Java's
+    SplittableRandom), an int in [0, 2**64). A mix, not seed + position: the seeds seed + i of a request's n
     samples would share their noise, shifted by i positions; and a CPU generator (a Mersenne
     Twister) keeps only the low 32 bits of its seed, which SplitMix64's finaliser makes depend
     on every bit of the seed and the position."""
-    z = (seed + (NUM_NOISE_STREAMS * position + stream + 1) * GOLDEN_GAMMA) % 2**64
+    z = (seed + (position + 1) * GOLDEN_GAMMA) % 2**64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
     return z ^ (z >> 31)
@@ -442,13 +436,11 @@ def upload(host_lists: dict[str, list], dtype: torch.dtype, device: str
 
 
 def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int],
-                     device: str, output_offsets: list[int] | None = None,
-                     stream: int = TOKEN_NOISE) -> SamplingTensors:
+                     device: str, output_offsets: list[int] | None = None) -> SamplingTensors:
     """The sampling parameters of the sequences that sample (a row each), as device tensors;
     the penalties' state, kept from step to step, is the persistent batch's (input_batch.py).
     output_offsets: per row, the tokens its sequence emits before it in this step (a
-    speculative step's rows: spec_decode.output_offsets); None: 0 each. stream: the noise
-    stream of seeded rows' token draws (SamplingTensors.stream)."""
+    speculative step's rows: spec_decode.output_offsets); None: 0 each."""
     if output_offsets is None:
         output_offsets = [0] * len(seqs)
     params = [seq.params for seq in seqs]
@@ -465,7 +457,7 @@ def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[
     tensors = SamplingTensors(
         temperature=floats["temperature"], top_p=floats["top_p"],
         greedy=ints["greedy"].bool(), top_k=ints["top_k"],
-        seeds=[p.seed for p in params], all_greedy=all(greedy), stream=stream,
+        seeds=[p.seed for p in params], all_greedy=all(greedy),
         positions=[seq.num_output_tokens + offset for seq, offset in zip(seqs, output_offsets)],
         any_top_k_top_p=bool(used_top_k), any_greedy=any(greedy),
         max_top_k=max_top_k if max_top_k <= MAX_TOP_K_CANDIDATES else None)

@@ -25,19 +25,18 @@ with the same noise, and accepting while the token equals the draft: it is d wit
 p(d), and given it is not d it follows p without d. Worked example, sampled, drafts [the, cat]
 after "... on":
     query tokens      on    the   cat         (3 positions, one forward)
-    drawn from p      the   dog   sat         (each with its own position's noise)   
+    drawn from p      the   dog   sat         (each with its own position's noise)
     accepted          the                     (dog != cat: stop)
     emitted           the   dog               what two steps without drafts would have drawn
 A seeded sequence's noise is a function of its seed and the output position alone
 (sampling.noise_seed), so with n-gram drafts its tokens are those it has without speculation:
-how many drafts it got, hence its batch, changes nothing. A draft model's q is not one-hot,
-and rejection sampling accepts more often than a match would: d, drawn by the draft with its
-position's DRAFT_NOISE, is accepted if u < p(d) / q(d), u the position's ACCEPT_NOISE uniform;
-rejected, the token is drawn from max(p - q, 0), normalised, with the position's TOKEN_NOISE
-(a position without a draft: from p, as without speculation). A seeded sequence's tokens then
-depend on its seed and on which positions had a draft, nothing else: alone or batched they
-are the same while it gets the same drafts (the batch can cut them: disable_by_batch_size,
-the token budget, free blocks), and they differ from those without speculation. Every
+how many drafts it got, hence its batch, changes nothing. A draft model's q is not one-hot:
+an unseeded draft d is rejection-sampled, accepted if u < p(d) / q(d), else the token drawn
+from max(p - q, 0), normalised, which accepts more often than a match would against an
+independent guess. A seeded one is matched as an n-gram draft is, and is no independent
+guess: the draft drew it with the very noise the target draws that position with
+(draft_proposer.py), so where q is close to p the two draws agree (Gumbel-max coupling), and
+the seeded tokens are again those without speculation, whatever the batch. Every
 sampling field (temperature, top-k/p, min_p, penalties, logit_bias, min_tokens, seeds) shapes
 p at each position as if the tokens had come one step at a time: position j sees the drafts
 before it counted by the penalties and in min_tokens.
@@ -56,8 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from options import check_int
-from sampling import (ACCEPT_NOISE, Penalties, SamplingTensors, adjust_logits, draw,
-                      sampling_probs, seeded_uniform_, upload)
+from sampling import Penalties, SamplingTensors, adjust_logits, draw, sampling_probs, upload
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
@@ -272,7 +270,8 @@ def verify(logits: torch.Tensor, t: SamplingTensors, spec: SpecDecodeMetadata,
     it is the draft. n-gram drafts (q one-hot, spec.draft_probs None): drawn is the position's
     token drawn from p as without drafts, accepted where it is the draft. A draft model's:
     rejection sampling, accepted where u < p(d) / q(d), drawn from max(p - q, 0) (p at a
-    position without a draft)."""
+    position without a draft); a seeded sequence's matched as an n-gram draft is (its draft
+    drew it with the same noise: draft_proposer.py)."""
     logits = adjust_logits(logits, t)
     greedy = logits.argmax(dim=-1)
     is_greedy_match = greedy == spec.draft_token_ids
@@ -288,11 +287,18 @@ def verify(logits: torch.Tensor, t: SamplingTensors, spec: SpecDecodeMetadata,
     q = spec.draft_probs
     q_draft = q.gather(1, d)[:, 0]
     uniform = torch.rand(len(probs), generator=generator, device=probs.device)
-    seeded_uniform_(uniform, t.seeds, t.positions, ACCEPT_NOISE)
     is_sampled_match = uniform * q_draft < p_draft  # u < p / q, without dividing by q = 0
-    accepted = torch.where(t.greedy, is_greedy_match, is_sampled_match) & spec.has_draft
     residual = (probs - q).clamp_(min=0)  # q is 0 without a draft: p itself
-    drawn = torch.where(t.greedy, greedy, draw(residual, t, generator))
+    drawn_sampled = draw(residual, t, generator)
+    if any(seed is not None for seed in t.seeds):
+        seeded = upload(dict(seeded=[seed is not None for seed in t.seeds]), torch.int64,
+                        probs.device)["seeded"].bool()
+        drawn_as_without_drafts = draw(probs, t, generator)
+        is_match = drawn_as_without_drafts == spec.draft_token_ids
+        is_sampled_match = torch.where(seeded, is_match, is_sampled_match)
+        drawn_sampled = torch.where(seeded, drawn_as_without_drafts, drawn_sampled)
+    accepted = torch.where(t.greedy, is_greedy_match, is_sampled_match) & spec.has_draft
+    drawn = torch.where(t.greedy, greedy, drawn_sampled)
     return drawn, accepted.to(torch.int64)
 
 

@@ -2,8 +2,9 @@
 logprobs, a stop string, min_tokens, a structured choice; mixed priorities) served under a
 generated set of engine configurations crossing speculation, policy, preemption mode, a tight
 KV cache, a small token budget and the prefix cache. In each: every request's tokens are its
-own alone under the same configuration; greedy tokens are the plain engine's; with n-gram
-drafts seeded tokens are the plain engine's too; nothing is held afterwards.
+own alone under the same configuration; greedy tokens are the plain engine's; with drafts
+(n-gram or a draft model) seeded tokens are the plain engine's too; nothing is held
+afterwards.
 
 CI runs a pairwise set (all_pairs: every two levels of any two factors meet in some
 configuration); NANOSERVE_FULL_MATRIX=1 runs the whole product. Each configuration is served
@@ -98,7 +99,7 @@ def config_id(config: dict[str, str]) -> str:
 
 
 CONFIGS = configurations()
-NGRAM_CONFIGS = [c for c in CONFIGS if c["spec"] in ("ngram", "ngram_any_batch")]
+SPECULATIVE_CONFIGS = [c for c in CONFIGS if c["spec"] != "none"]
 
 
 # ----------------------------------------------------------------------------- the batch
@@ -281,18 +282,10 @@ def test_the_stop_string_and_min_tokens_end_the_plain_engines_outputs(plain):
     assert (ended.finish_reason, len(ended.token_ids), ended.token_ids[-1]) == ("stop", 9, 256)
 
 
-def differs_with_its_drafts(config: dict[str, str], request: Request) -> bool:
-    """A seeded sample under a draft model: rejection sampling makes its tokens depend on which
-    positions had drafts, which the batch decides (the README says so beside the rule)."""
-    return config["spec"] == "draft" and not request.is_greedy
-
-
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_each_request_equals_itself_alone(config, served, requests):
     run = served(config)
     for request in requests:
-        if differs_with_its_drafts(config, request):
-            continue
         assert samples(run.batch[request.name]) == samples(run.alone[request.name]), \
             request.name
         assert [c.finish_reason for c in run.batch[request.name].outputs] == \
@@ -301,8 +294,6 @@ def test_each_request_equals_itself_alone(config, served, requests):
 
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_logprobs_equal_those_alone(config, served, requests):
-    if config["spec"] == "draft":
-        pytest.skip("a seeded sample's tokens under a draft model depend on its drafts")
     run = served(config)
     batch = run.batch["seeded_penalties_logprobs"].outputs[0].logprobs
     alone = run.alone["seeded_penalties_logprobs"].outputs[0].logprobs
@@ -322,11 +313,11 @@ def test_greedy_tokens_equal_the_plain_engines(config, served, requests, plain):
                 request.name
 
 
-@pytest.mark.parametrize("config", NGRAM_CONFIGS, ids=config_id)
-def test_seeded_tokens_with_ngram_drafts_equal_the_plain_engines(config, served, requests,
-                                                                 plain):
-    """An n-gram draft is accepted exactly when it is the token the position would have drawn
-    without speculation (issue 46): the drafts are invisible, alone or in the batch."""
+@pytest.mark.parametrize("config", SPECULATIVE_CONFIGS, ids=config_id)
+def test_seeded_tokens_with_drafts_equal_the_plain_engines(config, served, requests, plain):
+    """A seeded sequence's draft (n-gram, or a draft model's, drawn with the target's noise) is
+    accepted exactly when it is the token the position would have drawn without speculation
+    (issue 46): the drafts are invisible, alone or in the batch."""
     run = served(config)
     for request in requests:
         if not request.is_greedy:

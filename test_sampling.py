@@ -15,7 +15,7 @@ from conftest import (NEAR_TIE, PROMPTS, assert_no_leaks, chat_checkpoint, check
                       nanoserve_main, server_in_process, tiny, token_ids)
 from input_batch import InputBatch
 from nanoserve import Engine
-from sampling import (TOKEN_NOISE, Penalties, SamplingParams, SamplingTensors, apply_penalties,
+from sampling import (Penalties, SamplingParams, SamplingTensors, apply_penalties,
                       apply_top_k_top_p, invalid_logits, noise_seed, sample,
                       sampling_tensors)
 from tokenizer import EOT
@@ -160,15 +160,15 @@ def test_a_small_top_k_sorts_no_row_of_the_vocabulary(monkeypatch):
 
 def test_a_seeded_row_samples_the_gumbel_max_of_its_own_uniforms():
     """A seeded row's token is argmax(softmax(logits / T) / E), E = -log U, U the uniforms over
-    the vocabulary of a generator seeded with noise_seed(its seed, its output position,
-    TOKEN_NOISE): what its seed gives does not change with the code."""
+    the vocabulary of a generator seeded with noise_seed(its seed, its output position): what
+    its seed gives does not change with the code."""
     n = 8
     logits = random_logits(n, seed=2)
     params = [SamplingParams(temperature=0.9) for _ in range(n)]
     t = sampling_tensors(rows_to_sample(params), SAMPLING_VOCAB, [0], "cpu")
     tokens = sample(logits, t, torch.Generator().manual_seed(0))
     for i, token in enumerate(tokens.tolist()):
-        generator = torch.Generator().manual_seed(noise_seed(i, 0, TOKEN_NOISE))
+        generator = torch.Generator().manual_seed(noise_seed(i, 0))
         uniform = torch.empty(SAMPLING_VOCAB).uniform_(generator=generator)
         probs = (logits[i] / 0.9).softmax(dim=-1)
         assert token == (probs / -uniform.log()).argmax()

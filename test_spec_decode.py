@@ -236,19 +236,49 @@ def test_seeded_outputs_with_ngram_drafts_equal_those_without_speculation(fields
     assert_no_leaks(llm.engine)
 
 
+@pytest.mark.parametrize("fields", [
+    dict(), dict(top_k=3, top_p=0.9, min_p=0.05),
+    dict(frequency_penalty=1.0, repetition_penalty=1.3, min_tokens=10, ignore_eos=False)])
+def test_seeded_outputs_with_a_draft_model_equal_those_without_speculation(fields, drafts):
+    """A seeded sequence's draft-model guess is matched against the position's own draw:
+    seeded tokens are those without speculation, for several seeds, n = 2 and sampling
+    fields the draft does not apply (top-k, penalties: its q then differs from p), with a
+    draft that guesses well and one that does not."""
+    params = [SamplingParams(**(dict(max_tokens=24, temperature=0.8, seed=seed, n=2,
+                                     ignore_eos=True) | fields)) for seed in range(4)]
+    expected = tiny().generate(PROMPTS[:4], params)
+    for proposer in ("same", "poor"):
+        llm = tiny(speculative_config=draft_config(drafts[proposer], 3))
+        outputs = llm.generate(PROMPTS[:4], params)
+        assert [[c.token_ids for c in o.outputs] for o in outputs] == \
+            [[c.token_ids for c in o.outputs] for o in expected], proposer
+        assert spec_stats(llm)[1] > 0  # drafts were accepted
+        assert_no_leaks(llm.engine)
+
+
+def test_a_draft_with_the_targets_weights_has_every_seeded_guess_accepted(drafts):
+    """The draft draws a seeded guess with the noise the target draws that position with: with
+    q = p the two draws are the same token, every time (Gumbel-max coupling). Drawn with noise
+    of its own, a guess would match a sampled token rarely."""
+    params = SamplingParams(max_tokens=32, temperature=1.0, seed=7, ignore_eos=True)
+    llm = tiny(speculative_config=draft_config(drafts["same"], 4))
+    llm.generate(PROMPTS[:3], params)
+    num_drafts, num_accepted = spec_stats(llm)
+    assert num_drafts > 0
+    assert num_accepted == num_drafts
+
+
 def test_a_seeded_request_samples_the_same_alone_and_batched_with_a_draft_model(drafts):
-    """A draft model's rejection sampling draws each position's acceptance uniform and token
-    from the seed and the position: alone or beside five others (drafting at any batch size
-    and a roomy budget, so it gets the same drafts) its tokens are the same."""
-    llm = tiny(speculative_config=draft_config(drafts["poor"], 3))
+    """Alone or beside five others (which change its drafts: each drafts as its own batch
+    allows), a seeded request's tokens under a draft model are those without speculation."""
     prompt = PROMPTS[4]
+    expected = token_ids(tiny().generate([prompt], SEEDED))[0]
+    llm = tiny(speculative_config=draft_config(drafts["poor"], 3) | {"disable_by_batch_size": 4})
     alone = token_ids(llm.generate([prompt], SEEDED))[0]
     others = [SamplingParams(max_tokens=32, seed=i) for i in range(5)]
     batched = token_ids(llm.generate(PROMPTS[:4] + [prompt] + PROMPTS[5:],
                                      others[:4] + [SEEDED] + others[4:]))[4]
-    assert alone == batched
-    num_drafts, num_accepted = spec_stats(llm)
-    assert num_accepted < num_drafts  # drafts were rejected: the residual draws ran
+    assert alone == batched == expected
     assert_no_leaks(llm.engine)
 
 
