@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from checkpoint import DTYPES, load_model
+from linear import QUANTIZATION_METHODS
 from display import Progress, progress_wanted, render_trace
 from draft_proposer import DraftModelProposer, draft_kv_bytes_per_token, load_draft
 from kernels import keep_freed_memory
@@ -44,7 +45,7 @@ from model import PRESETS
 from model_runner import ModelOutput, ModelRunner
 from ngram_proposer import NgramProposer
 from options import check_fields, check_int, option
-from paged_cache import BlockTable
+from paged_cache import KV_CACHE_DTYPES, BlockTable
 from sampling import SamplingParams, generation_config_defaults
 from scheduler import (MAX_PRIORITY, POLICIES, PREEMPTION_MODES, Scheduler, SchedulerOutput,
                        Sequence, SequenceStatus, check_stop)
@@ -70,6 +71,13 @@ class EngineConfig:
     device: str = option("cuda" if torch.cuda.is_available() else "cpu", "cpu, cuda or cuda:N")
     dtype: str = option("auto", "auto: float32 on CPU; on CUDA the checkpoint's torch_dtype, "
                         "else bfloat16", choices=["auto", *DTYPES])
+    quantization: str | None = option(None, "weights in 8 bits, quantized as they load (a "
+                                      "compressed-tensors FP8 checkpoint: as stored); the "
+                                      "embedding and LM head stay in dtype",
+                                      choices=list(QUANTIZATION_METHODS))
+    kv_cache_dtype: str = option("auto", "the KV cache's dtype; auto: the model's; fp8 "
+                                 "(= fp8_e4m3): float8_e4m3fn, a scale a layer, twice the "
+                                 "tokens of a 16-bit cache", choices=list(KV_CACHE_DTYPES))
     attention: str = option("auto", "paged attention; auto: torch on CPU, Triton on CUDA",
                             choices=["auto", "torch", "triton"])
     max_model_len: int | None = option(None, "prompt + output at most; default: the context",
@@ -293,7 +301,7 @@ class Engine:
             keep_freed_memory()
         # built on its device in its dtype (auto on CUDA: the checkpoint's, run_dtype)
         checkpoint = load_model(config.model, config.preset, config.seed, config.device,
-                                DTYPES.get(config.dtype))
+                                DTYPES.get(config.dtype), config.quantization)
         self.checkpoint = checkpoint
         self.tokenizer = checkpoint.tokenizer
         self.eos_token_ids = checkpoint.eos_token_ids  # each ends a request unless ignore_eos
