@@ -70,12 +70,17 @@ class AttentionMetadata:
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+             num_clipped: torch.Tensor | None = None) -> None:
     """Write new keys/values (N, Hkv, D) into the caches (NB, BS, Hkv, D) at their flat slots
     (N,): one indexed copy, a slot being an index into the cache viewed as (NB * BS, Hkv, D).
     An FP8 cache stores k / k_scale and v / v_scale (quantize_kv), copied as bytes (a CPU's
-    index_copy_ has no fp8 kernel)."""
+    index_copy_ has no fp8 kernel), and adds the values it clipped to num_clipped (a () int64
+    tensor on the device, if given: counted there, never read by the step)."""
     if k_cache.dtype == FP8_DTYPE:
+        if num_clipped is not None:
+            num_clipped += (k.abs() > FP8_MAX * k_scale).sum() \
+                + (v.abs() > FP8_MAX * v_scale).sum()
         k, k_cache = quantize_kv(k, k_scale).view(torch.uint8), k_cache.view(torch.uint8)
         v, v_cache = quantize_kv(v, v_scale).view(torch.uint8), v_cache.view(torch.uint8)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)

@@ -323,6 +323,10 @@ class Attention(nn.Module):
         # unless a checkpoint gives them; none served here does)
         self.k_scale = 1.0
         self.v_scale = 1.0
+        # values clipped to +-448 as they were stored (an FP8 cache; made on the CPU, whatever
+        # the default device, moved with the model)
+        self.register_buffer("num_kv_clipped", torch.zeros((), dtype=torch.int64, device="cpu"),
+                             persistent=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
@@ -348,7 +352,8 @@ class Attention(nn.Module):
         layer's k_cache, v_cache (NB, BS, Hkv, D), then `attention` (kernels.py) reads each
         sequence's context back through its block table."""
         q, k, v = self.qkv(x, rope)  # (N, H, D), (N, Hkv, D), (N, Hkv, D)
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale,
+                 self.num_kv_clipped)
         y = attention(q, k_cache, v_cache, meta, 1.0 / math.sqrt(self.head_dim),
                       k_scale=self.k_scale, v_scale=self.v_scale)
         return self.o_proj(y.flatten(1))

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import checkpoint
-from conftest import (MODEL_FIXTURES, PROMPTS, assert_no_leaks, fixture_llm, run_to_end, tiny,
-                      token_ids, write_byte_tokenizer)
+from conftest import (MODEL_FIXTURES, PROMPTS, assert_no_leaks, fixture_llm, http,
+                      nanoserve_main, run_to_end, server_in_process, tiny, token_ids,
+                      write_byte_tokenizer)
 from kernels import (FP8_DTYPE, dequantize_kv, paged_attention, paged_attention_cpu,
                      paged_attention_ref, quantize_kv, store_kv)
 from linear import (FP8_MAX, INT8_MAX, Linear, LoRAMapping, MergedLinear, dequantize_weight,
@@ -320,11 +321,13 @@ def test_quantization_options_are_refused_naming_the_choices(field, value):
 
 # ----------------------------------------------------------------------------- FP8 KV cache
 
-def test_store_kv_writes_k_over_its_scale_clipped_to_448():
+def test_store_kv_writes_k_over_its_scale_clipped_to_448_and_counts_the_clipped():
     k = torch.tensor([[[1.0, -3.0, 1000.0, -1000.0]]])  # (N=1, Hkv=1, D=4)
     k_cache = torch.zeros(2, 2, 1, 4, dtype=FP8_DTYPE)
     v_cache = torch.zeros_like(k_cache)
-    store_kv(k, k, k_cache, v_cache, torch.tensor([3]), k_scale=0.5, v_scale=4.0)
+    num_clipped = torch.tensor(5)
+    store_kv(k, k, k_cache, v_cache, torch.tensor([3]), 0.5, 4.0, num_clipped)
+    assert num_clipped == 5 + 2  # +-1000 / 0.5 past 448; / 4.0 within
     assert k_cache[1, 1, 0].float().tolist() == [2.0, -6.0, 448.0, -448.0]
     assert v_cache[1, 1, 0].float().tolist() == [0.25, -0.75, 256.0, -256.0]  # 250: E4M3 rounds
     assert k_cache[0].float().abs().sum() == 0  # no other slot written
@@ -351,3 +354,38 @@ def test_fp8_kv_kernels_match_the_reference(block_size, num_heads, num_kv_heads)
         meta.step_plan = None
         torch.testing.assert_close(attention(q, k8, v8, meta, 0.2, **scales), expected,
                                    atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- reported bytes
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_projections_take_at_most_055_of_their_bf16_bytes(quantization):
+    """8 bits a weight and 4 bytes a channel's scale: the layers' projections at most 0.55x
+    the bytes they take in bf16 (the issue's goal), the model's other weights unchanged."""
+    model = tiny(quantization=quantization).engine.model
+    linears = {m for m, _ in projections(model).values()}
+    quantized_bytes = sum(m.weight.nbytes + m.weight_scale.nbytes for m in linears)
+    bf16_bytes = sum(m.weight.numel() * 2 for m in linears)
+    assert quantized_bytes <= 0.55 * bf16_bytes
+
+
+def test_metrics_and_the_start_up_line_report_weight_and_kv_cache_bytes(capsys):
+    """/metrics' model_weights_bytes and kv_cache_bytes gauges, and the server's serving line,
+    say what quantization saved."""
+    plain = tiny().engine
+    engine = tiny(quantization="int8", kv_cache_dtype="fp8").engine
+    with server_in_process(engine) as url:
+        metrics = http(url, "/metrics")[1]
+    assert f"nanoserve:model_weights_bytes {engine.model_weights_bytes}\n" in metrics
+    assert f"nanoserve:kv_cache_bytes {engine.kv_cache_bytes}\n" in metrics
+    assert "nanoserve:kv_cache_clipped_total 0\n" in metrics
+    assert engine.kv_cache_bytes * 4 == plain.kv_cache_bytes  # fp32's 4 bytes -> 1
+    assert engine.model_weights_bytes < plain.model_weights_bytes
+    serving = capsys.readouterr().err
+    assert f"(weights {engine.model_weights_bytes / 2**20:.1f} MiB (int8), KV cache " \
+           f"{engine.kv_cache_bytes / 2**20:.1f} MiB (float8_e4m3fn, 4096 tokens)) on " in serving
+
+
+def test_the_command_line_refuses_an_unknown_quantization(capsys):
+    status, _, err = nanoserve_main(capsys, "--preset", "tiny", "--quantization", "int4", "hi")
+    assert status == 2 and "--quantization: invalid choice: 'int4' (choose from 'int8', 'fp8')" in err
