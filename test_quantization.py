@@ -19,7 +19,7 @@ from conftest import (MODEL_FIXTURES, PROMPTS, assert_no_leaks, fixture_llm, htt
 from kernels import (FP8_DTYPE, dequantize_kv, paged_attention, paged_attention_cpu,
                      paged_attention_ref, quantize_kv, store_kv)
 from linear import (FP8_MAX, INT8_MAX, Linear, LoRAMapping, MergedLinear, dequantize_weight,
-                    projections)
+                    projections, quantize_per_token)
 from nanoserve import LLM, EngineConfig
 from paged_cache import cdiv, kv_bytes_per_token
 from sampling import SamplingParams
@@ -50,31 +50,37 @@ def float_linear(seed: int = 0, in_features: int = 96, bias: bool = True) -> Mer
 # ----------------------------------------------------------------------------- the projections
 
 def test_int8_projection_is_within_half_a_step_a_weight():
-    """|x . w - x . q s| <= sum|x| s / 2 for every output channel: round-to-nearest moves each
-    weight by at most half its channel's step s = max|w| / 127."""
+    """Each weight moves by at most half its channel's step s = max|w| / 127 (round to
+    nearest), each row's largest weight to +-127; so |x . w - x . q s| <= sum|x| s / 2."""
     linear = float_linear()
     quantized = quantized_copy(linear, "int8")
-    x = torch.randn(7, 96)
     scale = linear.weight.abs().amax(dim=1) / INT8_MAX
+    weight_error = (dequantize_weight(quantized.weight, quantized.weight_scale) - linear.weight)
+    assert (weight_error.abs() <= scale[:, None] / 2 + 1e-7).all()
+    assert quantized.weight.abs().amax(dim=1)[:5].eq(INT8_MAX).all()  # each row's max -> 127
+    x = torch.randn(7, 96)
     bound = x.abs().sum(dim=1, keepdim=True) * scale / 2 + 1e-5
     with torch.no_grad():
         error = (quantized(x) - linear(x)).abs()
     assert quantized.weight.dtype == torch.int8 and (error <= bound).all()
-    assert quantized.weight.abs().amax(dim=1)[:5].eq(INT8_MAX).all()  # each row's max -> 127
 
 
 def test_fp8_projection_is_within_its_relative_bound():
     """float8_e4m3fn keeps 3 mantissa bits: each weight moves by at most 2^-4 of itself (or
-    half the subnormal step, 2^-10 s, near zero): |x . w - x . q s| <= sum|x| (|w| 2^-4 +
-    s 2^-10)."""
+    half the subnormal step, 2^-10 s, near zero, s its channel's max|w| / 448, which maps the
+    row's largest weight to +-448); so |x . w - x . q s| <= sum|x| (|w| 2^-4 + s 2^-10)."""
     linear = float_linear()
     quantized = quantized_copy(linear, "fp8")
-    x = torch.randn(7, 96)
     scale = linear.weight.abs().amax(dim=1) / FP8_MAX
-    bound = x.abs() @ (linear.weight.abs() * 2**-4 + scale[:, None] * 2**-10).t().detach() + 1e-5
+    weight_bound = linear.weight.abs() * 2**-4 + scale[:, None] * 2**-10
+    weight_error = (dequantize_weight(quantized.weight, quantized.weight_scale) - linear.weight)
+    assert (weight_error.abs() <= weight_bound + 1e-9).all()
+    assert quantized.weight.float().abs().amax(dim=1)[:5].eq(FP8_MAX).all()
+    x = torch.randn(7, 96)
     with torch.no_grad():
         error = (quantized(x) - linear(x)).abs()
-    assert quantized.weight.dtype == FP8_DTYPE and (error <= bound).all()
+    assert quantized.weight.dtype == FP8_DTYPE
+    assert (error <= x.abs() @ weight_bound.t().detach() + 1e-5).all()
 
 
 def test_int8pack_mm_in_bf16_equals_the_dequantized_weight():
@@ -96,8 +102,10 @@ def test_fp8_on_an_fp8_gpu_quantizes_activations_per_token_for_scaled_mm(fake_cu
     linear = float_linear().to(torch.bfloat16)
     quantized = quantized_copy(linear, "fp8")
     x = torch.randn(4, 96)
-    x[1] *= 1000
+    x[1] *= 1e4  # per tensor, the other rows would fall among fp8's subnormals
     x = x.to(torch.bfloat16)
+    x_q, _ = quantize_per_token(x)
+    assert x_q.float().abs().amax(dim=1).eq(FP8_MAX).all()  # each row's max -> 448
     with torch.no_grad():
         expected = x.float() @ linear.weight.float().t() + linear.bias.float()
         got = quantized(x).float()
