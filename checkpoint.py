@@ -365,8 +365,8 @@ def quantized_linears(model: GPT, stored: dict | None, path: str) -> list:
 def compressed_tensors_state(tensors: dict, model: GPT, stored: dict, path: str) -> dict:
     """A compressed-tensors FP8 checkpoint's tensors, checked as checked_llama_state checks a
     float one: each quantized projection's weight F8_E4M3 (O, I) and its weight_scale, per
-    channel (O, 1) or per tensor ([] or [1]), made (O,) fp32 here; no input_scale (static
-    activations)."""
+    channel (O, 1) or per tensor ([] or [1]), made (O,) fp32 here; no static activation
+    scales."""
     if static := sorted(key for key in tensors if key.endswith(".input_scale")):
         raise ValueError(f"{path}: tensor {static[0]} is a static activation scale: not "
                          "served (only dynamic per-token activations)")
@@ -510,6 +510,9 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: str =
     check_sizes(config, tensors, path)
     with torch.device("meta"):
         model = GPT(config)
+    if hf["model_type"] == "gpt2" and stored is not None:
+        raise ValueError(f"{path}: compressed-tensors FP8 is served for the Llama family only "
+                         "(GPT-2's fused c_attn would need its own scales)")
     if hf["model_type"] == "gpt2":
         tensors = from_gpt2_state(checked_state(gpt2_tensors(tensors),
                                                 to_gpt2_state(model.state_dict()), path))
@@ -944,7 +947,7 @@ def save_checkpoint(model: GPT, path: str, dtype=torch.float16) -> None:
 def save_compressed_tensors_fp8(source: str, path: str, strategy: str = "channel",
                                 ignore: tuple = ("lm_head",)) -> None:
     """The Llama-family checkpoint directory `source` written to `path` as llm-compressor
-    writes an FP8_DYNAMIC model (compressed-tensors, format float-quantized): each projection
+    writes a model in its FP8 dynamic scheme (compressed-tensors, format float-quantized): each projection
     of the layers F8_E4M3 with its weight_scale, fp32, per output channel (O, 1) as
     quantize_weight makes it, or per tensor (1,) (strategy "tensor": one max|W| / 448 for the
     whole matrix); input activations dynamic per token; every other tensor as it was, and

@@ -25,13 +25,15 @@ float8_e4m3fn rounds to [176, -448, 11, 320] (3 mantissa bits: a step of 1 betwe
 16 between 128 and 256, 32 between 256 and 448), read back as [0.499, -1.27, 0.0312, 0.907]:
 an error of at most 2^-4 = 6.25% of a weight, wherever in its range it lies, where int8's is
 at most s / 2 whatever the weight (small weights lose more in int8, large ones in fp8).
-Since y_o = x . w_o and w_o = q_o s_o, y_o = s_o (x . q_o): the GEMM runs on q (upcast in
+Since y[o] = x . w[o] and w[o] = q[o] s[o], y[o] = s[o] (x . q[o]): the GEMM runs on q (upcast in
 registers, or in 8 bits on GPUs with FP8 tensor cores) and each output column is multiplied
 by its scale after. On CUDA at compute capability 8.9 and up, fp8 quantizes the activations
 too, per token (each row of x by its own max|x| / 448, vLLM's dynamic per-token scheme), and
 torch._scaled_mm multiplies in 8 bits, applying both scales to its fp32 sums. The bounds the
-tests check: int8 |x . w - x . q s| <= sum|x| s / 2; fp8 weight errors within 2^-4 |w| + the
-subnormal step (2^-9 s).
+tests check: int8 weight errors within s / 2; fp8's within 2^-4 |w| + half the subnormal
+step (2^-10 s); their products with x within the sums of those times |x|. checkpoint.py
+quantizes a checkpoint's weights one tensor at a time as they load; the embedding and the LM
+head are no Linear of these, and stay in the model's dtype (README: why).
 
 A tensor-parallel projection would build each rank's share of the output (its parts' rows,
 so each LoRA slice shards with them) or of the input, and all-reduce: not built. Shape
@@ -171,10 +173,10 @@ class Linear(nn.Linear):
         return QUANTIZED_LINEAR[self.quant_method](x, self.weight, self.weight_scale, self.bias)
 
     def create_quantized_weights(self, quant_method: str) -> None:
-        """Make this projection quant_method's (vLLM's create_weights): its weight an (O, I)
-        int8 or fp8 tensor and weight_scale (O,) fp32, empty on the weight's device (the meta
-        device, before a checkpoint's tensors are assigned), the model's dtype kept for the
-        activations and adapters."""
+        """Make this projection quant_method's, as vLLM's quantized layers make theirs: its
+        weight an (O, I) int8 or fp8 tensor and weight_scale (O,) fp32, empty on the weight's
+        device (the meta device, before a checkpoint's tensors are assigned), the model's
+        dtype kept for the activations and adapters."""
         weight = self.weight
         self.params_dtype = weight.dtype
         self.quant_method = quant_method
