@@ -58,6 +58,7 @@ from checkpoint import Checkpoint, load_model
 from cli import add_config_args
 from kernels import (AttentionMetadata, device_num_sms, launch_grids, paged_attention,
                      select_attention)
+from linear import projections
 from model import GPT, LLAMA_LAYOUT, PRESETS, DenseKVCache, GPTConfig, LMHead
 from nanoserve import Engine, EngineConfig, EngineStats, accumulate
 from options import check_fields, option
@@ -228,6 +229,20 @@ class BenchConfig:
     lora_adapters: tuple = option((1, 4, 16), "--lora: the numbers of adapters K")
     lora_rank: int = option(16, "--lora: the adapters' rank")
     lora_max_tokens: int = option(64, "--lora: tokens each request generates")
+    quantization: bool = option(False, "only quantization on --model (default: the shipped "
+                                "model) in --quant-dtype: each of QUANT_SCHEMES' weight and "
+                                "K/V bytes, KV tokens a GiB, decode tokens/s at "
+                                "--quant-batches, greedy agreement with the unquantized model "
+                                "over --quant-tokens tokens of --quant-prompts prompts, "
+                                "|delta log-probability| of their tokens, held-out perplexity")
+    quant_dtype: str = option("auto", "--quantization: the model's dtype (auto: float32 on a "
+                              "CPU)", choices=["auto", "float32", "bfloat16", "float16"])
+    quant_batches: tuple = option((1, 32), "--quantization: decode batch sizes timed")
+    quant_prompts: int = option(32, "--quantization: prompts (text passages) compared")
+    quant_tokens: int = option(64, "--quantization: greedy tokens compared a prompt, and "
+                               "decoded a sequence when timed")
+    quant_eval_bytes: int = option(16384, "--quantization: bytes of the held-out text (the "
+                                   "last 10%, as train.py splits it) perplexity is taken on")
 
 
 def parse_args(argv=None) -> BenchConfig:
@@ -2415,6 +2430,130 @@ def host_overhead(cfg: BenchConfig) -> list[dict]:
             for batch in cfg.host_batches for penalty, stream in variants]
 
 
+# --quantization's rows: name -> (quantization, kv_cache_dtype); the first is the reference
+QUANT_SCHEMES = {"unquantized": (None, "auto"), "int8": ("int8", "auto"), "fp8": ("fp8", "auto"),
+                 "fp8 KV": (None, "fp8"), "fp8 + fp8 KV": ("fp8", "fp8")}
+
+
+def quant_engine(cfg: BenchConfig, quantization: str | None, kv_cache_dtype: str) -> Engine:
+    return Engine(EngineConfig(model=cfg.model or None, device=cfg.device, dtype=cfg.quant_dtype,
+                               quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                               max_num_seqs=max(cfg.quant_batches + (cfg.quant_prompts,)),
+                               seed=cfg.seed))
+
+
+def run_requests(engine: Engine, prompts: list, params: SamplingParams) -> list:
+    """Every prompt's whole output, in order, served together."""
+    ids = [engine.add_request(p, params, stream=False) for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            done[output.request_id] = output
+    return [done[i] for i in ids]
+
+
+def held_out_windows(cfg: BenchConfig, engine: Engine) -> list[list[int]]:
+    """--quant-eval-bytes of the text's last 10% (train.py's held-out split), as token ids in
+    windows of the model's context: each is a prompt whose tokens are scored."""
+    text = __doc__
+    if os.path.exists(cfg.spec_text):
+        with open(cfg.spec_text, encoding="utf-8") as f:
+            text = f.read()
+    held_out = text[int(len(text) * 0.9):][:cfg.quant_eval_bytes]
+    ids = engine.tokenizer.encode(held_out)
+    window = engine.max_model_len - 1
+    return [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) > 1]
+
+
+def prompt_logprob_list(output) -> list[float]:
+    """Each prompt token's own log-probability (the first has none)."""
+    return [next(iter(entry.values())) for entry in output.prompt_logprobs[1:]]
+
+
+def decode_tokens_per_s(engine: Engine, prompts: list[str], batch: int, tokens: int) -> float:
+    """Generated tokens a second for `batch` sequences of `tokens` tokens each, served together
+    (their short prompts' prefill included), after a warm-up run."""
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    batch_prompts = [prompts[i % len(prompts)][:64] for i in range(batch)]
+    run_requests(engine, batch_prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))
+    start = time.perf_counter()
+    run_requests(engine, batch_prompts, params)
+    return batch * tokens / (time.perf_counter() - start)
+
+
+def quant_row(cfg: BenchConfig, engine: Engine, prompts: list[str], windows: list) -> dict:
+    """One scheme's figures, and its raw tokens and log-probabilities for the comparison."""
+    linears = {m for m, _ in projections(engine.model).values()}
+    projection_bytes = sum(m.weight.nbytes + m.weight_scale.nbytes if m.quant_method else
+                           m.weight.nbytes for m in linears)
+    params = SamplingParams(max_tokens=cfg.quant_tokens, temperature=0, ignore_eos=True,
+                            prompt_logprobs=0)
+    outputs = run_requests(engine, prompts, params)
+    scored = run_requests(engine, windows, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    held_out = [lp for output in scored for lp in prompt_logprob_list(output)]
+    row = dict(weight_bytes=engine.model_weights_bytes, projection_bytes=projection_bytes,
+               projection_vs_bf16=projection_bytes / sum(m.weight.numel() * 2 for m in linears),
+               kv_bytes_per_token=engine.model_runner.kv_bytes_per_token,
+               kv_tokens_per_gib=engine.kv_tokens_per_gib,
+               perplexity=math.exp(-sum(held_out) / len(held_out)))
+    for batch in cfg.quant_batches:
+        row[f"decode_tok_s_b{batch}"] = decode_tokens_per_s(engine, prompts, batch,
+                                                            cfg.quant_tokens)
+    raw = dict(tokens=[o.outputs[0].token_ids for o in outputs],
+               logprobs=[prompt_logprob_list(o) for o in outputs])
+    return row | {"raw": raw}
+
+
+def agreement(row: dict, reference: dict) -> dict:
+    """Greedy tokens and prompt log-probabilities against the unquantized row's."""
+    tokens, expected = row["raw"]["tokens"], reference["raw"]["tokens"]
+    first_differences = [next((i for i, (a, b) in enumerate(zip(got, want)) if a != b),
+                              len(want)) for got, want in zip(tokens, expected)]
+    deltas = [abs(a - b) for got, want in zip(row["raw"]["logprobs"],
+                                              reference["raw"]["logprobs"])
+              for a, b in zip(got, want)]
+    return dict(greedy_identical=sum(got == want for got, want in zip(tokens, expected)),
+                mean_first_difference=sum(first_differences) / len(first_differences),
+                mean_abs_delta_logprob=sum(deltas) / len(deltas),
+                max_abs_delta_logprob=max(deltas))
+
+
+def quantization_sweep(cfg: BenchConfig) -> dict:
+    """Each of QUANT_SCHEMES on one model: memory, speed, and accuracy against the first."""
+    rows = {}
+    prompts = windows = None
+    for name, (quantization, kv_cache_dtype) in QUANT_SCHEMES.items():
+        engine = quant_engine(cfg, quantization, kv_cache_dtype)
+        if prompts is None:
+            prompts = text_passages(cfg.spec_text, cfg.quant_prompts, lines=4)
+            windows = held_out_windows(cfg, engine)
+        rows[name] = quant_row(cfg, engine, prompts, windows)
+        del engine
+        gc.collect()
+    reference = rows[next(iter(QUANT_SCHEMES))]
+    for name, row in rows.items():
+        row |= agreement(row, reference)
+        row["kv_capacity_vs_unquantized"] = reference["kv_bytes_per_token"] / \
+            row["kv_bytes_per_token"]  # tokens at equal memory
+        row["perplexity_vs_unquantized"] = row["perplexity"] / reference["perplexity"]
+    for row in rows.values():
+        del row["raw"]
+    return dict(model=cfg.model or "shipped", dtype=cfg.quant_dtype, prompts=cfg.quant_prompts,
+                tokens=cfg.quant_tokens, rows=[dict(scheme=name) | row
+                                               for name, row in rows.items()])
+
+
+def quantization_table(found: dict) -> str:
+    batches = " ".join(key for key in found["rows"][0] if key.startswith("decode_tok_s"))
+    keys = ("scheme weight_bytes projection_vs_bf16 kv_bytes_per_token "
+            f"kv_capacity_vs_unquantized {batches} greedy_identical mean_first_difference "
+            "mean_abs_delta_logprob max_abs_delta_logprob perplexity perplexity_vs_unquantized")
+    return table(f"Quantization on {found['model']} ({found['dtype']}): greedy identical of "
+                 f"{found['prompts']} prompts over {found['tokens']} tokens; log-probabilities "
+                 "of their prompt tokens against the unquantized model's; perplexity on the "
+                 "held-out text", found["rows"], keys)
+
+
 def host_table(rows: list[dict]) -> str:
     keys = ("batch context repetition_penalty stream schedule_ms inputs_ms sampling_tensors_ms "
             "penalties_ms penalty_rows_ms invalid_rows_ms count_sampled_ms update_ms record_ms "
@@ -2449,7 +2588,7 @@ def versions(cfg: BenchConfig) -> dict:
 # The flags of the measurements that run alone (run_single_measurement), each BenchConfig's
 SINGLE_MEASUREMENTS = ("lm_head", "host_overhead", "detokenizer", "step_gemms", "kernel",
                        "count_ops", "sampling", "speculative", "structured_output", "goodput",
-                       "swap", "lora")
+                       "swap", "lora", "quantization")
 
 
 def run_single_measurement(cfg: BenchConfig) -> bool:
@@ -2467,7 +2606,8 @@ def run_single_measurement(cfg: BenchConfig) -> bool:
              "structured_output": (structured_output_cost, structured_output_table),
              "goodput": (service_levels, service_levels_table),
              "swap": (swap_against_recompute, swap_table),
-             "lora": (lora_sweep, lora_table)}
+             "lora": (lora_sweep, lora_table),
+             "quantization": (quantization_sweep, quantization_table)}
     for name in SINGLE_MEASUREMENTS:
         if not getattr(cfg, name):
             continue

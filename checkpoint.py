@@ -25,7 +25,8 @@ from functools import partial
 
 import torch
 
-from linear import merge_split
+from kernels import FP8_DTYPE, FP8_MAX
+from linear import QUANTIZATION_METHODS, merge_split, projections, quantize_model, quantize_weight
 from model import GPT, PRESETS, GPTConfig
 from tokenizer import (EOT, ChatTemplate, Tokenizer, byte_tokenizer, gpt2_byte_chars,
                        load_chat_template, load_tokenizer, read_json)
@@ -247,8 +248,156 @@ def rope_settings(hf: dict, path: str) -> tuple[float, dict | None]:
     return theta, {key: scaling[key] for key in sorted(LLAMA3_SCALING_KEYS)}
 
 
+# quantization_config methods refused by name (their weights are not in a layout served)
+REFUSED_QUANT_METHODS = {"gptq": "GPTQ", "awq": "AWQ", "bitsandbytes": "bitsandbytes",
+                         "fp8": "FP8 in vLLM's own format", "marlin": "Marlin",
+                         "gguf": "GGUF", "aqlm": "AQLM", "hqq": "HQQ", "eetq": "EETQ",
+                         "quark": "Quark", "mxfp4": "MXFP4", "modelopt": "ModelOpt"}
+# compressed-tensors FP8 as published (llm-compressor's FP8_DYNAMIC scheme): field -> values
+FP8_WEIGHTS = {"type": ("float",), "num_bits": (8,), "strategy": ("channel", "tensor"),
+               "symmetric": (True, None), "dynamic": (False, None), "group_size": (None,),
+               "block_structure": (None,), "actorder": (None,)}
+FP8_INPUT_ACTIVATIONS = {"type": ("float",), "num_bits": (8,), "strategy": ("token",),
+                         "symmetric": (True, None), "dynamic": (True,), "group_size": (None,),
+                         "block_structure": (None,), "actorder": (None,)}
+
+
+def checkpoint_quantization(qc, path: str) -> dict | None:
+    """config.json's quantization_config -> None (none) or {"ignore": [module names or re:
+    patterns]} for a compressed-tensors FP8 checkpoint (format float-quantized, weights F8_E4M3
+    with a scale per channel or per tensor, activations dynamic per token or none): the only
+    quantized format served. Any other (GPTQ, AWQ, bitsandbytes, block-wise FP8, static
+    activation scales, an FP8 KV cache scheme) is refused by name, never served as full
+    precision."""
+    if qc is None:
+        return None
+    where = f"{path}: config.json quantization_config"
+    if not isinstance(qc, dict):
+        raise ValueError(f"{where} must be an object, got {qc!r:.100}")
+    method = qc.get("quant_method")
+    if qc.get("weight_block_size") is not None:
+        raise ValueError(f"{where}: block-wise FP8 (weight_block_size "
+                         f"{qc['weight_block_size']}) is not served; only compressed-tensors "
+                         "FP8 with a scale per channel or per tensor")
+    if method != "compressed-tensors":
+        name = REFUSED_QUANT_METHODS.get(method, repr(method))
+        raise ValueError(f"{where}: quant_method {method!r} ({name}) is not served; only "
+                         "compressed-tensors FP8 (format float-quantized)")
+    if qc.get("format") != "float-quantized":
+        raise ValueError(f"{where}: compressed-tensors format {qc.get('format')!r} is not "
+                         "served; only float-quantized (FP8 weights)")
+    if qc.get("kv_cache_scheme") is not None:
+        raise ValueError(f"{where}: kv_cache_scheme is not served (use kv_cache_dtype)")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError(f"{where} has no config_groups")
+    for name, group in groups.items():
+        check_fp8_group(group, f"{where} group {name}")
+    ignore = qc.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(entry, str) for entry in ignore):
+        raise ValueError(f"{where}: ignore must be a list of module names")
+    return {"ignore": ignore}
+
+
+def check_fp8_group(group, where: str) -> None:
+    """A config group of compressed-tensors FP8: Linear targets, FP8_WEIGHTS, and no activation
+    scheme or FP8_INPUT_ACTIVATIONS; ValueError naming the first field that differs."""
+    if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
+        raise ValueError(f"{where} has no weights scheme")
+    if "Linear" not in (group.get("targets") or []):
+        raise ValueError(f"{where}: targets {group.get('targets')!r} are not served (Linear)")
+    if group.get("output_activations") is not None:
+        raise ValueError(f"{where}: output_activations are not served")
+    schemes = [("weights", group["weights"], FP8_WEIGHTS)]
+    if group.get("input_activations") is not None:
+        schemes.append(("input_activations", group["input_activations"],
+                        FP8_INPUT_ACTIVATIONS))
+    for part, scheme, served in schemes:
+        if not isinstance(scheme, dict):
+            raise ValueError(f"{where}: {part} must be an object")
+        for field_name, values in served.items():
+            value = scheme.get(field_name)
+            if value not in values:
+                what = "block-wise FP8" if value == "block" or field_name == "block_structure" \
+                    else "another scheme"
+                raise ValueError(f"{where}: {part} {field_name} {value!r} is not served ({what};"
+                                 f" only {' or '.join(map(repr, values))})")
+
+
+def served_quantization(asked: str | None, stored: dict | None, path: str) -> str | None:
+    """The scheme a checkpoint is served with: asked for (online at load), or a compressed-
+    tensors FP8 checkpoint's own fp8 (asked for none or fp8; int8 over it is refused)."""
+    if asked is not None and asked not in QUANTIZATION_METHODS:
+        raise ValueError(f"unknown quantization {asked!r}; choose one of "
+                         f"{', '.join(QUANTIZATION_METHODS)}")
+    if stored is None:
+        return asked
+    if asked not in (None, "fp8"):
+        raise ValueError(f"{path} holds compressed-tensors FP8 weights: quantization {asked!r} "
+                         "would quantize them again; leave it unset or fp8")
+    return "fp8"
+
+
+def is_ignored(name: str, ignore: list[str]) -> bool:
+    """Whether compressed-tensors' ignore list names module `name`: as it is, or as a "re:"
+    pattern matching it whole."""
+    for entry in ignore:
+        if entry == name or (entry.startswith("re:") and re.fullmatch(entry[3:], name)):
+            return True
+    return False
+
+
+def quantized_linears(model: GPT, stored: dict | None, path: str) -> list:
+    """The model's projections to quantize, each once: all of them, or a compressed-tensors
+    checkpoint's not ignored. A merged projection's parts must agree (q quantized, k not,
+    would be two schemes in one GEMM)."""
+    by_linear = {}
+    for name, (linear, _) in projections(model).items():
+        ignored = stored is not None and is_ignored(name, stored["ignore"])
+        by_linear.setdefault(linear, set()).add(ignored)
+    for linear, kinds in by_linear.items():
+        if len(kinds) > 1:
+            raise ValueError(f"{path}: quantization_config ignores some of {linear.parts} but "
+                             "not all: they are one GEMM here")
+    return [linear for linear, kinds in by_linear.items() if kinds == {False}]
+
+
+def compressed_tensors_state(tensors: dict, model: GPT, stored: dict, path: str) -> dict:
+    """A compressed-tensors FP8 checkpoint's tensors, checked as checked_llama_state checks a
+    float one: each quantized projection's weight F8_E4M3 (O, I) and its weight_scale, per
+    channel (O, 1) or per tensor ([] or [1]), made (O,) fp32 here; no static activation
+    scales."""
+    if static := sorted(key for key in tensors if key.endswith(".input_scale")):
+        raise ValueError(f"{path}: tensor {static[0]} is a static activation scale: not "
+                         "served (only dynamic per-token activations)")
+    quantized = {name for name in projections(model)
+                 if not is_ignored(name, stored["ignore"])}
+    for name in quantized:
+        weight, scale = tensors.get(f"{name}.weight"), tensors.get(f"{name}.weight_scale")
+        if weight is None or scale is None:
+            raise ValueError(f"{path}: checkpoint is missing tensor {name}.weight"
+                             f"{'_scale' if weight is not None else ''}")
+        if weight.dtype != FP8_DTYPE:
+            raise ValueError(f"{path}: tensor {name}.weight holds {weight.dtype}, not F8_E4M3: "
+                             "quantization_config says it is quantized")
+        rows = weight.shape[0]
+        if scale.numel() == 1:  # per tensor: every channel its scale
+            scale = scale.reshape(1).expand(rows)
+        elif tuple(scale.shape) in ((rows, 1), (rows,)):
+            scale = scale.reshape(rows)
+        else:
+            raise ValueError(f"{path}: tensor {name}.weight_scale has shape "
+                             f"{tuple(scale.shape)}; per channel ({rows}, 1) or per tensor")
+        tensors[f"{name}.weight_scale"] = scale
+    state = checked_llama_state({key: t for key, t in tensors.items()
+                                 if not key.endswith(".weight_scale")}, model, path,
+                                fp8=quantized)
+    return state | {key: t for key, t in tensors.items() if key.endswith(".weight_scale")}
+
+
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "F64": torch.float64, "I64": torch.int64, "U8": torch.uint8}
+                      "F64": torch.float64, "I64": torch.int64, "U8": torch.uint8,
+                      "I8": torch.int8, "F8_E4M3": FP8_DTYPE}
 HUB_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints",
                              "shakespeare")  # trained by train.py, shipped with the repo
@@ -338,28 +487,42 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str) -> None:
             f.write(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
 
 
-def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> GPT:
+def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                    quantization: str | None = None) -> GPT:
     """A Hugging Face checkpoint directory of a served architecture (config_from_hf):
     config.json + model.safetensors (or its shards, or pytorch_model.bin), loaded as the best
     loaders load one. The model is built on the meta device (no memory, no random weights to
     overwrite); each tensor, a view of its memory-mapped file, goes to `device` in `dtype` in
     one copy (none on a CPU in the file's own dtype: the model then reads the mapped pages),
     and the model takes those tensors as its parameters. Host memory: the file's pages, where
-    building, initialising and converting a whole model first took four times the file."""
+    building, initialising and converting a whole model first took four times the file.
+    quantization ("int8", "fp8"): each projection's weight quantized as it is placed, its
+    file's pages let go, so no more than one full-precision tensor is held beyond the
+    quantized model; a compressed-tensors FP8 checkpoint's are placed as stored."""
     config_file = os.path.join(path, "config.json")
     if not os.path.exists(config_file):
         raise ValueError(f"{path} is not a checkpoint directory: no config.json")
     hf = read_json(config_file)
+    stored = checkpoint_quantization(hf.pop("quantization_config", None), path)
+    quantization = served_quantization(quantization, stored, path)
     config = config_from_hf(hf, path)
     tensors = read_weights(path)
     check_sizes(config, tensors, path)
     with torch.device("meta"):
         model = GPT(config)
+    if hf["model_type"] == "gpt2" and stored is not None:
+        raise ValueError(f"{path}: compressed-tensors FP8 is served for the Llama family only "
+                         "(GPT-2's fused c_attn would need its own scales)")
     if hf["model_type"] == "gpt2":
         tensors = from_gpt2_state(checked_state(gpt2_tensors(tensors),
                                                 to_gpt2_state(model.state_dict()), path))
+    elif stored is not None:  # its projections' tensors are q and weight_scale already
+        tensors = compressed_tensors_state(tensors, model, stored, path)
     else:
         tensors = checked_llama_state(tensors, model, path)
+    to_quantize = set()
+    if quantization is not None and stored is None:
+        to_quantize = {f"{name}.weight" for name in projections(model)}
     # safetensors' views, never overlapping (read_safetensors checks): their pages may go
     is_safetensors = os.path.exists(os.path.join(path, "model.safetensors")) or \
         os.path.exists(os.path.join(path, "model.safetensors.index.json"))
@@ -367,12 +530,25 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: str =
     file_views = set()  # the data pointers of placed tensors that are the mapped file's pages
     for name in list(tensors):  # one at a time: each view is let go once placed
         view = tensors.pop(name)
+        if view.dtype == FP8_DTYPE:  # stored quantized (compressed_tensors_state checked)
+            placed[name] = view.to(device)
+            continue
+        if name.endswith(".weight_scale"):
+            placed[name] = view.to(device, torch.float32)
+            continue
         # contiguous: GPT-2's Conv1D weights arrive transposed, as views
         placed[name] = view.to(device, dtype).contiguous()
         if is_safetensors and placed[name].data_ptr() == view.data_ptr():
             file_views.add(view.data_ptr())
+        if name in to_quantize:  # quantized now, its full-precision copy and pages let go
+            weight = placed.pop(name)
+            placed[name], placed[name + "_scale"] = quantize_weight(weight, quantization)
+            release_file_pages(file_views, weight)
     if model.config.tie_word_embeddings:  # one tensor under two names
         placed["lm_head.weight"] = placed["model.embed_tokens.weight"]
+    if quantization is not None:  # the meta model's projections take q and its scales
+        for linear in quantized_linears(model, stored, path):
+            linear.create_quantized_weights(quantization)
     # q/k/v and gate/up concatenated (qkv_proj, gate_up_proj) here, each piece's pages let go
     # as it is copied: read pages count in the process's memory, and the pieces' would add
     # 60% of a Llama file's size to the load's peak
@@ -486,8 +662,9 @@ def read_shards(index_file: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def checked_state(state: dict, expected: dict, path: str) -> dict:
-    """state, once every tensor of `expected` is in it with its shape and nothing else is."""
+def checked_state(state: dict, expected: dict, path: str, fp8: set = frozenset()) -> dict:
+    """state, once every tensor of `expected` is in it with its shape and nothing else is, in
+    a floating dtype: F8_E4M3 only for the keys in fp8 (compressed-tensors' weights)."""
     for key, want in expected.items():
         if key not in state:
             raise ValueError(f"{path}: checkpoint is missing tensor {key}")
@@ -496,21 +673,26 @@ def checked_state(state: dict, expected: dict, path: str) -> dict:
                              f"config.json implies {tuple(want.shape)}")
         if not state[key].is_floating_point():
             raise ValueError(f"{path}: tensor {key} holds {state[key].dtype}, not weights")
+        if state[key].dtype == FP8_DTYPE and key not in fp8:
+            raise ValueError(f"{path}: tensor {key} holds F8_E4M3 where config.json's "
+                             "quantization_config (if any) says full precision")
     if unexpected := sorted(set(state) - set(expected)):
         raise ValueError(f"{path}: unexpected tensors {unexpected[:5]}")
     return state
 
 
-def checked_llama_state(tensors: dict, model: GPT, path: str) -> dict:
+def checked_llama_state(tensors: dict, model: GPT, path: str, fp8: set = frozenset()) -> dict:
     """A Llama-family checkpoint's tensors, named as ours already, checked: old checkpoints'
-    saved RoPE buffers dropped, and a tied head's copy (some checkpoints store one) too."""
+    saved RoPE buffers dropped, and a tied head's copy (some checkpoints store one) too. fp8:
+    the projections stored in FP8 (compressed_tensors_state), whose weights alone may be, and
+    must be, F8_E4M3."""
     tied = model.config.tie_word_embeddings
     state = {key: t for key, t in tensors.items()
              if not key.endswith("rotary_emb.inv_freq") and not (tied and key == "lm_head.weight")}
     expected = model.state_dict()
     if tied:
         expected.pop("lm_head.weight")
-    return checked_state(state, expected, path)
+    return checked_state(state, expected, path, {f"{name}.weight" for name in fp8})
 
 
 # GPT-2's names for our parameters (ours are Llama's): top level, then within layer i ("h.i.").
@@ -602,21 +784,26 @@ class Checkpoint:
 
 
 def load_model(model: str | None = None, preset: str | None = None, seed: int = 0,
-               device: str = "cpu", dtype: torch.dtype | None = None) -> Checkpoint:
+               device: str = "cpu", dtype: torch.dtype | None = None,
+               quantization: str | None = None) -> Checkpoint:
     """A preset (seeded random weights), a checkpoint directory, a name in the local Hugging
     Face cache (Qwen/Qwen3-0.6B; GPT-2's are downloaded there if missing) or the shipped model,
-    on `device` in `dtype` (None: run_dtype's choice)."""
+    on `device` in `dtype` (None: run_dtype's choice), its projections quantized if asked
+    (quantization: "int8", "fp8"; a compressed-tensors FP8 checkpoint's are already)."""
     if preset is not None:
         dtype = run_dtype(dtype, None)
         torch.manual_seed(seed)  # the weights are drawn on the CPU: the same on any device
         gpt = GPT(PRESETS[preset]).to(device, dtype)
+        if served_quantization(quantization, None, preset) is not None:
+            quantize_model(gpt, quantization)
         tokenizer = byte_tokenizer()
         eos_ids = eos_token_ids(tokenizer, {}, {}, gpt.config.vocab_size, preset)
         return Checkpoint(gpt, tokenizer, eos_ids, dtype)
     path = checkpoint_path(model or DEFAULT_MODEL)
     hf = read_json(os.path.join(path, "config.json"))
     dtype = run_dtype(dtype, DTYPES.get(hf.get("torch_dtype", hf.get("dtype"))))
-    gpt = load_checkpoint(path, dtype, device)  # first: a directory that is no checkpoint says so
+    # first: a directory that is no checkpoint says so
+    gpt = load_checkpoint(path, dtype, device, quantization)
     generation_config = read_json(os.path.join(path, "generation_config.json"))
     tokenizer = load_tokenizer(path)
     eos_ids = eos_token_ids(tokenizer, hf, generation_config, gpt.config.vocab_size, path)
@@ -755,3 +942,44 @@ def save_checkpoint(model: GPT, path: str, dtype=torch.float16) -> None:
                        ("merges.txt", "#version: 0.2\n")]:  # bytes only: no merges
         with open(os.path.join(path, name), "w", encoding="utf-8") as f:
             f.write(text)
+
+
+def save_compressed_tensors_fp8(source: str, path: str, strategy: str = "channel",
+                                ignore: tuple = ("lm_head",)) -> None:
+    """The Llama-family checkpoint directory `source` written to `path` as llm-compressor
+    writes a model in its FP8 dynamic scheme (compressed-tensors, format float-quantized): each projection
+    of the layers F8_E4M3 with its weight_scale, fp32, per output channel (O, 1) as
+    quantize_weight makes it, or per tensor (1,) (strategy "tensor": one max|W| / 448 for the
+    whole matrix); input activations dynamic per token; every other tensor as it was, and
+    `ignore` in config.json (what llm-compressor leaves out: the LM head). The tests' FP8
+    fixture is made by .ci/fixtures/make_fp8_fixture.py with it."""
+    hf = read_json(os.path.join(source, "config.json"))
+    with torch.device("meta"):
+        names = set(projections(GPT(config_from_hf(hf, source))))
+    tensors = {}
+    for key, t in read_weights(source).items():
+        module = key.removesuffix(".weight")
+        if module not in names or is_ignored(module, list(ignore)):
+            tensors[key] = t.contiguous()
+            continue
+        if strategy == "channel":
+            q, scale = quantize_weight(t, "fp8")
+            scale = scale[:, None]  # (O, 1)
+        else:
+            scale = (t.float().abs().max() / FP8_MAX).reshape(1)
+            q = (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        tensors[key] = q
+        tensors[f"{module}.weight_scale"] = scale
+    scheme = dict(num_bits=8, type="float", symmetric=True, group_size=None, actorder=None,
+                  block_structure=None, observer_kwargs={})
+    hf["quantization_config"] = dict(
+        quant_method="compressed-tensors", format="float-quantized",
+        quantization_status="compressed", kv_cache_scheme=None, ignore=list(ignore),
+        config_groups=dict(group_0=dict(
+            targets=["Linear"], output_activations=None,
+            weights=scheme | dict(strategy=strategy, dynamic=False, observer="minmax"),
+            input_activations=scheme | dict(strategy="token", dynamic=True, observer=None))))
+    os.makedirs(path, exist_ok=True)
+    write_safetensors(tensors, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(hf, f, indent=2)

@@ -58,6 +58,7 @@ class FakeCuda:
     is plain memory, torch.compile's function is the function, and `calls` records each call
     by name (its arguments), so a test sees what the CUDA path asked of the runtime."""
     NUM_SMS = 24  # not the CPU's kernels.CPU_NUM_SMS: a test sees which it was given
+    CAPABILITY = (9, 0)  # a Hopper: FP8 tensor cores (a test may set an older one)
 
     def __init__(self, total: int, used: int, peak: int):
         self.total, self.used, self.peak = total, used, peak
@@ -100,6 +101,20 @@ class FakeCuda:
         run()
         self.record("capture_graph", pool)
         return run, pool or "the first graph's pool"
+
+    def device_capability(self, device) -> tuple[int, int]:
+        return self.CAPABILITY
+
+    def scaled_mm(self, a, b, scale_a, scale_b, bias, out_dtype) -> torch.Tensor:
+        """torch._scaled_mm's result from its definition: fp8 operands upcast (exact), scaled,
+        multiplied in fp32."""
+        self.record("scaled_mm", tuple(a.shape), tuple(b.shape))
+        assert a.dtype == b.dtype == torch.float8_e4m3fn and b.stride(0) == 1, "b column-major"
+        assert scale_a.shape == (a.shape[0], 1) and scale_b.shape == (1, b.shape[1])
+        y = (a.float() * scale_a) @ (b.float() * scale_b)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(out_dtype)
 
 
 FAKE_GPU = dict(total=64 * 2**20, used=16 * 2**20, peak=4 * 2**20)  # a 64 MiB "GPU"

@@ -63,3 +63,16 @@ def capture_graph(run, pool) -> tuple:
     with torch.cuda.graph(graph, pool=pool):
         run()
     return graph.replay, graph.pool()
+
+
+def device_capability(device) -> tuple[int, int]:
+    """The device's compute capability (major, minor): (8, 9) Ada, (9, 0) Hopper."""
+    return torch.cuda.get_device_capability(device)
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """(a * scale_a) @ (b * scale_b) + bias in out_dtype, a (N, I) and b (I, O) float8_e4m3fn,
+    scale_a (N, 1) and scale_b (1, O) fp32: FP8 tensor cores, fp32 sums (linear.py)."""
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias,
+                            out_dtype=out_dtype)

@@ -25,7 +25,7 @@ import torch
 
 from checkpoint import Checkpoint, load_model
 from model_runner import ModelRunner
-from paged_cache import BlockTable, kv_bytes_per_token
+from paged_cache import BlockTable, kv_bytes_per_token, kv_cache_torch_dtype
 from sampling import GREEDY_BELOW, SamplingParams
 from scheduler import Sequence
 
@@ -44,12 +44,14 @@ def load_draft(path: str, config, dtype: torch.dtype, tokenizer) -> Checkpoint:
     return checkpoint
 
 
-def draft_kv_bytes_per_token(checkpoint: Checkpoint | None) -> int:
-    """A draft's K/V bytes a token (0: no draft), what its cache adds to the target's."""
+def draft_kv_bytes_per_token(checkpoint: Checkpoint | None, kv_cache_dtype: str = "auto") -> int:
+    """A draft's K/V bytes a token (0: no draft), what its cache adds to the target's: in the
+    target's kv_cache_dtype, which its runner takes too (its weights are not quantized)."""
     if checkpoint is None:
         return 0
     c = checkpoint.model.config
-    return kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_dim, checkpoint.dtype)
+    dtype = kv_cache_torch_dtype(kv_cache_dtype, checkpoint.dtype)
+    return kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_dim, dtype)
 
 
 class DraftModelProposer:

@@ -25,7 +25,9 @@ so that a few decodes still fill the GPU), launch_grids and the launcher paged_a
 select_attention. model.py calls the attention function it is given; the engine builds the
 metadata, its decodes first (num_decodes).
 
-Left out on purpose: sliding windows, ALiBi, fp8 caches. Checked on a CPU only
+An FP8 cache (kv_cache_dtype fp8) holds float8_e4m3fn K/V with a scale a layer (store_kv
+divides, every reader multiplies back: quantize_kv, dequantize_kv; the kernels upcast each
+tile in registers, KV_FP8). Left out on purpose: sliding windows, ALiBi. Checked on a CPU only
 (test_kernels.py): the kernels against the reference in Triton's interpreter (fp32, fp16,
 bf16; G = 1, 2, 3, 4, 7, 16; decodes split, unsplit and beside prefill chunks), and their
 sm_80/sm_90 builds as launched (fp16/bf16, head dims 64 and 128, G = 1 to 7: no spills, K/V
@@ -47,6 +49,8 @@ import triton.language as tl  # noqa: E402
 import cuda_runtime  # noqa: E402
 from paged_cache import cdiv  # noqa: E402
 
+FP8_DTYPE = torch.float8_e4m3fn  # an FP8 KV cache's (and linear.py's FP8 weights'): E4M3, no inf
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0, its largest finite value
 DECODE_BATCH = 8         # paged_attention_cpu: the most decodes attended together
 DECODE_BYTES = 8 << 20   # paged_attention_cpu: the most K/V bytes one batch of them gathers
 
@@ -66,11 +70,36 @@ class AttentionMetadata:
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+             num_clipped: torch.Tensor | None = None) -> None:
     """Write new keys/values (N, Hkv, D) into the caches (NB, BS, Hkv, D) at their flat slots
-    (N,): one indexed copy, a slot being an index into the cache viewed as (NB * BS, Hkv, D)."""
+    (N,): one indexed copy, a slot being an index into the cache viewed as (NB * BS, Hkv, D).
+    An FP8 cache stores k / k_scale and v / v_scale (quantize_kv), copied as bytes (a CPU's
+    index_copy_ has no fp8 kernel), and adds the values it clipped to num_clipped (a () int64
+    tensor on the device, if given: counted there, never read by the step)."""
+    if k_cache.dtype == FP8_DTYPE:
+        if num_clipped is not None:
+            num_clipped += (k.abs() > FP8_MAX * k_scale).sum() \
+                + (v.abs() > FP8_MAX * v_scale).sum()
+        k, k_cache = quantize_kv(k, k_scale).view(torch.uint8), k_cache.view(torch.uint8)
+        v, v_cache = quantize_kv(v, v_scale).view(torch.uint8), v_cache.view(torch.uint8)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """K or V (..., D) -> float8_e4m3fn: x / scale, clipped to +-448 first (E4M3 has no
+    infinity: past 448 a cast may give NaN on some devices, 448 on others). vLLM's per-layer
+    scale, 1.0 unless given: K/V of today's models lie well within +-448."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """quantize_kv undone, into dtype: x * scale in fp32, rounded once (what the kernels do in
+    registers); a cache in dtype already is returned as it is."""
+    if x.dtype == dtype:
+        return x
+    return (x.float() * scale).to(dtype)
 
 
 def keep_freed_memory() -> None:
@@ -84,9 +113,10 @@ def keep_freed_memory() -> None:
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                        meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> torch.Tensor:
     """Attention of queries q (N, H, D) over the paged caches k_cache, v_cache (NB, BS, Hkv, D),
-    H a multiple of Hkv.
+    H a multiple of Hkv; an FP8 cache's K/V read as K * k_scale, V * v_scale in q's dtype.
 
     Returns (N, H, D). Query j of sequence s (of q_len queries, context_len tokens with K/V in
     the cache, its own included) sits at position context_len - q_len + j and sees positions
@@ -101,6 +131,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     for s in range(len(starts) - 1):
         tokens = slice(starts[s], starts[s + 1])
         k, v = _gather_sequence(k_cache, v_cache, meta, s)  # (T, Hkv, D) each
+        k, v = dequantize_kv(k, k_scale, q.dtype), dequantize_kv(v, v_scale, q.dtype)
         k = k.repeat_interleave(group_size, dim=1)        # (T, H, D): KV heads 0,0,..,1,1,..
         v = v.repeat_interleave(group_size, dim=1)        # (T, H, D)
         out[tokens] = _attend(q[tokens], k, v, scale)
@@ -165,10 +196,10 @@ class StepPlan:
     buffers: tuple             # K and V gathered for one batch: (b * nb, BS, Hkv, D) each
 
 
-def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
+def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype) -> StepPlan:
     """The step's prefill chunks, and its decodes sorted by context length, so each batch pads
     only to its longest context, in batches of as few as keep their K/V under DECODE_BYTES,
-    to stay in the CPU's caches while attended."""
+    to stay in the CPU's caches while attended. dtype: the queries' (the masks')."""
     starts = meta.query_start_loc.tolist()
     prefills = []
     decodes = []
@@ -192,7 +223,8 @@ def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
         num_blocks = cdiv(lens[batch[-1]], block_size)
         positions = torch.arange(num_blocks * block_size, device=k_cache.device)
         past_end = positions >= meta.context_lens[batch, None]                   # (b, T)
-        mask = k_cache.new_zeros(past_end.shape).masked_fill_(past_end, float("-inf"))
+        mask = past_end.new_zeros(past_end.shape, dtype=dtype).masked_fill_(past_end,
+                                                                           float("-inf"))
         block_ids = meta.block_tables[batch, :num_blocks].flatten().to(torch.int64)
         batches.append(DecodeBatch(start=start, end=start + len(batch), block_ids=block_ids,
                                    mask=mask[:, None, None]))
@@ -204,7 +236,8 @@ def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
 
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                        meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> torch.Tensor:
     """paged_attention_ref's result, faster on a CPU: same arguments. Prefill chunks go one
     sequence at a time, as there; decodes a batch at a time, by a StepPlan made once a step,
     not per layer. Every batch of every layer gathers K/V into the same two buffers, which stay
@@ -213,15 +246,17 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     step, 2-core EPYC). The decodes' queries are gathered once a layer, in the plan's order,
     and their outputs put back once, so that a batch is a slice of them, not an index. With
     GQA each KV head is gathered once and serves its G query heads as one (G, D) matrix: K/V are
-    never copied per query head."""
+    never copied per query head. An FP8 cache's K/V are gathered as they are stored, then
+    upcast (dequantize_kv)."""
     _, num_heads, head_dim = q.shape
     group_size = group_size_of(q, k_cache)
     if meta.step_plan is None:
-        meta.step_plan = plan_step(meta, k_cache)
+        meta.step_plan = plan_step(meta, k_cache, q.dtype)
     plan = meta.step_plan
     out = torch.empty_like(q)
     for s, chunk in plan.prefills:
         k, v = _gather_sequence(k_cache, v_cache, meta, s)  # (T, Hkv, D) each
+        k, v = dequantize_kv(k, k_scale, q.dtype), dequantize_kv(v, v_scale, q.dtype)
         out[chunk] = _attend(q[chunk], k, v, scale)
     if not plan.batches:
         return out
@@ -234,6 +269,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         num_seqs = batch.end - batch.start
         k = _gather_blocks(k_cache, batch.block_ids, k_buffer, num_seqs)  # (b, Hkv, T, D)
         v = _gather_blocks(v_cache, batch.block_ids, v_buffer, num_seqs)  # (b, Hkv, T, D)
+        k, v = dequantize_kv(k, k_scale, q.dtype), dequantize_kv(v, v_scale, q.dtype)
         out_decodes[batch.start:batch.end] = torch.nn.functional.scaled_dot_product_attention(
             q_decodes[batch.start:batch.end], k, v, attn_mask=batch.mask, scale=scale)
     out[plan.decode_tokens] = out_decodes.view(num_decodes, num_heads, head_dim)
@@ -265,14 +301,17 @@ def _dot(a, b, IN_FP32: tl.constexpr):
 def _attend_key_tile(q, m_i, l_i, acc, offs_n, mask_n, visible, seq, kv_head, offs_d, mask_d,
                      sm_scale, k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_bts,
                      stride_kb, stride_kt, stride_kh, stride_kd,
-                     stride_vb, stride_vt, stride_vh, stride_vd,
-                     BLOCK_SIZE: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+                     stride_vb, stride_vt, stride_vh, stride_vd, k_scale, v_scale,
+                     BLOCK_SIZE: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+                     KV_FP8: tl.constexpr):
     """One step of the online softmax, shared by both kernels: the K/V of key positions offs_n
     (TILE_KEYS,) of sequence `seq` gathered through its block table (mask_n: the keys to
     read), scored against q (R, TILE_DIM) where `visible` (R, TILE_KEYS) allows, and folded
     into the running max m_i (R,), sum l_i (R,) and unnormalized output acc (R, TILE_DIM), all
     fp32. The first step must give every row a visible key, so that its max is finite from
-    then on (exp(-inf - -inf) would be NaN)."""
+    then on (exp(-inf - -inf) would be NaN). KV_FP8: the cache holds float8_e4m3fn, each tile
+    upcast in registers, times k_scale or v_scale in fp32, rounded to q's dtype once
+    (dequantize_kv's arithmetic)."""
     # Block ids (TILE_KEYS,) of these tokens: masked past the end, where the table may be padding.
     block_ids = tl.load(block_tables_ptr + seq * stride_bts + offs_n // BLOCK_SIZE,
                         mask=mask_n, other=0).to(tl.int64)  # int64: big caches pass 2**31
@@ -281,6 +320,8 @@ def _attend_key_tile(q, m_i, l_i, acc, offs_n, mask_n, visible, seq, kv_head, of
     k_offs = (block_ids * stride_kb + offs_in_block * stride_kt)[None, :] \
         + kv_head * stride_kh + offs_d[:, None] * stride_kd
     k = tl.load(k_cache_ptr + k_offs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
+    if KV_FP8:
+        k = (k.to(tl.float32) * k_scale).to(q.dtype)
     scores = _dot(q, k, DOT_IN_FP32) * sm_scale  # (R, TILE_KEYS) fp32
     scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -291,6 +332,8 @@ def _attend_key_tile(q, m_i, l_i, acc, offs_n, mask_n, visible, seq, kv_head, of
     v_offs = (block_ids * stride_vb + offs_in_block * stride_vt)[:, None] \
         + kv_head * stride_vh + offs_d[None, :] * stride_vd
     v = tl.load(v_cache_ptr + v_offs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+    if KV_FP8:
+        v = (v.to(tl.float32) * v_scale).to(q.dtype)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_IN_FP32)
     return m_new, l_i, acc
 
@@ -298,7 +341,8 @@ def _attend_key_tile(q, m_i, l_i, acc, offs_n, mask_n, visible, seq, kv_head, of
 @triton.jit(do_not_specialize=["first_seq"])  # any first_seq, one compile
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    block_tables_ptr, context_lens_ptr, query_start_loc_ptr, sm_scale, first_seq,
+    block_tables_ptr, context_lens_ptr, query_start_loc_ptr, sm_scale, k_scale, v_scale,
+    first_seq,
     stride_qn, stride_qh, stride_qd,             # q (N, H, D)
     stride_kb, stride_kt, stride_kh, stride_kd,  # k_cache (NB, BS, Hkv, D)
     stride_vb, stride_vt, stride_vh, stride_vd,  # v_cache (NB, BS, Hkv, D)
@@ -308,6 +352,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,                         # BS, tokens per KV block
     TILE_M: tl.constexpr, TILE_KEYS: tl.constexpr,  # pairs per program; keys per step (any BS)
     DOT_IN_FP32: tl.constexpr,                      # only Triton's interpreter on bf16: see _dot
+    KV_FP8: tl.constexpr,                           # an FP8 cache: K/V upcast, times k/v_scale
 ):
     """FlashAttention-style forward over a paged cache; one program per (sequence, KV head,
     tile of TILE_M pairs), for sequences first_seq onwards (those before are decodes, which
@@ -357,7 +402,7 @@ def _paged_attention_kernel(
             q, m_i, l_i, acc, offs_n, mask_n, visible, seq, kv_head, offs_d, mask_d, sm_scale,
             k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_bts,
             stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh,
-            stride_vd, BLOCK_SIZE, DOT_IN_FP32)
+            stride_vd, k_scale, v_scale, BLOCK_SIZE, DOT_IN_FP32, KV_FP8)
     o_offs = tokens[:, None] * stride_on + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
     tl.store(out_ptr + o_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_qd)
 
@@ -379,7 +424,7 @@ def _split_range(context_len, split, num_splits, TILE_KEYS: tl.constexpr,
 @triton.jit
 def _paged_attention_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
-    block_tables_ptr, context_lens_ptr, query_start_loc_ptr, sm_scale,
+    block_tables_ptr, context_lens_ptr, query_start_loc_ptr, sm_scale, k_scale, v_scale,
     stride_qn, stride_qh, stride_qd,             # q (N, H, D)
     stride_kb, stride_kt, stride_kh, stride_kd,  # k_cache (NB, BS, Hkv, D)
     stride_vb, stride_vt, stride_vh, stride_vd,  # v_cache (NB, BS, Hkv, D)
@@ -391,6 +436,7 @@ def _paged_attention_decode_kernel(
     MIN_SPLIT_KEYS: tl.constexpr,                   # the fewest keys a split is given
     PARTIAL: tl.constexpr,                          # several splits: write partials, not out
     DOT_IN_FP32: tl.constexpr,                      # only Triton's interpreter on bf16: see _dot
+    KV_FP8: tl.constexpr,                           # an FP8 cache: K/V upcast, times k/v_scale
 ):
     """Flash-decoding (vLLM's paged attention v2) over a paged cache: one program per (decode,
     KV head, split of its context); decodes are sequences [0, num_decodes) of the batch.
@@ -432,7 +478,7 @@ def _paged_attention_decode_kernel(
             q, m_i, l_i, acc, offs_n, mask_n, mask_n[None, :], seq, kv_head, offs_d, mask_d,
             sm_scale, k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_bts,
             stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh,
-            stride_vd, BLOCK_SIZE, DOT_IN_FP32)
+            stride_vd, k_scale, v_scale, BLOCK_SIZE, DOT_IN_FP32, KV_FP8)
     if PARTIAL:
         # This split's entry of each real head in the dense scratch (num_decodes, H, num_splits).
         parts = (seq * tl.num_programs(1) * GROUP_SIZE + heads) * num_splits + split
@@ -552,7 +598,8 @@ def device_num_sms(device: torch.device) -> int:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
     """Triton twin of paged_attention_ref: same arguments, same result. The launch reads no
     tensor's value (so never waits for the GPU) and runs on q's device, current or not.
     The first meta.num_decodes sequences (one query each) go to the decode kernel, their
@@ -570,16 +617,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     dot_in_fp32 = triton.knobs.runtime.interpret and q.dtype == torch.bfloat16  # see _dot
     both = dict(GROUP_SIZE=group_size, HEAD_DIM=head_dim, TILE_DIM=tile_dim,
                 BLOCK_SIZE=block_size, TILE_KEYS=TILE_KEYS, DOT_IN_FP32=dot_in_fp32,
+                KV_FP8=k_cache.dtype == FP8_DTYPE,
                 num_warps=NUM_WARPS, num_stages=NUM_STAGES[q.element_size()])
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         if grids.prefill:
             _paged_attention_kernel[grids.prefill](
-                q, k_cache, v_cache, out, tables, lens, starts, scale, meta.num_decodes,
+                q, k_cache, v_cache, out, tables, lens, starts, scale, k_scale, v_scale,
+                meta.num_decodes,
                 *strides, TILE_M=TILE_M, **both)
         if grids.decode:
             partials = split_scratch(grids.decode, num_heads, head_dim, q.device)
             _paged_attention_decode_kernel[grids.decode](
-                q, k_cache, v_cache, out, *partials, tables, lens, starts, scale, *strides,
+                q, k_cache, v_cache, out, *partials, tables, lens, starts, scale, k_scale,
+                v_scale, *strides,
                 TILE_G=max(16, triton.next_power_of_2(group_size)),
                 MIN_SPLIT_KEYS=MIN_SPLIT_KEYS, PARTIAL=grids.reduce is not None, **both)
             if grids.reduce:
@@ -609,11 +659,12 @@ def _check_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     tables, lens, starts = meta.block_tables, meta.context_lens, meta.query_start_loc
     assert all(t.device == q.device for t in (k_cache, v_cache, tables, lens, starts)), \
         "q, caches and metadata must share one device"
-    assert q.dtype == k_cache.dtype == v_cache.dtype and k_cache.shape == v_cache.shape \
+    assert k_cache.dtype in (q.dtype, FP8_DTYPE) and k_cache.dtype == v_cache.dtype \
+        and k_cache.shape == v_cache.shape \
         and k_cache.shape[3] == q.shape[2] and k_cache.is_contiguous() \
         and v_cache.is_contiguous(), \
         f"q {q.dtype} {tuple(q.shape)} vs caches {k_cache.dtype} {tuple(k_cache.shape)}, " \
-        f"{tuple(v_cache.shape)}: one dtype, one head dim, caches contiguous and alike"
+        f"{tuple(v_cache.shape)}: q's dtype or fp8, one head dim, caches contiguous and alike"
     assert q.stride(-1) == 1, "q's head dim must be contiguous"  # tokens may be qkv-strided
     assert tables.dtype == lens.dtype == starts.dtype == torch.int32, "metadata must be int32"
     assert tables.stride(1) == 1 and starts.shape == (len(lens) + 1,), "bad block_tables/starts"

@@ -9,11 +9,36 @@ and up (MergedColumnParallelLinear); each stacked projection is a part, whose ad
 its slice of the output. split_merged and merge_split translate a MergedLinear's tensors to
 Hugging Face's names and back at the state dict's edge, so checkpoints keep their layout.
 
-How a later layer composes here: a quantized projection replaces Linear.base's F.linear (its
-weight stored packed, dequantized in the GEMM); a tensor-parallel one builds each rank's share
-of the output (its parts' rows, so each LoRA slice shards with them) or of the input, and
-all-reduces. Neither is built. Shape legend: N tokens, L adapter slots (max_loras), R the
-slots' rank (max_lora_rank), I in_features, O a part's rows.
+Quantization (vLLM's quantization="int8" or "fp8") is a Linear's quant_method: its weight
+stored in 8 bits with a scale per output channel (weight_scale, fp32), and Linear.base's GEMM
+reading it (int8_linear, fp8_linear). The scale arithmetic, symmetric per output channel: a
+row w of W (one output channel) is stored as q = round(w / s), s = max|w| / QMAX (127 for
+int8; 448, float8_e4m3fn's largest value, for fp8), and read back as q * s. Worked example,
+one channel of four weights, int8:
+
+    w = [0.52, -1.27, 0.03, 0.90]       max|w| = 1.27, s = 1.27 / 127 = 0.01
+    q = round(w / s) = [52, -127, 3, 90]                   (int8, 1 byte each)
+    q * s = [0.52, -1.27, 0.03, 0.90]   error at most s / 2 = 0.005 a weight
+
+and fp8 on the same row: s = 1.27 / 448 = 0.002835; w / s = [183.4, -448, 10.6, 317.5], which
+float8_e4m3fn rounds to [176, -448, 11, 320] (3 mantissa bits: a step of 1 between 8 and 16,
+16 between 128 and 256, 32 between 256 and 448), read back as [0.499, -1.27, 0.0312, 0.907]:
+an error of at most 2^-4 = 6.25% of a weight, wherever in its range it lies, where int8's is
+at most s / 2 whatever the weight (small weights lose more in int8, large ones in fp8).
+Since y[o] = x . w[o] and w[o] = q[o] s[o], y[o] = s[o] (x . q[o]): the GEMM runs on q (upcast in
+registers, or in 8 bits on GPUs with FP8 tensor cores) and each output column is multiplied
+by its scale after. On CUDA at compute capability 8.9 and up, fp8 quantizes the activations
+too, per token (each row of x by its own max|x| / 448, vLLM's dynamic per-token scheme), and
+torch._scaled_mm multiplies in 8 bits, applying both scales to its fp32 sums. The bounds the
+tests check: int8 weight errors within s / 2; fp8's within 2^-4 |w| + half the subnormal
+step (2^-10 s); their products with x within the sums of those times |x|. checkpoint.py
+quantizes a checkpoint's weights one tensor at a time as they load; the embedding and the LM
+head are no Linear of these, and stay in the model's dtype (README: why).
+
+A tensor-parallel projection would build each rank's share of the output (its parts' rows,
+so each LoRA slice shards with them) or of the input, and all-reduce: not built. Shape
+legend: N tokens, L adapter slots (max_loras), R the slots' rank (max_lora_rank), I
+in_features, O a part's rows.
 """
 from dataclasses import dataclass
 
@@ -22,7 +47,96 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cuda_runtime
-from kernels import lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
+from kernels import (FP8_DTYPE, FP8_MAX, lora_expand, lora_expand_ref, lora_shrink,
+                     lora_shrink_ref)
+
+QUANTIZATION_METHODS = ("int8", "fp8")  # vLLM's quantization= names this module serves
+INT8_MAX = 127                          # symmetric: -127..127, -128 unused
+QUANTIZED_DTYPES = {"int8": torch.int8, "fp8": FP8_DTYPE}
+FP8_MIN_CAPABILITY = (8, 9)             # Ada and Hopper: FP8 tensor cores, torch._scaled_mm
+
+
+def quantize_weight(weight: torch.Tensor, quant_method: str
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight (O, I) -> (q (O, I) int8 or float8_e4m3fn, weight_scale (O,) fp32), symmetric per
+    output channel: s = max|row| / QMAX (a zero row: s = 1), q = row / s rounded (int8 to the
+    nearest integer, fp8 to its nearest value). The docstring above works one channel."""
+    w = weight.float()
+    qmax = INT8_MAX if quant_method == "int8" else FP8_MAX
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))  # (O,)
+    q = (w / scale[:, None]).clamp(-qmax, qmax)
+    if quant_method == "int8":
+        return q.round().to(torch.int8), scale
+    return q.to(FP8_DTYPE), scale
+
+
+def dequantize_weight(q: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """quantize_weight undone: q (O, I) * weight_scale (O,) -> (O, I) fp32."""
+    return q.float() * weight_scale[:, None]
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """x (N, I) times an int8 weight q (O, I) with its scales (O,): (N, O) in x's dtype. On a
+    CPU in bf16 or fp16, torch._weight_int8pack_mm (gpt-fast's: the int8 rows read as they
+    are, 2.4x faster than bf16 F.linear at batch 1 on a 2-core EPYC); elsewhere q upcast to
+    x's dtype for the GEMM (exact: |q| <= 127), each output column times its scale after (in
+    fp32, torch's int8 kernel is 10x slower than that)."""
+    if x.dtype != torch.float32 and not cuda_runtime.is_cuda(x.device):
+        y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), q, weight_scale.to(x.dtype))
+        y = y.reshape(*x.shape[:-1], -1)
+    else:
+        y = F.linear(x, q.to(x.dtype)) * weight_scale.to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """x (N, I) times an fp8 weight q (O, I) with its scales (O,): (N, O) in x's dtype. On a
+    GPU with FP8 tensor cores, x quantized per token and multiplied in 8 bits (fp8_scaled_mm);
+    elsewhere q upcast to x's dtype (exact: every fp8 value is a bf16 value) and each output
+    column times its scale after."""
+    if uses_scaled_mm(x, q):
+        return fp8_scaled_mm(x, q, weight_scale, bias)
+    y = F.linear(x, q.to(x.dtype)) * weight_scale.to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def uses_scaled_mm(x: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether fp8_linear multiplies in FP8: on CUDA at compute capability 8.9 and up, in bf16
+    (torch._scaled_mm's row-wise scales give bf16 only), I and O multiples of 16 (its tiles)."""
+    if not cuda_runtime.is_cuda(x.device) or x.dtype != torch.bfloat16:
+        return False
+    if q.shape[0] % 16 or q.shape[1] % 16:
+        return False
+    return cuda_runtime.device_capability(x.device) >= FP8_MIN_CAPABILITY
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (N, I) -> (x_q (N, I) float8_e4m3fn, x_scale (N, 1) fp32), each token's row by its own
+    scale max|row| / 448 (vLLM's dynamic per-token activations; a zero row: scale 1)."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    x_scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # (N, 1)
+    x_q = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return x_q, x_scale
+
+
+def fp8_scaled_mm(x: torch.Tensor, q: torch.Tensor, weight_scale: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., I) quantized per token, times q (O, I) in FP8 with fp32 sums, both scales and the
+    bias applied by the GEMM's epilogue: (..., O) in x's dtype. q.t() is column-major, as
+    _scaled_mm wants its second operand."""
+    x_q, x_scale = quantize_per_token(x.reshape(-1, x.shape[-1]))  # (N, I), (N, 1)
+    y = cuda_runtime.scaled_mm(x_q, q.t(), x_scale, weight_scale[None, :], bias, x.dtype)
+    return y.reshape(*x.shape[:-1], -1)
+
+
+QUANTIZED_LINEAR = {"int8": int8_linear, "fp8": fp8_linear}
 
 
 @dataclass
@@ -39,6 +153,8 @@ class Linear(nn.Linear):
     lora_a: list[torch.Tensor] | None = None  # per part (L, R, I): each slot's A, zero-padded
     lora_b: list[torch.Tensor] | None = None  # per part (L, O, R): each slot's B x scaling
     lora_mapping: LoRAMapping | None = None
+    quant_method: str | None = None  # "int8" or "fp8": weight is q, weight_scale its scales
+    params_dtype: torch.dtype | None = None  # the model's dtype, which a quantized weight is not
 
     @property
     def output_sizes(self) -> list[int]:
@@ -51,8 +167,31 @@ class Linear(nn.Linear):
         return self.add_lora(x, y)
 
     def base(self, x: torch.Tensor) -> torch.Tensor:
-        """The base projection (where a quantized weight would be dequantized)."""
-        return F.linear(x, self.weight, self.bias)
+        """The base projection: F.linear, or the quant_method's GEMM on the quantized weight."""
+        if self.quant_method is None:
+            return F.linear(x, self.weight, self.bias)
+        return QUANTIZED_LINEAR[self.quant_method](x, self.weight, self.weight_scale, self.bias)
+
+    def create_quantized_weights(self, quant_method: str) -> None:
+        """Make this projection quant_method's, as vLLM's quantized layers make theirs: its
+        weight an (O, I) int8 or fp8 tensor and weight_scale (O,) fp32, empty on the weight's
+        device (the meta device, before a checkpoint's tensors are assigned), the model's
+        dtype kept for the activations and adapters."""
+        weight = self.weight
+        self.params_dtype = weight.dtype
+        self.quant_method = quant_method
+        self.weight = nn.Parameter(torch.empty(weight.shape, dtype=QUANTIZED_DTYPES[quant_method],
+                                               device=weight.device), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(weight.shape[0], device=weight.device),
+                                         requires_grad=False)
+
+    def quantize_(self, quant_method: str) -> None:
+        """This projection's float weight quantized in place (a preset's random weights; a
+        checkpoint's are quantized as they load, checkpoint.py)."""
+        q, scale = quantize_weight(self.weight.detach(), quant_method)
+        self.create_quantized_weights(quant_method)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
 
     def add_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (N, sum O) += each part's x A[slot]^T B[slot]^T, slot the token's (none: -1), for
@@ -70,11 +209,13 @@ class Linear(nn.Linear):
 
     def create_lora_weights(self, max_loras: int, max_rank: int, mapping: LoRAMapping) -> None:
         """Zeroed adapter slots for every part (vLLM's create_lora_weights), in the weight's
-        dtype and device; mapping says which slot each token reads."""
-        weight = self.weight
-        self.lora_a = [weight.new_zeros(max_loras, max_rank, self.in_features)
+        dtype (the model's, over a quantized weight) and device; mapping says which slot each
+        token reads."""
+        kind = dict(dtype=self.params_dtype or self.weight.dtype, device=self.weight.device)
+        self.lora_a = [torch.zeros(max_loras, max_rank, self.in_features, **kind)
                        for _ in self.output_sizes]
-        self.lora_b = [weight.new_zeros(max_loras, rows, max_rank) for rows in self.output_sizes]
+        self.lora_b = [torch.zeros(max_loras, rows, max_rank, **kind)
+                       for rows in self.output_sizes]
         self.lora_mapping = mapping
 
     def set_lora(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -107,6 +248,9 @@ class MergedLinear(Linear):
         return list(self.parts.values())
 
 
+PARAMS = ("weight", "bias", "weight_scale")  # a projection's tensors, by Hugging Face's names
+
+
 def split_merged(model: nn.Module, state: dict, prefix: str, _metadata) -> None:
     """A state_dict post-hook: each MergedLinear's tensors split into Hugging Face's (views):
     "...self_attn.qkv_proj.weight" -> "...self_attn.q_proj.weight", k_proj's, v_proj's, in the
@@ -122,7 +266,7 @@ def split_merged(model: nn.Module, state: dict, prefix: str, _metadata) -> None:
             continue
         parts = merged[module].parts
         splits = {param: state.pop(f"{module}.{param}").split(list(parts.values()))
-                  for param in ("weight", "bias") if f"{module}.{param}" in state}
+                  for param in PARAMS if f"{module}.{param}" in state}
         parent = module.rpartition(".")[0]
         for i, name in enumerate(parts):  # q_proj.weight, q_proj.bias, k_proj.weight, ...
             for param, pieces in splits.items():
@@ -138,7 +282,7 @@ def merge_split(model: nn.Module, state: dict, prefix: str, *_, release=None) ->
         if not isinstance(m, MergedLinear):
             continue
         parent = prefix + name.rpartition(".")[0]
-        for param in ("weight", "bias"):
+        for param in PARAMS:
             keys = [f"{parent}.{part}.{param}" for part in m.parts]
             if not all(key in state for key in keys):
                 continue
@@ -161,3 +305,10 @@ def projections(model: nn.Module) -> dict[str, tuple[Linear, int]]:
         elif isinstance(m, Linear):
             found[name] = (m, 0)
     return found
+
+
+def quantize_model(model: nn.Module, quant_method: str) -> None:
+    """Every projection of the model's layers quantized in place (quantize_): the embedding
+    and the LM head are no Linear of ours, and stay in the model's dtype."""
+    for linear in {id(m): m for m, _ in projections(model).values()}.values():
+        linear.quantize_(quant_method)

@@ -22,7 +22,8 @@ checkpoint.py builds a GPT from a checkpoint's config.json and weights; the engi
 (nanoserve.py) runs it.
 
 Left out: dropout, sliding-window attention, mixture-of-experts, RoPE scalings but Llama 3's,
-tensor parallelism and quantisation (linear.py says where they would go).
+tensor parallelism (linear.py says where it would go). Quantized projections are linear.py's;
+an FP8 KV cache is kernels.py's, with Attention's k_scale and v_scale.
 Shape legend: N tokens in the flat batch, B batch, T time, C n_embd, H query heads, Hkv K/V
 heads, D head dim.
 """
@@ -318,6 +319,14 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.n_embd, bias=config.o_bias)
         self.q_norm = None
         self.k_norm = None
+        # an FP8 KV cache stores K / k_scale and V / v_scale (vLLM's _k_scale, _v_scale: 1.0
+        # unless a checkpoint gives them; none served here does)
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        # values clipped to +-448 as they were stored (an FP8 cache; made on the CPU, whatever
+        # the default device, moved with the model)
+        self.register_buffer("num_kv_clipped", torch.zeros((), dtype=torch.int64, device="cpu"),
+                             persistent=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
@@ -343,8 +352,10 @@ class Attention(nn.Module):
         layer's k_cache, v_cache (NB, BS, Hkv, D), then `attention` (kernels.py) reads each
         sequence's context back through its block table."""
         q, k, v = self.qkv(x, rope)  # (N, H, D), (N, Hkv, D), (N, Hkv, D)
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        y = attention(q, k_cache, v_cache, meta, 1.0 / math.sqrt(self.head_dim))
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale,
+                 self.num_kv_clipped)
+        y = attention(q, k_cache, v_cache, meta, 1.0 / math.sqrt(self.head_dim),
+                      k_scale=self.k_scale, v_scale=self.v_scale)
         return self.o_proj(y.flatten(1))
 
     def forward_dense(self, x, rope, cache: DenseKVCache | None = None, layer: int = 0,

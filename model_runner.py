@@ -32,7 +32,7 @@ import cuda_runtime
 from input_batch import InputBatch
 from kernels import AttentionMetadata, max_chunk_tokens, paged_attention, select_attention
 from lora import LoRAManager
-from paged_cache import allocate_kv_cache, cdiv, kv_bytes_per_token
+from paged_cache import allocate_kv_cache, cdiv, kv_bytes_per_token, kv_cache_torch_dtype
 from sampling import invalid_logits, sample, sampling_tensors, upload
 from scheduler import Sequence
 from spec_decode import SpecDecodeMetadata, accept_runs, count_drafts, output_offsets, verify
@@ -160,7 +160,8 @@ class ModelRunner:
         self.config = config
         self.model = model
         self.device = config.device
-        self.dtype = dtype  # the KV cache's (and the model's)
+        self.dtype = dtype  # the model's
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)  # the cache's
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.attention = select_attention(config.attention, config.device)
@@ -172,14 +173,15 @@ class ModelRunner:
             self.lora_manager = LoRAManager(model, config.max_loras, config.max_lora_rank,
                                             config.max_cpu_loras or config.max_loras,
                                             config.device)
-        self.kv_bytes_per_token = kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_dim, dtype)
+        self.kv_bytes_per_token = kv_bytes_per_token(c.n_layer, c.n_kv_head, c.head_dim,
+                                                     self.kv_cache_dtype)
         self.draft_kv_bytes_per_token = draft_kv_bytes_per_token
         # K and V for every layer and K/V head: grouped-query attention's saving is here. The
         # caches of all layers, k_caches and v_caches (n_layer, NB + 1, BS, Hkv, D); layer i's
         # is [i]; block NB, past the pool's, is the null block (graphs' padding writes there).
         self.k_caches, self.v_caches, self.block_pool = allocate_kv_cache(
             c.n_layer, c.n_kv_head, c.head_dim, self._kv_cache_tokens(c.n_positions),
-            config.block_size, config.device, dtype, config.enable_prefix_caching)
+            config.block_size, config.device, self.kv_cache_dtype, config.enable_prefix_caching)
         self.null_block = self.block_pool.num_blocks
         self.swap_space: SwapSpace | None = None  # host blocks, when preemption may swap
         if config.preemption_mode != "recompute":
@@ -240,7 +242,7 @@ class ModelRunner:
         block_size = config.block_size
         blocks_a_seq = cdiv(chunk, block_size)
         shape = (c.n_layer, blocks_a_seq * len(lens), block_size, c.n_kv_head, c.head_dim)
-        k_caches = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        k_caches = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         v_caches = torch.zeros_like(k_caches)
         tables = torch.arange(blocks_a_seq * len(lens), dtype=torch.int32, device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])

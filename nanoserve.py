@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from checkpoint import DTYPES, load_model
+from linear import QUANTIZATION_METHODS
 from display import Progress, progress_wanted, render_trace
 from draft_proposer import DraftModelProposer, draft_kv_bytes_per_token, load_draft
 from kernels import keep_freed_memory
@@ -44,7 +45,7 @@ from model import PRESETS
 from model_runner import ModelOutput, ModelRunner
 from ngram_proposer import NgramProposer
 from options import check_fields, check_int, option
-from paged_cache import BlockTable
+from paged_cache import KV_CACHE_DTYPES, BlockTable
 from sampling import SamplingParams, generation_config_defaults
 from scheduler import (MAX_PRIORITY, POLICIES, PREEMPTION_MODES, Scheduler, SchedulerOutput,
                        Sequence, SequenceStatus, check_stop)
@@ -70,6 +71,13 @@ class EngineConfig:
     device: str = option("cuda" if torch.cuda.is_available() else "cpu", "cpu, cuda or cuda:N")
     dtype: str = option("auto", "auto: float32 on CPU; on CUDA the checkpoint's torch_dtype, "
                         "else bfloat16", choices=["auto", *DTYPES])
+    quantization: str | None = option(None, "weights in 8 bits, quantized as they load (a "
+                                      "compressed-tensors FP8 checkpoint: as stored); the "
+                                      "embedding and LM head stay in dtype",
+                                      choices=list(QUANTIZATION_METHODS))
+    kv_cache_dtype: str = option("auto", "the KV cache's dtype; auto: the model's; fp8 "
+                                 "(= fp8_e4m3): float8_e4m3fn, a scale a layer, twice the "
+                                 "tokens of a 16-bit cache", choices=list(KV_CACHE_DTYPES))
     attention: str = option("auto", "paged attention; auto: torch on CPU, Triton on CUDA",
                             choices=["auto", "torch", "triton"])
     max_model_len: int | None = option(None, "prompt + output at most; default: the context",
@@ -293,7 +301,7 @@ class Engine:
             keep_freed_memory()
         # built on its device in its dtype (auto on CUDA: the checkpoint's, run_dtype)
         checkpoint = load_model(config.model, config.preset, config.seed, config.device,
-                                DTYPES.get(config.dtype))
+                                DTYPES.get(config.dtype), config.quantization)
         self.checkpoint = checkpoint
         self.tokenizer = checkpoint.tokenizer
         self.eos_token_ids = checkpoint.eos_token_ids  # each ends a request unless ignore_eos
@@ -315,7 +323,8 @@ class Engine:
             draft = load_draft(spec_config.model, config, checkpoint.dtype, self.tokenizer)
         # the device side: the KV cache (sized here), the persistent batch, the graphs
         self.model_runner = ModelRunner(config, self.model, checkpoint.dtype, self.vocab_size,
-                                        self.eos_token_ids, draft_kv_bytes_per_token(draft))
+                                        self.eos_token_ids,
+                                        draft_kv_bytes_per_token(draft, config.kv_cache_dtype))
         self.block_pool = self.model_runner.block_pool
         self.max_model_len = self._max_model_len(config.max_model_len, c.n_positions)
         self.model_runner.prepare(self.max_model_len)
@@ -373,6 +382,32 @@ class Engine:
     def kv_tokens_per_gib(self) -> int:
         """How many tokens' K/V a GiB holds: what grouped-query attention multiplies."""
         return 2**30 // self.model_runner.kv_bytes_per_token
+
+    @property
+    def model_weights_bytes(self) -> int:
+        """The model's parameters' bytes (a tied LM head counted once): 8-bit projections and
+        their fp32 scales, with quantization, beside the embedding and norms in dtype."""
+        return sum(p.nbytes for p in self.model.parameters())
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The KV cache's bytes: K and V of every layer and block, the null block included."""
+        return self.model_runner.k_caches.nbytes + self.model_runner.v_caches.nbytes
+
+    @property
+    def num_kv_clipped(self) -> int:
+        """K/V values an FP8 cache clipped to +-448 so far, over every layer (a wait for the
+        device: read by /metrics, never by a step)."""
+        return int(sum(layer.self_attn.num_kv_clipped for layer in self.model.model.layers))
+
+    def memory_summary(self) -> str:
+        """What the start-up line says of memory: "weights 13.7 MiB (int8), KV cache 64.0 MiB
+        (float8_e4m3fn, 65536 tokens)"."""
+        scheme = f" ({self.config.quantization})" if self.config.quantization else ""
+        kv_dtype = str(self.model_runner.kv_cache_dtype).removeprefix("torch.")
+        return (f"weights {self.model_weights_bytes / 2**20:.1f} MiB{scheme}, KV cache "
+                f"{self.kv_cache_bytes / 2**20:.1f} MiB ({kv_dtype}, {self.kv_cache_tokens} "
+                "tokens)")
 
     def _max_model_len(self, asked: int | None, context: int) -> int:
         """The longest sequence served: asked for, else the model's context, but never more

@@ -234,6 +234,16 @@ class BlockTable:
         self.block_hashes = []
 
 
+# kv_cache_dtype (vLLM's names) -> the cache's dtype; None: the model's
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype: kv_cache_dtype's (fp8: float8_e4m3fn, a byte an element), or for
+    auto the model's."""
+    return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+
+
 def kv_bytes_per_token(n_layer: int, n_kv_head: int, head_dim: int, dtype: torch.dtype) -> int:
     """The KV cache's memory for one token: a key and a value in every layer and K/V head
     (grouped-query attention's n_kv_head, fewer than the query heads)."""

@@ -265,6 +265,9 @@ class EngineThread(threading.Thread):
                   ("kv_blocks_free", "gauge", engine.block_pool.num_blocks - kv_blocks_used),
                   ("kv_cache_tokens", "gauge", engine.kv_cache_tokens),
                   ("kv_cache_tokens_per_gib", "gauge", engine.kv_tokens_per_gib),
+                  ("kv_cache_bytes", "gauge", engine.kv_cache_bytes),
+                  ("kv_cache_clipped_total", "counter", engine.num_kv_clipped),
+                  ("model_weights_bytes", "gauge", engine.model_weights_bytes),
                   ("prompt_tokens_total", "counter", engine.stats.num_prompt_tokens),
                   ("generation_tokens_total", "counter", engine.stats.num_generated_tokens),
                   ("prefix_cache_queries_total", "counter", engine.stats.num_queried_tokens),
@@ -503,7 +506,8 @@ class Server:
             loop.add_signal_handler(signal.SIGINT, self.shutdown, 0)
         self.engine_thread.start()
         try:
-            print(f"serving {self.model_name} on {self.url}", file=sys.stderr, flush=True)
+            print(f"serving {self.model_name} ({self.engine.memory_summary()}) on {self.url}",
+                  file=sys.stderr, flush=True)
             print_sampling_defaults(self.engine.sampling_defaults)
             self.started.set()
             timeout = await self.shutdown_asked

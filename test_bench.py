@@ -764,3 +764,22 @@ def test_bench_lora_serves_requests_over_k_adapters_three_ways(tmp_path):
                for row in figures["rows"])
     assert figures["load"]["disk_ms"] > 0 and figures["load"]["slot_ms"] > 0
     assert "Loading an adapter of rank 8" in printed.getvalue()
+
+
+def test_bench_quantization_compares_each_scheme_with_the_unquantized_model(tmp_path):
+    """--quantization's quick form on the shipped model: a row per scheme; 8-bit projections
+    at most 0.55x their bf16 bytes, an FP8 cache a quarter of fp32's bytes a token (4x the
+    tokens a GiB), the unquantized row agreeing with itself, every figure measured."""
+    found, printed = run_single(tmp_path, ["--quantization", "--quant-prompts", "2",
+                                           "--quant-tokens", "4", "--quant-batches", "1",
+                                           "--quant-eval-bytes", "600"])
+    rows = {row["scheme"]: row for row in found["quantization"]["rows"]}
+    assert list(rows) == list(bench.QUANT_SCHEMES)
+    reference = rows["unquantized"]
+    assert reference["greedy_identical"] == 2 and reference["max_abs_delta_logprob"] == 0
+    assert all(rows[s]["projection_vs_bf16"] <= 0.55 for s in ("int8", "fp8", "fp8 + fp8 KV"))
+    assert rows["fp8 KV"]["projection_vs_bf16"] == reference["projection_vs_bf16"] == 2.0
+    assert rows["fp8 KV"]["kv_capacity_vs_unquantized"] == 4.0
+    assert rows["int8"]["kv_bytes_per_token"] == reference["kv_bytes_per_token"]
+    assert all(row["decode_tok_s_b1"] > 0 and 1 < row["perplexity"] for row in rows.values())
+    assert "Quantization on shipped" in printed

@@ -1,10 +1,10 @@
 """Where features meet: one batch of mixed requests (greedy, seeded, n = 2, penalties with
 logprobs, a stop string, min_tokens, a structured choice; mixed priorities) served under a
 generated set of engine configurations crossing speculation, policy, preemption mode, a tight
-KV cache, a small token budget and the prefix cache. In each: every request's tokens are its
-own alone under the same configuration; greedy tokens are the plain engine's; with drafts
-(n-gram or a draft model) seeded tokens are the plain engine's too; nothing is held
-afterwards.
+KV cache, a small token budget, the prefix cache and quantization. In each: every request's
+tokens are its own alone under the same configuration; greedy tokens are the plain engine's
+(of the same quantization); with drafts (n-gram or a draft model) seeded tokens are the plain
+engine's too; nothing is held afterwards.
 
 CI runs a pairwise set (all_pairs: every two levels of any two factors meet in some
 configuration); NANOSERVE_FULL_MATRIX=1 runs the whole product. Each configuration is served
@@ -33,11 +33,14 @@ FACTORS = {
     "kv": ("roomy_kv", "tight_kv"),
     "budget": ("large_budget", "small_budget"),
     "prefix": ("prefix_cache", "no_prefix_cache"),
+    "quant": ("unquantized", "int8", "fp8_kv"),
 }
 # Short prompts and outputs of up to 16 tokens: the sequences admitted on a tight cache
 # outgrow it whatever the policy (admission counts a running sequence's prompt, not its output)
 PROMPTS = ["ROMEO: ROMEO: ", "Hello there", "x" * 12, "0123456789" * 2, "A", "ROMEO:"]
 BLOCK_SIZE = 4
+QUANTIZATION = {"unquantized": {}, "int8": dict(quantization="int8"),
+                "fp8_kv": dict(kv_cache_dtype="fp8")}  # fp8 weights: test_quantization.py
 KV_CACHE_TOKENS = {"roomy_kv": 4096, "tight_kv": 64}  # 16 blocks: the batch needs ~45
 MAX_NUM_BATCHED_TOKENS = {"large_budget": 512, "small_budget": 8}  # 8: prompts chunk
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
@@ -49,7 +52,7 @@ HAS_LLGUIDANCE = importlib.util.find_spec("llguidance") is not None
 
 def all_pairs(factors: dict[str, tuple]) -> list[dict[str, str]]:
     """Configurations (factor -> level) in which every level of each factor meets every level
-    of each other factor at least once: far fewer than the product (here 13 of 288).
+    of each other factor at least once: far fewer than the product (here 14 of 864).
 
     Greedy and deterministic: each new configuration starts from the first pair not yet
     covered (factors in the order given, levels in theirs), then gives each other factor, in
@@ -149,7 +152,8 @@ def engine_args(config: dict[str, str], draft_path: str) -> dict:
                 preemption_mode=config["preemption"], block_size=BLOCK_SIZE,
                 kv_cache_tokens=KV_CACHE_TOKENS[config["kv"]],
                 max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS[config["budget"]],
-                enable_prefix_caching=config["prefix"] == "prefix_cache")
+                enable_prefix_caching=config["prefix"] == "prefix_cache",
+                **QUANTIZATION[config["quant"]])
 
 
 def samples(output: RequestOutput) -> list[list[int]]:
@@ -169,6 +173,7 @@ class Served:
     num_accepted_tokens: int
     num_cached_tokens: int
     num_prefill_chunks: int     # prefill steps of a sequence past its first
+    dtypes: tuple               # the first projection's weight and the KV cache's
 
 
 def serve(engine: Engine, requests: list[Request], chunks: list[int] | None = None
@@ -211,7 +216,9 @@ def served_under(config: dict[str, str], requests: list[Request], draft_path: st
     return Served(batch, alone, held, engine.stats.num_fallbacks,
                   engine.scheduler.num_preemptions,
                   engine.scheduler.num_swapped_out, engine.stats.spec_decode_num_accepted_tokens,
-                  engine.stats.num_cached_tokens, sum(chunks))
+                  engine.stats.num_cached_tokens, sum(chunks),
+                  (engine.model.model.layers[0].mlp.down_proj.weight.dtype,
+                   engine.model_runner.k_caches.dtype))
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -236,9 +243,16 @@ def requests() -> list[Request]:
 
 
 @pytest.fixture(scope="module")
-def plain(requests) -> dict[str, RequestOutput]:
-    """The batch on the plain engine (no speculation, roomy, defaults): the reference."""
-    return serve(tiny(block_size=BLOCK_SIZE).engine, requests)
+def plains(requests) -> dict[str, dict[str, RequestOutput]]:
+    """The batch on the plain engine (no speculation, roomy, defaults) of each quantization:
+    the reference of a configuration of that quantization."""
+    return {quant: serve(tiny(block_size=BLOCK_SIZE, **args).engine, requests)
+            for quant, args in QUANTIZATION.items()}
+
+
+@pytest.fixture(scope="module")
+def plain(plains) -> dict[str, RequestOutput]:
+    return plains["unquantized"]
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +277,7 @@ def test_all_pairs_covers_every_pair_of_factor_levels():
         assert met == set(itertools.product(FACTORS[a], FACTORS[b])), (a, b)
     assert all(list(config) == list(FACTORS) for config in configs)
     assert all(config[name] in FACTORS[name] for config in configs for name in config)
-    assert len(configs) < 20  # of 288: pairwise, not the product
+    assert len(configs) < 20  # of 864: pairwise, not the product
 
 
 def test_all_pairs_of_two_factors_is_their_product():
@@ -305,8 +319,9 @@ def test_logprobs_equal_those_alone(config, served, requests):
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
-def test_greedy_tokens_equal_the_plain_engines(config, served, requests, plain):
+def test_greedy_tokens_equal_the_plain_engines(config, served, requests, plains):
     run = served(config)
+    plain = plains[config["quant"]]
     for request in requests:
         if request.is_greedy:
             assert samples(run.batch[request.name]) == samples(plain[request.name]), \
@@ -314,11 +329,12 @@ def test_greedy_tokens_equal_the_plain_engines(config, served, requests, plain):
 
 
 @pytest.mark.parametrize("config", SPECULATIVE_CONFIGS, ids=config_id)
-def test_seeded_tokens_with_drafts_equal_the_plain_engines(config, served, requests, plain):
+def test_seeded_tokens_with_drafts_equal_the_plain_engines(config, served, requests, plains):
     """A seeded sequence's draft (n-gram, or a draft model's, drawn with the target's noise) is
     accepted exactly when it is the token the position would have drawn without speculation
     (issue 46): the drafts are invisible, alone or in the batch."""
     run = served(config)
+    plain = plains[config["quant"]]
     for request in requests:
         if not request.is_greedy:
             assert samples(run.batch[request.name]) == samples(plain[request.name]), \
@@ -361,3 +377,6 @@ def test_each_factor_does_what_it_is_there_for(config, served):
     assert (run.num_prefill_chunks > 0) == (config["budget"] == "small_budget")
     assert (run.num_accepted_tokens > 0) == (config["spec"] != "none")
     assert (run.num_cached_tokens > 0) == (config["prefix"] == "prefix_cache")
+    weight_dtype, kv_dtype = run.dtypes
+    assert (weight_dtype == torch.int8) == (config["quant"] == "int8")
+    assert (kv_dtype == torch.float8_e4m3fn) == (config["quant"] == "fp8_kv")

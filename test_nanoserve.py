@@ -370,7 +370,8 @@ def test_a_step_synchronises_with_the_device_at_most_once(monkeypatch):
         engine.add_request(p, SamplingParams(max_tokens=20, temperature=0.9, top_k=20, top_p=0.9,
                                              seed=i if i % 2 else None, ignore_eos=True))
 
-    def sync_free_attention(q, k_cache, v_cache, meta, scale):  # the CPU path reads lists
+    # the CPU path reads lists
+    def sync_free_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale):
         return q
     engine.model_runner.attention = sync_free_attention
     counter = CountSyncs()
