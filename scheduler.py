@@ -737,7 +737,11 @@ class Scheduler:
         the engine to make before the step's forward, which may write the freed blocks."""
         num_blocks = cdiv(seq.num_computed_tokens, self.block_pool.block_size)
         seq.host_block_ids = self.swap_space.allocate(num_blocks)
-        device_block_ids = seq.block_table.block_ids[:num_blocks]
+        # a block it took this step to copy a shared one into is not copied yet (nor will
+        # be, now): its K/V are the shared block's, which the copies out read before anything
+        # is written
+        copied_from = {new: shared for shared, new in seq.block_table.copies}
+        device_block_ids = [copied_from.get(b, b) for b in seq.block_table.block_ids[:num_blocks]]
         output.swapped_out[seq] = list(zip(device_block_ids, seq.host_block_ids))
         self.num_swapped_out += 1
 
