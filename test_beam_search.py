@@ -224,13 +224,22 @@ def test_beams_beside_ordinary_requests_give_each_its_result_alone():
 
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 def test_beams_survive_preemption_under_a_tight_cache(preemption_mode):
+    params = BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True)
     alone = searched(tiny(), PROMPTS, 3, 12)
-    llm = tiny(kv_cache_tokens=112, block_size=4, max_num_batched_tokens=32,
-               preemption_mode=preemption_mode)
-    for found, expected in zip(searched(llm, PROMPTS, 3, 12), alone):
+    engine = tiny(kv_cache_tokens=112, block_size=4, max_num_batched_tokens=32,
+                  preemption_mode=preemption_mode).engine
+    ids = [engine.add_beam_request(prompt, params) for prompt in PROMPTS]
+    outputs = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs[output.request_id] = output
+        for request in engine.beam_search.requests.values():  # all running or all waiting
+            assert len({seq.status for seq in request.group.seqs}) == 1
+    for request_id, expected in zip(ids, alone):
+        found = [(c.token_ids, c.cumulative_logprob) for c in outputs[request_id].outputs]
         assert_same_search(found, expected)
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert_no_leaks(llm.engine)
+    assert engine.scheduler.num_preemptions > 0
+    assert_no_leaks(engine)
 
 
 def test_abort_frees_every_beam():
