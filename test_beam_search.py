@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import model_runner
-from conftest import GREEDY, assert_no_leaks, fixture_llm, tiny, token_ids
+from conftest import (GREEDY, assert_no_leaks, fixture_llm, http, server_in_process, tiny,
+                      token_ids)
 from nanoserve import LLM, BeamSearchParams
 from paged_cache import BlockPool, BlockTable
 from sampling import SamplingParams
@@ -254,3 +255,22 @@ def test_abort_frees_every_beam():
     output, = engine.step()
     assert output.finished and output.outputs[0].finish_reason == "abort"
     assert_no_leaks(engine)
+
+
+# ----------------------------------------------------------------------------- HTTP
+
+def test_http_use_beam_search_gives_n_choices_as_offline_beam_search():
+    llm = tiny()
+    expected, = llm.beam_search(["Hello"], BeamSearchParams(beam_width=3, max_tokens=6,
+                                                            length_penalty=0.5))
+    with server_in_process(llm.engine) as url:
+        body = dict(prompt="Hello", max_tokens=6, n=3, use_beam_search=True, length_penalty=0.5)
+        status, got = http(url, "/v1/completions", body)
+        refused = [http(url, "/v1/completions", body | change)
+                   for change in (dict(stream=True), dict(n=0), dict(length_penalty="x"))]
+    assert status == 200
+    assert ["Hello" + c["text"] for c in got["choices"]] == [s.text for s in expected.sequences]
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2]
+    assert [(code, answer["error"]["param"]) for code, answer in refused] == \
+        [(400, "stream"), (400, "n"), (400, "length_penalty")]
+    assert_no_leaks(llm.engine)
