@@ -764,3 +764,20 @@ def test_bench_lora_serves_requests_over_k_adapters_three_ways(tmp_path):
                for row in figures["rows"])
     assert figures["load"]["disk_ms"] > 0 and figures["load"]["slot_ms"] > 0
     assert "Loading an adapter of rank 8" in printed.getvalue()
+
+
+def test_bench_beam_search_compares_blocks_with_independent_sequences_and_times_it(tmp_path):
+    """A blocks row and a throughput row for each beam width; W beams of a request hold no more
+    blocks than W independent sequences, and copied blocks on write to do it."""
+    found, printed = run_single(tmp_path, ["--beam-search", "--beam-widths", "2", "4",
+                                           "--beam-max-tokens", "6", "--prompt-len", "20",
+                                           "--beam-requests", "2", "--block-size", "4",
+                                           "--kv-cache-tokens", "512", "--max-num-seqs", "8"])
+    blocks = found["beam_search"]["blocks"]
+    assert [row["beam_width"] for row in blocks] == [2, 4]
+    assert all(0 < row["beam_blocks"] < row["independent_blocks"] for row in blocks)
+    assert all(row["block_copies"] > 0 for row in blocks)
+    throughput = found["beam_search"]["throughput"]
+    assert [(row["beam_width"], row["requests"]) for row in throughput] == [(2, 2), (4, 2)]
+    assert all(row["beam_tokens_per_s"] > 0 for row in throughput)
+    assert "independent sequences" in printed
