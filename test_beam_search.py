@@ -223,6 +223,21 @@ def test_beams_beside_ordinary_requests_give_each_its_result_alone():
     assert_no_leaks(engine)
 
 
+def test_the_prompt_is_computed_once_in_chunks_then_each_beam_decodes_a_token_a_step():
+    engine = tiny(block_size=4, max_num_batched_tokens=8).engine
+    prompt = list(range(30, 50))  # 20 tokens: 3 chunks of the budget
+    engine.add_beam_request(prompt, BeamSearchParams(beam_width=4, max_tokens=6,
+                                                     ignore_eos=True))
+    engine.step_records = []
+    while engine.has_unfinished():
+        engine.step()
+    scheduled = [record.scheduled for record in engine.step_records]
+    assert [sum(step.values()) for step in scheduled[:3]] == [8, 8, 4]  # one sequence's
+    assert all(list(step.values()) == [1] * 4 for step in scheduled[3:])  # every beam, a token
+    assert engine.stats.num_batched_tokens == 20 + 5 * 4  # the prompt, then 5 steps of 4 beams
+    assert_no_leaks(engine)
+
+
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 def test_beams_survive_preemption_under_a_tight_cache(preemption_mode):
     params = BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True)
@@ -240,6 +255,29 @@ def test_beams_survive_preemption_under_a_tight_cache(preemption_mode):
         found = [(c.token_ids, c.cumulative_logprob) for c in outputs[request_id].outputs]
         assert_same_search(found, expected)
     assert engine.scheduler.num_preemptions > 0
+    assert_no_leaks(engine)
+
+
+def test_a_higher_priority_request_preempts_a_beam_search_whole():
+    params = BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True)
+    alone_beams = searched(tiny(), PROMPTS[2:], 3, 12)[0]
+    urgent = PROMPTS[1] * 3
+    alone_greedy = token_ids(tiny().generate([urgent], GREEDY))[0]
+    engine = tiny(policy="priority", kv_cache_tokens=112, block_size=4).engine
+    beams_id = engine.add_beam_request(PROMPTS[2], params, priority=1)
+    for _ in range(4):
+        engine.step()
+    urgent_id = engine.add_request(urgent, GREEDY, stream=False, priority=0)
+    outputs = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs[output.request_id] = output
+        for request in engine.beam_search.requests.values():
+            assert len({seq.status for seq in request.group.seqs}) == 1
+    assert engine.scheduler.num_preemptions >= 3  # the three beams, together
+    assert outputs[urgent_id].outputs[0].token_ids == alone_greedy
+    found = [(c.token_ids, c.cumulative_logprob) for c in outputs[beams_id].outputs]
+    assert_same_search(found, alone_beams)
     assert_no_leaks(engine)
 
 
