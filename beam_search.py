@@ -167,8 +167,8 @@ class BeamSearch:
             self.scheduler.add(seq)
 
     def update(self, model_output: ModelOutput) -> list[BeamSearchRequest]:
-        """After a step: take the beams that sampled out of model_output (their sampled token
-        means nothing), keep each one's top 2 x beam_width candidates, and advance each request
+        """After a step: for each beam that sampled (its sampled token means nothing; the
+        engine leaves it), keep its top 2 x beam_width candidates, and advance each request
         whose live beams all have theirs. The requests that finished."""
         rows = []
         beams = []
@@ -178,8 +178,6 @@ class BeamSearch:
                 beams.append(seq)
         if not beams:
             return []
-        for seq in beams:
-            del model_output.sampled_token_ids[seq]
         for seq, candidates in zip(beams, self._top_candidates(model_output.logits, rows, beams)):
             self._request(seq).candidates[seq] = candidates
         finished = []

@@ -459,7 +459,7 @@ class Engine:
             ran.pop(seq, None)  # a beam's failure may have ended its siblings with it
         spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
         self.scheduler.update(ran, model_output.sampled_token_ids, spec_decode_tokens)
-        for request in self.beam_search.update(model_output):  # takes the beams' samples
+        for request in self.beam_search.update(model_output):  # the beams' next tokens
             outputs.append(self._beam_output(request))
         for seq, drafts in spec_decode_tokens.items():
             if seq in model_output.sampled_token_ids:
@@ -467,6 +467,8 @@ class Engine:
         for seq, entries in model_output.prompt_logprobs.items():
             seq.prompt_logprobs += entries
         for seq, tokens in model_output.sampled_token_ids.items():
+            if seq.beams is not None:  # its sample is unused: BeamSearch.update chose for it
+                continue
             output = self._append_tokens(seq, tokens, model_output.logprobs.get(seq))
             if output is not None:
                 outputs.append(output)
@@ -652,6 +654,8 @@ class Engine:
         if request.error is not None or request.aborted:
             reason = "abort" if request.aborted else "error"
             completions.append(CompletionOutput(0, "", [], reason, error=request.error))
+            return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                                 completions, finished=True)
         for rank, hypothesis in enumerate(request.best(self.beam_search.eos_token_id)):
             token_ids = hypothesis.tokens[len(request.prompt_token_ids):]
             completions.append(CompletionOutput(

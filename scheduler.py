@@ -12,7 +12,8 @@ on readmission and resumes from them. This is vLLM v1's rule, after Orca and Sar
 K/V copied to host memory (swap.py), its progress kept, and copied back into fresh blocks
 when it is readmitted; SchedulerOutput lists the copies for the engine to make.
 
-In this file, in order: Sequence (one sample of a request), SchedulerOutput (what a step runs
+In this file, in order: Sequence (one sample of a request), BeamGroup (a beam-search request's
+live beams, which are admitted and preempted together), SchedulerOutput (what a step runs
 and what scheduling it changed) and scheduled_phase (what a sequence's new tokens are),
 WaitingQueue (admission order: fcfs, sjf, priority), Scheduler, whose schedule() is the policy
 and whose update() applies a step's results, and check_stop, the one place that says why a
