@@ -636,6 +636,8 @@ class Engine:
         and room for all of them unshared (so its beams can always be readmitted together)."""
         if self.speculator is not None:
             raise ValueError("beam search does not run with speculative decoding")
+        if self.config.policy == "static":  # its batches admit no beams forked later
+            raise ValueError("beam search does not run under policy static")
         if params.beam_width > self.config.max_num_seqs:
             raise ValueError(f"beam_width {params.beam_width} is more than max_num_seqs "
                              f"({self.config.max_num_seqs}): each beam is a sequence")

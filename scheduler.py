@@ -642,7 +642,7 @@ class Scheduler:
         newest_first = self.running[::-1]
         lower = [running for running in newest_first if running.priority > seq.priority]
         lower.sort(key=attrgetter("priority"), reverse=True)  # stable: the newest first still
-        num_seqs = len(self.running)
+        num_seqs = len(self.running) + self._num_reserved_seqs()
         short = self._blocks_short(seq, cached_block_ids)
         victims = []
         for victim in lower:
