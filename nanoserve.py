@@ -452,11 +452,13 @@ class Engine:
         time, detokenizing and checking each (check_stop), and makes its output if it
         streams or finished."""
         outputs = []
-        for seq, error in model_output.failed.items():
-            outputs += self._fail_beams(seq, error) if seq.beams else [self._fail(seq, error)]
         ran = dict(scheduler_output.num_scheduled_tokens)
-        for seq in model_output.failed:
-            ran.pop(seq, None)  # a beam's failure may have ended its siblings with it
+        for seq, error in model_output.failed.items():
+            ran.pop(seq, None)  # a sibling beam's failure may have taken it out
+            if seq.beams is not None:
+                outputs += self._fail_beams(seq, error, ran, model_output.sampled_token_ids)
+            else:
+                outputs.append(self._fail(seq, error))
         spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
         self.scheduler.update(ran, model_output.sampled_token_ids, spec_decode_tokens)
         for request in self.beam_search.update(model_output):  # the beams' next tokens
@@ -749,8 +751,13 @@ class Engine:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
                     self._aborted_outputs.append(self._output(seq))
 
-    def _fail_beams(self, seq: Sequence, error: str) -> list[RequestOutput]:
-        """A beam failed: its request fails whole (once, whichever of its beams failed)."""
+    def _fail_beams(self, seq: Sequence, error: str, ran: dict[Sequence, int],
+                    sampled: dict[Sequence, list[int]]) -> list[RequestOutput]:
+        """A beam failed: its request fails whole (once, whichever of its beams failed), and
+        its other beams neither advance nor sample in this step."""
+        for beam in seq.beams.seqs:
+            ran.pop(beam, None)
+            sampled.pop(beam, None)
         request = self.beam_search.fail(seq, error)
         if request is None:
             return []

@@ -281,6 +281,27 @@ def test_a_higher_priority_request_preempts_a_beam_search_whole():
     assert_no_leaks(engine)
 
 
+@pytest.mark.allows_fallback
+def test_a_beam_that_fails_fails_its_request_whole(monkeypatch):
+    llm = tiny(block_size=4)
+    engine = llm.engine
+    prompt = [72, 101, 108, 108, 111]
+    real_forward = engine.model.forward
+    calls = []
+
+    def forward(input_ids, positions, *args):
+        if (positions == len(prompt) + 2).any():  # the step every beam computes its 3rd token
+            calls.append(len(input_ids))
+        if len(calls) in (1, 2):  # the batch, then the first beam alone; its siblings run
+            raise RuntimeError("poisoned position")
+        return real_forward(input_ids, positions, *args)
+    monkeypatch.setattr(engine.model, "forward", forward)
+    with pytest.raises(RuntimeError, match="poisoned position"):
+        llm.beam_search([prompt], BeamSearchParams(beam_width=4, max_tokens=8))
+    assert engine.stats.num_fallbacks == 1
+    assert_no_leaks(engine)
+
+
 def test_abort_frees_every_beam():
     llm = tiny(block_size=4)
     engine = llm.engine
