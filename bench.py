@@ -54,6 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import lora
 import model_runner
+from beam_search import BeamSearchParams
 from checkpoint import Checkpoint, load_model
 from cli import add_config_args
 from kernels import (AttentionMetadata, device_num_sms, launch_grids, paged_attention,
@@ -243,6 +244,14 @@ class BenchConfig:
                                "decoded a sequence when timed")
     quant_eval_bytes: int = option(16384, "--quantization: bytes of the held-out text (the "
                                    "last 10%, as train.py splits it) perplexity is taken on")
+    beam_search: bool = option(False, "only beam search on shared blocks: the KV blocks one "
+                               "request of --prompt-len tokens holds at its peak, at each of "
+                               "--beam-widths W, against W independent greedy sequences of the "
+                               "same lengths (prefix caching off), and beam-search tokens/s of "
+                               "--beam-requests requests at each W")
+    beam_widths: tuple = option((4, 8), "--beam-search: beam widths W")
+    beam_max_tokens: int = option(128, "--beam-search: tokens each beam generates")
+    beam_requests: int = option(16, "--beam-search: requests searched together, for tokens/s")
 
 
 def parse_args(argv=None) -> BenchConfig:
@@ -1374,6 +1383,76 @@ def swap_table(found: dict) -> str:
     throughput = table("Throughput under a cache that preempts often", found["throughput"],
                        "mode output_throughput preemptions swapped_out same_tokens")
     return resume + "\n\n" + throughput
+
+
+# ----------------------------------------------------------------------------- beam search
+
+def peak_blocks(engine: Engine) -> int:
+    """Step the engine to the end: the most KV blocks held after any step."""
+    peak = 0
+    while engine.has_unfinished():
+        engine.step()
+        peak = max(peak, engine.last_step.kv_blocks_used)
+    return peak
+
+
+def beam_blocks(cfg: BenchConfig, beam_width: int) -> dict:
+    """The peak KV blocks of one beam-search request of beam_width beams, and of beam_width
+    independent greedy requests of the same prompt and length with the prefix cache off (no
+    block shared: the paper's baseline), each alone in an engine; the block copies made."""
+    prompt = make_workload(cfg, 1, 1)[0][0]
+    params = BeamSearchParams(beam_width=beam_width, max_tokens=cfg.beam_max_tokens,
+                              ignore_eos=True)
+    engine = make_engine(cfg, "fcfs", 0, max_num_seqs=max(cfg.max_num_seqs, beam_width))
+    engine.step_records = []
+    engine.add_beam_request(prompt, params)
+    beam = peak_blocks(engine)
+    copies = sum(record.num_block_copies for record in engine.step_records)
+    engine = make_engine(cfg, "no-cache", 0, max_num_seqs=max(cfg.max_num_seqs, beam_width))
+    for _ in range(beam_width):
+        engine.add_request(prompt, greedy(cfg.beam_max_tokens))
+    independent = peak_blocks(engine)
+    return dict(beam_width=beam_width, beam_blocks=beam, independent_blocks=independent,
+                ratio=beam / independent, block_copies=copies)
+
+
+def beam_throughput(cfg: BenchConfig, beam_width: int) -> dict:
+    """--beam-requests beam searches of beam_width beams at once (LLM.beam_search's way):
+    tokens/s of the beams (beam_width x max_tokens a request) and of the sequences returned
+    best."""
+    prompts, _ = make_workload(cfg, cfg.beam_requests, 1)
+    params = BeamSearchParams(beam_width=beam_width, max_tokens=cfg.beam_max_tokens,
+                              ignore_eos=True)
+    engine = make_engine(cfg, "fcfs", 0,
+                         max_num_seqs=max(cfg.max_num_seqs, beam_width * cfg.beam_requests))
+    start = time.perf_counter()
+    for prompt in prompts:
+        engine.add_beam_request(prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    wall = time.perf_counter() - start
+    num_tokens = cfg.beam_requests * cfg.beam_max_tokens
+    return dict(beam_width=beam_width, requests=cfg.beam_requests, wall_s=wall,
+                beam_tokens_per_s=beam_width * num_tokens / wall,
+                best_tokens_per_s=num_tokens / wall)
+
+
+def beam_search_figures(cfg: BenchConfig) -> dict:
+    """--beam-search: blocks held, then tokens/s, at each beam width."""
+    blocks = [emit(cfg, "beam_blocks", beam_blocks(cfg, w)) for w in cfg.beam_widths]
+    throughput = [emit(cfg, "beam_throughput", beam_throughput(cfg, w))
+                  for w in cfg.beam_widths]
+    return dict(blocks=blocks, throughput=throughput)
+
+
+def beam_search_table(found: dict) -> str:
+    blocks = table("KV blocks held at the peak: one beam-search request of W beams against W "
+                   "independent sequences of the same lengths (no prefix cache)",
+                   found["blocks"], "beam_width beam_blocks independent_blocks ratio "
+                   "block_copies")
+    throughput = table("Beam search, requests searched together", found["throughput"],
+                       "beam_width requests wall_s beam_tokens_per_s best_tokens_per_s")
+    return blocks + "\n\n" + throughput
 
 
 # ----------------------------------------------------------------------------- LoRA
@@ -2588,7 +2667,7 @@ def versions(cfg: BenchConfig) -> dict:
 # The flags of the measurements that run alone (run_single_measurement), each BenchConfig's
 SINGLE_MEASUREMENTS = ("lm_head", "host_overhead", "detokenizer", "step_gemms", "kernel",
                        "count_ops", "sampling", "speculative", "structured_output", "goodput",
-                       "swap", "lora", "quantization")
+                       "swap", "lora", "quantization", "beam_search")
 
 
 def run_single_measurement(cfg: BenchConfig) -> bool:
@@ -2607,7 +2686,8 @@ def run_single_measurement(cfg: BenchConfig) -> bool:
              "goodput": (service_levels, service_levels_table),
              "swap": (swap_against_recompute, swap_table),
              "lora": (lora_sweep, lora_table),
-             "quantization": (quantization_sweep, quantization_table)}
+             "quantization": (quantization_sweep, quantization_table),
+             "beam_search": (beam_search_figures, beam_search_table)}
     for name in SINGLE_MEASUREMENTS:
         if not getattr(cfg, name):
             continue

@@ -37,7 +37,7 @@ from sampling import invalid_logits, sample, sampling_tensors, upload
 from scheduler import Sequence
 from spec_decode import SpecDecodeMetadata, accept_runs, count_drafts, output_offsets, verify
 from structured_output import apply_grammar_bitmask
-from swap import SwapSpace, swap_space_blocks
+from swap import SwapSpace, copy_blocks, swap_space_blocks
 
 KV_CACHE_BYTES = 1 << 30  # the CPU's KV cache, by default: a full context for every sequence,
                           # within 1 GiB (on CUDA: gpu_memory_utilization of the GPU's memory)
@@ -76,6 +76,8 @@ class ModelOutput:
     log-probabilities asked for, and the sequences that failed."""
     sampled_token_ids: dict[Sequence, list[int]] = field(default_factory=dict)
     logits: torch.Tensor | None = None  # (R, vocab) fp32: the sampling positions' (Batch)
+    sample_seqs: list[Sequence] = field(default_factory=list)  # each sampling position's
+                                                               # sequence, in a step without drafts
     logprobs: dict[Sequence, list[dict]] = field(default_factory=dict)  # each emitted token's
     prompt_logprobs: dict[Sequence, list[dict]] = field(default_factory=dict)  # scored this step
     failed: dict[Sequence, str] = field(default_factory=dict)  # failed alone -> the error
@@ -279,11 +281,20 @@ class ModelRunner:
         self.input_batch.truncate(seq)
 
     def swap(self, swapped_out: dict[Sequence, list[tuple[int, int]]],
-             swapped_in: dict[Sequence, list[tuple[int, int]]]) -> None:
-        """The step's swaps, before its forward: every copy out (device -> host), then every
-        copy in (host -> device), since a block freed by one may be taken by the other."""
+             swapped_in: dict[Sequence, list[tuple[int, int]]],
+             block_copies: dict[Sequence, list[tuple[int, int]]] | None = None) -> None:
+        """The step's block copies, before its forward: every copy out (device -> host), then
+        copy-on-write's (device -> device, one op; their rows' tables are uploaded again),
+        then every copy in (host -> device). A block freed by one may be taken by a later
+        one: a swap-out's by a copy's new block, a copy's shared block (its other owner
+        preempted) by a swap-in."""
         for pairs in swapped_out.values():
             self.swap_space.copy_out(self.k_caches, self.v_caches, pairs)
+        if block_copies:
+            for seq in block_copies:  # a block of its table changed: its row starts again
+                self.input_batch.remove(seq)
+            pairs = [pair for seq_pairs in block_copies.values() for pair in seq_pairs]
+            copy_blocks(self.k_caches, self.v_caches, pairs)
         for pairs in swapped_in.values():
             self.swap_space.copy_in(self.k_caches, self.v_caches, pairs)
 
@@ -399,7 +410,7 @@ class ModelRunner:
         batch = self._prepare_inputs(num_scheduled_tokens, spec_decode_tokens)
         hidden = self._forward(batch)                                      # (N, C)
         logits = self.compute_logits(hidden[batch.logits_indices])         # (R, vocab) fp32
-        output = ModelOutput(logits=logits)
+        output = ModelOutput(logits=logits, sample_seqs=batch.sample_seqs)
         if batch.sample_drafts is not None:
             return self._verify(batch, hidden, logits, output)
         if not batch.sample_seqs and not batch.prompt_seqs:
@@ -623,6 +634,7 @@ class ModelRunner:
             end = start + num_new
             drafts = spec_decode_tokens.get(seq, [])
             end_of_tokens = end - len(drafts)  # the drafts are not in token_ids
+            seq.block_table.assert_owned(start)  # copy-on-write: no block written is shared
             first_token = query_start_loc[-1]
             row, first_column, gained = self.input_batch.new_blocks(seq)
             input_ids += seq.token_ids[start:end_of_tokens] + drafts

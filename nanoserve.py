@@ -25,7 +25,12 @@ the next step's drafts, and update() appends a verified run of tokens one at a t
 LoRA adapters (lora.py) are a few hooks here: add_request acquires a request's adapter, a
 finished sequence releases it, and execute() puts the running ones in device slots.
 
-Left out: beam search, tensor parallelism, multi-modal inputs.
+Beam search (beam_search.py) is three hooks here: add_beam_request queues a request's prompt
+as its first beam, update() hands the beams' logits to BeamSearch.update, which forks and
+drops beams on shared blocks, and abort() cancels one; execute() makes the step's
+copy-on-write block copies with its swaps. LLM.beam_search is vLLM's offline call.
+
+Left out: tensor parallelism, multi-modal inputs.
 """
 import dataclasses
 import itertools
@@ -35,6 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchRequest,
+                         BeamSearchSequence)
 from checkpoint import DTYPES, load_model
 from linear import QUANTIZATION_METHODS
 from display import Progress, progress_wanted, render_trace
@@ -45,10 +52,10 @@ from model import PRESETS
 from model_runner import ModelOutput, ModelRunner
 from ngram_proposer import NgramProposer
 from options import check_fields, check_int, option
-from paged_cache import KV_CACHE_DTYPES, BlockTable
+from paged_cache import KV_CACHE_DTYPES, BlockTable, cdiv
 from sampling import SamplingParams, generation_config_defaults
-from scheduler import (MAX_PRIORITY, POLICIES, PREEMPTION_MODES, Scheduler, SchedulerOutput,
-                       Sequence, SequenceStatus, check_stop)
+from scheduler import (MAX_PRIORITY, POLICIES, PREEMPTION_MODES, BeamGroup, Scheduler,
+                       SchedulerOutput, Sequence, SequenceStatus, check_stop)
 from spec_decode import SpeculativeConfig, Speculator, parse_speculative_config
 from structured_output import StructuredOutputManager, accept_token, new_grammar
 from tokenizer import Detokenizer
@@ -185,6 +192,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[dict[int, float]] | None = None  # per token: its log-probability, the top k
     error: str | None = None        # why it failed (finish_reason "error")
+    cumulative_logprob: float | None = None  # beam search: the hypothesis's log-probability
 
 
 @dataclass
@@ -223,6 +231,7 @@ class StepRecord:
     swapped_in: list[str] = field(default_factory=list)   # readmitted from host memory
     lora_names: dict[str, str] = field(default_factory=dict)  # scheduled with a LoRA adapter
     swap_blocks_used: int = 0       # host blocks holding swapped-out K/V (swap.py)
+    num_block_copies: int = 0       # copy-on-write: blocks copied before the step (beams)
     fell_back: bool = False         # the batch failed and each sequence ran alone
 
 
@@ -344,6 +353,7 @@ class Engine:
         self._lock = threading.Lock()  # abort() from other threads against step()
         self._aborted_outputs: list[RequestOutput] = []  # for the next step() to return
         self.dead: str | None = None  # why the engine cannot step any more (a device error)
+        self.beam_search = BeamSearch(self.scheduler, self.model_runner, self.eos_token_ids)
         self.speculator: Speculator | None = None  # speculative decoding, if configured
         if spec_config is not None:
             self.speculator = Speculator(spec_config, self._proposer(spec_config, draft),
@@ -444,7 +454,8 @@ class Engine:
         each sequence alone: the ones that fail alone are the ones that fail."""
         for seq in scheduler_output.preempted:  # readmitted, it will start from a new row
             self._remove(seq)
-        self.model_runner.swap(scheduler_output.swapped_out, scheduler_output.swapped_in)
+        self.model_runner.swap(scheduler_output.swapped_out, scheduler_output.swapped_in,
+                               scheduler_output.block_copies)
         num_scheduled_tokens = scheduler_output.num_scheduled_tokens
         spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
         if not num_scheduled_tokens:
@@ -476,19 +487,25 @@ class Engine:
         time, detokenizing and checking each (check_stop), and makes its output if it
         streams or finished."""
         outputs = []
-        for seq, error in model_output.failed.items():
-            outputs.append(self._fail(seq, error))
         ran = dict(scheduler_output.num_scheduled_tokens)
-        for seq in model_output.failed:
-            del ran[seq]
+        for seq, error in model_output.failed.items():
+            ran.pop(seq, None)  # a sibling beam's failure may have taken it out
+            if seq.beams is not None:
+                outputs += self._fail_beams(seq, error, ran, model_output.sampled_token_ids)
+            else:
+                outputs.append(self._fail(seq, error))
         spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
         self.scheduler.update(ran, model_output.sampled_token_ids, spec_decode_tokens)
+        for request in self.beam_search.update(model_output):  # the beams' next tokens
+            outputs.append(self._beam_output(request))
         for seq, drafts in spec_decode_tokens.items():
             if seq in model_output.sampled_token_ids:
                 self._verified(seq, drafts, model_output.sampled_token_ids[seq])
         for seq, entries in model_output.prompt_logprobs.items():
             seq.prompt_logprobs += entries
         for seq, tokens in model_output.sampled_token_ids.items():
+            if seq.beams is not None:  # its sample is unused: BeamSearch.update chose for it
+                continue
             output = self._append_tokens(seq, tokens, model_output.logprobs.get(seq))
             if output is not None:
                 outputs.append(output)
@@ -538,6 +555,7 @@ class Engine:
             lora_names={seq.seq_id: seq.lora_request.lora_name for seq in scheduled
                         if seq.lora_request is not None},
             swap_blocks_used=self.swap_blocks_used,
+            num_block_copies=sum(map(len, scheduler_output.block_copies.values())),
             fell_back=model_output.fell_back)
         self.stats.record(self.last_step)
         if self.step_records is not None:
@@ -623,6 +641,78 @@ class Engine:
             seq.prompt_logprobs = [None]  # the first prompt token has no log-probability
         return seq
 
+    def add_beam_request(self, prompt, params: BeamSearchParams, request_id: str | None = None,
+                         priority: int = 0) -> str:
+        """Queue a beam-search request (beam_search.py): a prompt in any form add_request takes,
+        searched with params; one output, when it finishes, its beam_width sequences best
+        first. ValueError if it can never run."""
+        check_int("priority", priority, -MAX_PRIORITY, MAX_PRIORITY)
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        params = dataclasses.replace(params)  # a copy, validated again
+        text, token_ids = self.parse_prompt(prompt)
+        # what the scheduler reads of a beam: a length, greedy (the sampled token is unused)
+        sampling = SamplingParams(max_tokens=params.max_tokens, temperature=0.0,
+                                  ignore_eos=True)
+        with self._lock:
+            if request_id is None:
+                request_id = next(i for i in map(str, self._ids) if not self._in_use(i, 1))
+            self._validate(token_ids, sampling, request_id)
+            self._validate_beams(token_ids, params)
+            group = BeamGroup(params.beam_width)
+            seq = Sequence(request_id, text, token_ids, sampling, BlockTable(self.block_pool),
+                           request_id=request_id, stream=False, priority=priority, beams=group)
+            group.seqs.append(seq)
+            self.requests[request_id] = group.seqs
+            self.beam_search.add(BeamSearchRequest(request_id, text, token_ids, params, group))
+            self.stats.num_prompt_tokens += len(token_ids)
+        return request_id
+
+    def _validate_beams(self, token_ids: list[int], params: BeamSearchParams) -> None:
+        """What a beam-search request needs beyond a request's: a sequence slot for each beam,
+        and room for all of them unshared (so its beams can always be readmitted together)."""
+        if self.speculator is not None:
+            raise ValueError("beam search does not run with speculative decoding")
+        if self.config.policy == "static":  # its batches admit no beams forked later
+            raise ValueError("beam search does not run under policy static")
+        if params.beam_width > self.config.max_num_seqs:
+            raise ValueError(f"beam_width {params.beam_width} is more than max_num_seqs "
+                             f"({self.config.max_num_seqs}): each beam is a sequence")
+        num_blocks = params.beam_width * cdiv(len(token_ids) + params.max_tokens,
+                                              self.block_pool.block_size)
+        if num_blocks > self.block_pool.num_blocks:
+            raise ValueError(f"beam_width {params.beam_width} beams of {len(token_ids)} + "
+                             f"{params.max_tokens} tokens may need {num_blocks} KV blocks; the "
+                             f"cache has {self.block_pool.num_blocks}")
+
+    def _beam_output(self, request: BeamSearchRequest) -> RequestOutput:
+        """A finished, aborted or failed beam-search request's output: its beam_width best
+        hypotheses, best first, each a completion (index its rank, cumulative_logprob set)."""
+        self.requests.pop(request.request_id, None)
+        completions = []
+        if request.error is not None or request.aborted:
+            reason = "abort" if request.aborted else "error"
+            completions.append(CompletionOutput(0, "", [], reason, error=request.error))
+            return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                                 completions, finished=True)
+        for rank, hypothesis in enumerate(request.best(self.beam_search.eos_token_id)):
+            token_ids = hypothesis.tokens[len(request.prompt_token_ids):]
+            completions.append(CompletionOutput(
+                rank, self._beam_text(token_ids, request.params), token_ids,
+                hypothesis.finish_reason, logprobs=hypothesis.logprobs,
+                cumulative_logprob=hypothesis.cum_logprob))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             completions, finished=True)
+
+    def _beam_text(self, token_ids: list[int], params: BeamSearchParams) -> str:
+        """A hypothesis's text: a final end-of-text's only if include_stop_str_in_output."""
+        ends_in_eos = bool(token_ids) and token_ids[-1] in self.eos_token_ids
+        if ends_in_eos and params.include_stop_str_in_output:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        if ends_in_eos:
+            token_ids = token_ids[:-1]
+        return self.tokenizer.decode(token_ids)
+
     def parse_prompt(self, prompt) -> tuple[str | None, list[int]]:
         """A prompt in any form add_request takes -> (its text, its token ids); the text is
         None for a prompt given as token ids, as in vLLM."""
@@ -687,10 +777,26 @@ class Engine:
         """Cancel a request and free its blocks now (after any step in flight); its last output
         (finish_reason "abort") comes from the next step()."""
         with self._lock:
+            request = self.beam_search.abort(request_id)
+            if request is not None:
+                self._aborted_outputs.append(self._beam_output(request))
+                return
             for seq in self.requests.get(request_id, []):
                 if not seq.is_finished:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
                     self._aborted_outputs.append(self._output(seq))
+
+    def _fail_beams(self, seq: Sequence, error: str, ran: dict[Sequence, int],
+                    sampled: dict[Sequence, list[int]]) -> list[RequestOutput]:
+        """A beam failed: its request fails whole (once, whichever of its beams failed), and
+        its other beams neither advance nor sample in this step."""
+        for beam in seq.beams.seqs:
+            ran.pop(beam, None)
+            sampled.pop(beam, None)
+        request = self.beam_search.fail(seq, error)
+        if request is None:
+            return []
+        return [self._beam_output(request)]
 
     def _fail(self, seq: Sequence, error: str) -> RequestOutput:
         """End a sequence that an error failed (finish_reason "error"; the error in its output)."""
@@ -719,6 +825,7 @@ class Engine:
             merged.sampled_token_ids |= alone.sampled_token_ids
             merged.logprobs |= alone.logprobs
             merged.prompt_logprobs |= alone.prompt_logprobs
+            merged.sample_seqs += alone.sample_seqs
             logits.append(alone.logits)
         if logits:
             merged.logits = torch.cat(logits)
@@ -913,6 +1020,42 @@ class LLM:
         if trace:
             print(render_trace(self.engine.step_records, ids), file=sys.stderr)
         return [whole[i] for i in ids]
+
+    def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's: beam search over every prompt, as one batch (beam_search.py); one output a
+        prompt, in order, its beam_width sequences best first."""
+        prompts = as_prompt_list(prompts)
+        ids = []
+        finished = {}
+        try:
+            for prompt in prompts:
+                ids.append(self.engine.add_beam_request(prompt, params))
+            while len(finished) < len(ids):
+                for output in self.engine.step():
+                    finished[output.request_id] = output
+        except BaseException:  # all or nothing, as generate()
+            for request_id in ids:
+                self.engine.abort(request_id)
+            if self.engine.dead is None:
+                self.engine.step()
+            raise
+        for request_id in ids:
+            output = finished[request_id]
+            if output.outputs and output.outputs[0].finish_reason == "error":
+                raise RuntimeError(f"beam search of request {request_id} failed: "
+                                   f"{output.outputs[0].error}")
+        return [as_beam_search_output(finished[i], self.engine.tokenizer) for i in ids]
+
+
+def as_beam_search_output(output: RequestOutput, tokenizer) -> BeamSearchOutput:
+    """A beam-search request's output as vLLM's LLM.beam_search returns it: each sequence's
+    tokens and text with the prompt's in front."""
+    prompt_text = output.prompt
+    if prompt_text is None:
+        prompt_text = tokenizer.decode(output.prompt_token_ids)
+    return BeamSearchOutput([BeamSearchSequence(
+        output.prompt_token_ids + c.token_ids, c.logprobs, c.cumulative_logprob,
+        prompt_text + c.text, c.finish_reason) for c in output.outputs])
 
 
 def accumulate(whole: dict[str, RequestOutput], delta: RequestOutput) -> None:

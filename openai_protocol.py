@@ -10,6 +10,7 @@ answer.
 """
 import dataclasses
 
+from beam_search import BeamSearchParams
 from nanoserve import CompletionOutput, Engine, RequestOutput, as_prompt_list
 from options import check_int
 from sampling import MAX_LOGPROBS, SamplingParams
@@ -28,7 +29,7 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
 FIELDS = {"model", "n", "stream", "stream_options", "user", "stop", "logprobs", "priority",
           "response_format", "structured_outputs", *SAMPLING_FIELDS}  # both endpoints serve these
 CHAT_FIELDS = {"messages", "top_logprobs", "max_completion_tokens", "chat_template_kwargs"}
-COMPLETION_FIELDS = {"prompt", "echo"}
+COMPLETION_FIELDS = {"prompt", "echo", "use_beam_search", "length_penalty"}  # vLLM's last two
 NEUTRAL = dict(best_of=1, suffix="")  # accepted at these values only
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")  # vLLM's
 
@@ -153,14 +154,41 @@ def parse_request(body: dict, engine: Engine, model_name: str, chat: bool,
     options = dict(stream=stream, chat=chat, n=n, k=fields["logprobs"] or 0, echo=echo,
                    include_usage=include_usage, continuous_usage=continuous_usage,
                    priority=request_priority(body), constraint_field=constraint_field)
-    transcript = chat and template is None  # a reply there ends at its turn's blank line
-    params = sample_params(fields, n, transcript, typed(body, "top_logprobs", 0, int))
     if len(prompts) * n > MAX_SEQUENCES:
         raise HTTPError(400, f"the request asks for {len(prompts)} prompts x n {n} samples; "
                         f"at most {MAX_SEQUENCES} in all", "prompt")
+    if not chat and typed(body, "use_beam_search", False, bool):
+        return [(prompt, beam_search_params(body, fields, options)) for prompt in prompts], \
+            options
+    typed(body, "length_penalty", 1.0, int, float)  # beam search's: checked, else unused
+    transcript = chat and template is None  # a reply there ends at its turn's blank line
+    params = sample_params(fields, n, transcript, typed(body, "top_logprobs", 0, int))
     if chat or body.get("max_tokens") is not None or "max_tokens" not in defaults:
         return [(prompt, params) for prompt in prompts], options
     return [(prompt, within_context(engine, prompt, params)) for prompt in prompts], options
+
+
+def beam_search_params(body: dict, fields: dict, options: dict) -> BeamSearchParams:
+    """vLLM's use_beam_search on /v1/completions: n is the beam width (the choices, best
+    first), with max_tokens, ignore_eos, temperature (absent: 0), length_penalty and
+    include_stop_str_in_output; the sampling fields do not apply. HTTPError 400 for a stream
+    (refused, as vLLM refuses it), logprobs or echo, or a bad field."""
+    for name, refused in (("stream", options["stream"]), ("logprobs", options["k"]),
+                          ("echo", options["echo"]),
+                          (options["constraint_field"] or "structured_outputs",
+                           fields["structured_outputs"])):
+        if refused:
+            raise HTTPError(400, f"use_beam_search does not take {name}", name)
+    values = dict(beam_width=options["n"], max_tokens=fields.get("max_tokens", 16),
+                  ignore_eos=fields.get("ignore_eos", False),
+                  temperature=typed(body, "temperature", 0.0, int, float),
+                  length_penalty=typed(body, "length_penalty", 1.0, int, float),
+                  include_stop_str_in_output=fields.get("include_stop_str_in_output", False))
+    try:
+        return BeamSearchParams(**values)
+    except ValueError as e:
+        bad_field = next((f for f in values if str(e).startswith(f)), None)
+        raise HTTPError(400, str(e), "n" if bad_field == "beam_width" else bad_field) from None
 
 
 def encode_text(engine: Engine, text: str, param: str) -> list[int]:
@@ -380,6 +408,8 @@ def choice(tokenizer, index: int, out: RequestOutput, completion: CompletionOutp
     (then from a delta, `offset` characters into the choice's text)."""
     token_ids = completion.token_ids
     entries = completion.logprobs
+    if completion.cumulative_logprob is not None:  # beam search's: not asked for (nor taken)
+        entries = None
     text = completion.text
     if first and options["echo"]:  # the prompt (and its log-probabilities) first
         token_ids = out.prompt_token_ids + token_ids

@@ -41,7 +41,13 @@ kernels (kernels.py) read, and works out the step's slot_mapping from them there
 
 Names as in vLLM v1: BlockPool, block hashes, the free queue; BlockTable ~ the request's
 block ids; slot_mapping is the same. A "slot" is always a token's flat index in the cache.
-Elsewhere: swapping blocks to host memory (swap.py). Left out: copy-on-write.
+Copy-on-write (beam search, beam_search.py): a forked table (BlockTable.fork) shares every
+block of its parent, the last, partly filled one too. Before a step writes into a block with
+another owner, ensure() gives the writer a block of its own and records the copy (old block,
+new block) in `copies`; the engine makes all of a step's copies in one device op before its
+forward (swap.copy_blocks). assert_owned checks the rule where a step's writes are laid out.
+
+Elsewhere: swapping blocks to host memory (swap.py).
 """
 import hashlib
 from array import array
@@ -173,24 +179,63 @@ class BlockTable:
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # of block_ids[:len(block_hashes)]
         self.cache_salt = NO_PARENT  # its first block's parent hash (a LoRA adapter's)
+        # copy-on-write: (shared block, its copy) pairs for the engine to copy before the
+        # step that writes them; dropped if the table is released first
+        self.copies: list[tuple[int, int]] = []
 
-    def num_missing_blocks(self, num_tokens: int) -> int:
-        """Blocks still to allocate before the table holds `num_tokens` tokens."""
+    def num_missing_blocks(self, num_tokens: int, first_written: int | None = None) -> int:
+        """Blocks still to allocate before the table holds `num_tokens` tokens, and, if a step
+        writes from token first_written on, a copy of each shared block it writes into."""
         block_size = self.block_pool.block_size
         capacity = len(self.block_ids) * block_size
+        num_copies = len(self.shared_blocks(first_written))
         if num_tokens <= capacity:  # most calls: a decode within its last block
-            return 0
-        return cdiv(num_tokens - capacity, block_size)
+            return num_copies
+        return num_copies + cdiv(num_tokens - capacity, block_size)
 
-    def ensure(self, num_tokens: int) -> bool:
-        """Grow to hold `num_tokens` tokens; False (and nothing taken) if blocks ran out."""
-        missing = self.num_missing_blocks(num_tokens)
+    def shared_blocks(self, first_written: int | None) -> list[int]:
+        """The indices of the blocks from the one holding token first_written to the table's
+        end that another table also holds (None: the step writes nothing)."""
+        if first_written is None:
+            return []
+        ref_counts = self.block_pool.ref_counts
+        first = first_written // self.block_pool.block_size
+        return [i for i in range(first, len(self.block_ids)) if ref_counts[self.block_ids[i]] > 1]
+
+    def ensure(self, num_tokens: int, first_written: int | None = None) -> bool:
+        """Grow to hold `num_tokens` tokens and, if a step writes from token first_written on,
+        make each block it writes into the table's own (copy-on-write: a shared one is swapped
+        for a fresh block, the pair queued in `copies`); False (and nothing taken) if blocks
+        ran out."""
+        missing = self.num_missing_blocks(num_tokens, first_written)
         if missing == 0:
             return True
         if not self.block_pool.can_allocate(missing):
             return False
-        self.block_ids += self.block_pool.allocate(missing)
+        for i in self.shared_blocks(first_written):
+            shared = self.block_ids[i]
+            self.block_ids[i] = self.block_pool.allocate(1)[0]
+            self.copies.append((shared, self.block_ids[i]))
+            self.block_pool.free([shared])  # one owner less; the other keeps it
+        self.block_ids += self.block_pool.allocate(self.num_missing_blocks(num_tokens))
         return True
+
+    def assert_owned(self, first_written: int) -> None:
+        """The copy-on-write rule, where a step's writes are laid out (model_runner.py): no
+        block from the one holding token first_written on has another owner."""
+        ref_counts = self.block_pool.ref_counts
+        for b in self.block_ids[first_written // self.block_pool.block_size:]:  # most steps: 1
+            assert ref_counts[b] == 1, f"block {b} is written but shared"
+
+    def fork(self) -> "BlockTable":
+        """A table sharing every block of this one (beam search: a beam continued twice), the
+        reference counts up; the first of the two to write into a shared block copies it."""
+        child = BlockTable(self.block_pool)
+        self.block_pool.touch(self.block_ids)
+        child.block_ids = list(self.block_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.cache_salt = self.cache_salt
+        return child
 
     def truncate(self, num_tokens: int) -> None:
         """Free the blocks past those that hold num_tokens tokens (speculative decoding's
@@ -232,6 +277,7 @@ class BlockTable:
         self.block_pool.free(self.block_ids[::-1])
         self.block_ids = []
         self.block_hashes = []
+        self.copies = []  # its copies' new blocks were just freed: never copy into them
 
 
 # kv_cache_dtype (vLLM's names) -> the cache's dtype; None: the model's

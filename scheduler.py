@@ -12,7 +12,8 @@ on readmission and resumes from them. This is vLLM v1's rule, after Orca and Sar
 K/V copied to host memory (swap.py), its progress kept, and copied back into fresh blocks
 when it is readmitted; SchedulerOutput lists the copies for the engine to make.
 
-In this file, in order: Sequence (one sample of a request), SchedulerOutput (what a step runs
+In this file, in order: Sequence (one sample of a request), BeamGroup (a beam-search request's
+live beams, which are admitted and preempted together), SchedulerOutput (what a step runs
 and what scheduling it changed) and scheduled_phase (what a sequence's new tokens are),
 WaitingQueue (admission order: fcfs, sjf, priority), Scheduler, whose schedule() is the policy
 and whose update() applies a step's results, and check_stop, the one place that says why a
@@ -91,6 +92,8 @@ class Sequence:
                                               # its computed tokens' K/V (swap.py)
     priority: int = 0                         # lower first (vLLM's); --policy priority reads it
     lora_request: "LoRARequest | None" = None  # noqa: F821 (lora.LoRARequest) its adapter
+    beams: "BeamGroup | None" = None          # beam search: its request's live beams
+    cum_logprob: float = 0.0                  # beam search: its output's log-probability
     # len(prompt_token_ids), kept beside the sequence's other numbers: every step reads it,
     # and a long prompt's list sits far from them in memory (BENCHMARKS.md, section 8)
     num_prompt_tokens: int = field(init=False)
@@ -123,6 +126,16 @@ class Sequence:
         return self.num_uncomputed_tokens + self.params.max_tokens - self.num_output_tokens
 
 
+@dataclass(eq=False)
+class BeamGroup:
+    """The live beams of a beam-search request (beam_search.py), each a Sequence: they advance
+    together (a step chooses among all their next tokens), so the scheduler admits a request
+    only with room for beam_width sequences, and preempts and readmits its beams together:
+    a beam waiting alone for its preempted siblings would hold its blocks and never run."""
+    beam_width: int
+    seqs: list[Sequence] = field(default_factory=list)
+
+
 @dataclass
 class SchedulerOutput:
     """What schedule() decided for one step, so that nobody has to work it out afterwards by
@@ -145,6 +158,9 @@ class SchedulerOutput:
     # copies them before the step's forward, every copy out first (ModelRunner.swap).
     swapped_out: dict[Sequence, list[tuple[int, int]]] = field(default_factory=dict)
     swapped_in: dict[Sequence, list[tuple[int, int]]] = field(default_factory=dict)
+    # copy-on-write (beam search): each sequence that writes into a block it shared this step
+    # -> (shared block, its new block) pairs, copied after the swaps out, before the swaps in
+    block_copies: dict[Sequence, list[tuple[int, int]]] = field(default_factory=dict)
 
     def schedule(self, seq: Sequence, num_new: int) -> None:
         """seq runs num_new of its uncomputed tokens this step."""
@@ -357,6 +373,10 @@ class Scheduler:
         # engine has yet to copy in from.
         for pairs in output.swapped_in.values():
             self.swap_space.free([host_block for host_block, _ in pairs])
+        for seq in output.num_scheduled_tokens:  # copy-on-write: the copies its tokens need
+            if seq.block_table.copies:
+                output.block_copies[seq] = seq.block_table.copies
+                seq.block_table.copies = []
         return output
 
     def _schedule(self, output: SchedulerOutput) -> None:
@@ -391,11 +411,12 @@ class Scheduler:
             num_new = self._num_new_tokens(seq.num_uncomputed_tokens, budget)
             if num_new == 0:
                 continue
-            while not seq.block_table.ensure(seq.num_computed_tokens + num_new):
+            while not seq.block_table.ensure(seq.num_computed_tokens + num_new,
+                                             seq.num_computed_tokens):
                 victim = self._victim()
                 budget += self._preempt_in_step(victim, output)
-                if victim is seq:  # nothing newer or of lower priority was left to preempt
-                    break
+                if seq.status != SequenceStatus.RUNNING:  # nothing newer or of lower
+                    break                                  # priority was left to preempt
             if seq.status != SequenceStatus.RUNNING:
                 continue
             output.schedule(seq, num_new)
@@ -418,7 +439,7 @@ class Scheduler:
             drafts = drafts[:min(budget, room)]
             if not drafts:
                 continue
-            took_blocks = seq.block_table.ensure(num_tokens + len(drafts))
+            took_blocks = seq.block_table.ensure(num_tokens + len(drafts), num_tokens)
             assert took_blocks, "_draft_room counted these blocks as free"
             output.add_drafts(seq, drafts)
             budget -= len(drafts)
@@ -452,6 +473,12 @@ class Scheduler:
             if not self._has_lora_slot(seq):  # as vLLM: passed over, those behind it go on
                 passed_over.add(seq.request_id)
                 continue
+            if seq.beams is not None:  # its beams come in together, or none of them
+                budget_left = self._admit_beams(seq, output, budget)
+                if budget_left is None:
+                    return budget
+                budget = budget_left
+                continue
             victims = []
             if not self._has_room(seq, cached_block_ids):
                 victims = self._lower_priority_victims(seq, cached_block_ids)
@@ -460,13 +487,55 @@ class Scheduler:
             for victim in victims:
                 budget += self._preempt_in_step(victim, output)
             self._admit(seq, output, cached_hashes, cached_block_ids)
-            took_blocks = seq.block_table.ensure(num_computed + num_new)
+            took_blocks = seq.block_table.ensure(num_computed + num_new, num_computed)
             assert took_blocks, "_has_room counted these blocks as free"
             output.schedule(seq, num_new)
             budget -= num_new
             if victims:  # the step's last admission: its victims are not readmitted in it
                 return budget
         return budget
+
+    def _admit_beams(self, seq: Sequence, output: SchedulerOutput, budget: int) -> int | None:
+        """Admit seq's waiting beams together (BeamGroup), each from its cached prefix, with
+        what the budget leaves it; the budget left, or None (none admitted) if they do not all
+        fit: the sequence slots of beam_width beams, and the blocks they and every running
+        sequence need. A request's first admission is its prompt alone, reserving the slots of
+        the beams it forks into."""
+        group = seq.beams
+        beams = [beam for beam in group.seqs if beam.status == SequenceStatus.WAITING]
+        cached = [self._find_cached_prefix(beam) for beam in beams]
+        num_seqs = len(self.running) + self._num_reserved_seqs()
+        if num_seqs + group.beam_width - len(group.seqs) + len(beams) > self.max_num_seqs:
+            return None
+        block_size = self.block_pool.block_size
+        needed = sum(cdiv(len(beam.token_ids) + 1, block_size) - len(ids)
+                     for beam, (_, ids) in zip(beams, cached))
+        needed += sum(blocks_to_finish(running) for running in self.running)
+        cached_ids = list({b for _, ids in cached for b in ids})
+        if needed > self.block_pool.num_free_blocks - self.block_pool.count_free(cached_ids):
+            return None
+        for beam, (hashes, ids) in zip(beams, cached):
+            self._admit(beam, output, hashes, ids)
+            num_new = self._num_new_tokens(beam.num_uncomputed_tokens, budget)
+            if num_new == 0:
+                continue
+            took_blocks = beam.block_table.ensure(beam.num_computed_tokens + num_new,
+                                                  beam.num_computed_tokens)
+            assert took_blocks, "counted as free above"
+            output.schedule(beam, num_new)
+            budget -= num_new
+        return budget
+
+    def _num_reserved_seqs(self) -> int:
+        """Sequence slots held for beams not forked yet: a beam-search request running only
+        its prompt will fork into beam_width sequences."""
+        groups = {id(seq.beams): seq.beams for seq in self.running if seq.beams is not None}
+        return sum(group.beam_width - len(group.seqs) for group in groups.values())
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Beam search: child, a copy of the running parent sharing its blocks, runs too."""
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
 
     def _num_new_tokens(self, num_uncomputed: int, budget: int) -> int:
         """How many of a sequence's uncomputed tokens this step can take: all that the budget
@@ -515,7 +584,7 @@ class Scheduler:
     def _has_room(self, seq: Sequence, cached_block_ids: list[int]) -> bool:
         """Whether seq may be admitted now: a sequence slot is free (max_num_seqs) and the
         blocks are (_blocks_short)."""
-        has_seq_slot = len(self.running) < self.max_num_seqs
+        has_seq_slot = len(self.running) + self._num_reserved_seqs() < self.max_num_seqs
         return has_seq_slot and self._blocks_short(seq, cached_block_ids) <= 0
 
     def _blocks_short(self, seq: Sequence, cached_block_ids: list[int]) -> int:
@@ -573,7 +642,7 @@ class Scheduler:
         newest_first = self.running[::-1]
         lower = [running for running in newest_first if running.priority > seq.priority]
         lower.sort(key=attrgetter("priority"), reverse=True)  # stable: the newest first still
-        num_seqs = len(self.running)
+        num_seqs = len(self.running) + self._num_reserved_seqs()
         short = self._blocks_short(seq, cached_block_ids)
         victims = []
         for victim in lower:
@@ -594,13 +663,20 @@ class Scheduler:
                    if ref_counts[b] == 1 and b not in cached_block_ids)
 
     def _preempt_in_step(self, victim: Sequence, output: SchedulerOutput) -> int:
-        """Preempt victim in this step: it leaves the step's output if it was in it; the tokens
-        it had been given, back to the budget (0 if none)."""
-        num_returned = output.unschedule(victim)
-        if self._swaps(victim):
-            self._swap_out(victim, output)
-        self._preempt(victim)
-        output.preempted.append(victim)
+        """Preempt victim in this step, and with a beam its running siblings (BeamGroup): each
+        leaves the step's output if it was in it; the tokens they had been given, back to the
+        budget (0 if none)."""
+        victims = [victim]
+        if victim.beams is not None:
+            victims += [beam for beam in victim.beams.seqs
+                        if beam is not victim and beam.status == SequenceStatus.RUNNING]
+        num_returned = 0
+        for seq in victims:
+            num_returned += output.unschedule(seq)
+            if self._swaps(seq):
+                self._swap_out(seq, output)
+            self._preempt(seq)
+            output.preempted.append(seq)
         return num_returned
 
     def _admit_static_batch(self, output: SchedulerOutput) -> None:
@@ -662,7 +738,11 @@ class Scheduler:
         the engine to make before the step's forward, which may write the freed blocks."""
         num_blocks = cdiv(seq.num_computed_tokens, self.block_pool.block_size)
         seq.host_block_ids = self.swap_space.allocate(num_blocks)
-        device_block_ids = seq.block_table.block_ids[:num_blocks]
+        # a block it took this step to copy a shared one into is not copied yet (nor will
+        # be, now): its K/V are the shared block's, which the copies out read before anything
+        # is written
+        copied_from = {new: shared for shared, new in seq.block_table.copies}
+        device_block_ids = [copied_from.get(b, b) for b in seq.block_table.block_ids[:num_blocks]]
         output.swapped_out[seq] = list(zip(device_block_ids, seq.host_block_ids))
         self.num_swapped_out += 1
 
@@ -720,7 +800,7 @@ class Scheduler:
 def blocks_to_finish(seq: Sequence) -> int:
     """The blocks a running sequence still needs to compute all its tokens and take one
     more (what admission keeps free for it)."""
-    return seq.block_table.num_missing_blocks(len(seq.token_ids) + 1)
+    return seq.block_table.num_missing_blocks(len(seq.token_ids) + 1, seq.num_computed_tokens)
 
 
 def check_stop(seq: Sequence, token: int, stop_string: str | None, eos_token_ids: list[int]

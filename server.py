@@ -31,6 +31,7 @@ from functools import partial
 from http import HTTPStatus
 
 import watch
+from beam_search import BeamSearchParams
 from lora import LoRARequest, load_lora
 from nanoserve import Engine, EngineDeadError, RequestOutput, __version__, accumulate
 from openai_protocol import (HTTPError, chat_prompt, check_model, choice, choice_usage,
@@ -238,8 +239,13 @@ class EngineThread(threading.Thread):
         added = []
         try:
             for (prompt, params), request_id in zip(requests, ids):
-                self.engine.add_request(prompt, params, request_id, priority=priority,
-                                        lora_request=lora_request)
+                if isinstance(params, BeamSearchParams) and lora_request is not None:
+                    raise ValueError("use_beam_search does not run with a LoRA adapter")
+                if isinstance(params, BeamSearchParams):  # use_beam_search (beam_search.py)
+                    self.engine.add_beam_request(prompt, params, request_id, priority)
+                else:
+                    self.engine.add_request(prompt, params, request_id, priority=priority,
+                                            lora_request=lora_request)
                 added.append(request_id)
         except ValueError as e:  # another prompt of its HTTP request was refused
             self.abort(added)
@@ -880,7 +886,8 @@ class Server:
         event loop nor the engine's thread (whose steps would wait) runs it; the engine's
         add_request then finds it in its cache. HTTPError 400 naming the field if it does not
         compile (field: the one compile errors name; None, vLLM's structured_outputs)."""
-        constraint = requests[0][1].structured_outputs  # one for all of a request's prompts
+        # one for all of a request's prompts (none with use_beam_search: BeamSearchParams)
+        constraint = getattr(requests[0][1], "structured_outputs", None)
         if constraint is None:
             return
         manager = self.engine.structured_output_manager

@@ -22,7 +22,8 @@ step is read before it is written.
 from rates measured here: the copy's seconds a block, timed when the pool is made, and a
 prefill's seconds a token, timed on the engine's large steps.
 
-In this file: SwapSpace (the host tensors, their free blocks, the copies, the rates).
+In this file: SwapSpace (the host tensors, their free blocks, the copies, the rates), and
+copy_blocks, the device-to-device copy that copy-on-write uses (paged_cache.py, beam search).
 Left out: swapping to disk, copying on a side stream while the model runs (the copies here
 are on the step's stream: simple, and correct without events).
 """
@@ -145,6 +146,19 @@ class SwapSpace:
         copy_seconds = cdiv(num_tokens, self.block_size) * self.copy_seconds_per_block
         recompute_seconds = num_tokens * self.recompute_seconds_per_token
         return copy_seconds < recompute_seconds
+
+
+def copy_blocks(k_caches: torch.Tensor, v_caches: torch.Tensor,
+                pairs: list[tuple[int, int]]) -> None:
+    """Device blocks -> device blocks, for each (from block, to block) of pairs, in every layer:
+    one gather and one scatter for K and for V, all of a step's copies at once (copy-on-write:
+    a beam's own copy of a block it shared). The sources are read whole before any is
+    written."""
+    if not pairs:
+        return
+    index = torch.tensor(pairs, dtype=torch.int64).T.to(k_caches.device)  # (2, n)
+    k_caches[:, index[1]] = k_caches[:, index[0]]  # (n_layer, n, BS, Hkv, D)
+    v_caches[:, index[1]] = v_caches[:, index[0]]
 
 
 def swap_space_blocks(swap_space_gib: float, block_size: int, kv_bytes_per_token: int) -> int:

@@ -783,3 +783,20 @@ def test_bench_quantization_compares_each_scheme_with_the_unquantized_model(tmp_
     assert rows["int8"]["kv_bytes_per_token"] == reference["kv_bytes_per_token"]
     assert all(row["decode_tok_s_b1"] > 0 and 1 < row["perplexity"] for row in rows.values())
     assert "Quantization on shipped" in printed
+
+
+def test_bench_beam_search_compares_blocks_with_independent_sequences_and_times_it(tmp_path):
+    """A blocks row and a throughput row for each beam width; W beams of a request hold no more
+    blocks than W independent sequences, and copied blocks on write to do it."""
+    found, printed = run_single(tmp_path, ["--beam-search", "--beam-widths", "2", "4",
+                                           "--beam-max-tokens", "6", "--prompt-len", "20",
+                                           "--beam-requests", "2", "--block-size", "4",
+                                           "--kv-cache-tokens", "512", "--max-num-seqs", "8"])
+    blocks = found["beam_search"]["blocks"]
+    assert [row["beam_width"] for row in blocks] == [2, 4]
+    assert all(0 < row["beam_blocks"] < row["independent_blocks"] for row in blocks)
+    assert all(row["block_copies"] > 0 for row in blocks)
+    throughput = found["beam_search"]["throughput"]
+    assert [(row["beam_width"], row["requests"]) for row in throughput] == [(2, 2), (4, 2)]
+    assert all(row["beam_tokens_per_s"] > 0 for row in throughput)
+    assert "independent sequences" in printed
