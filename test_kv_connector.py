@@ -196,6 +196,23 @@ def test_an_interrupted_write_leaves_no_entry(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
+def test_an_entry_appears_under_its_name_only_whole(tmp_path, monkeypatch):
+    """Each entry is renamed into place complete: at the rename its name is not taken yet and
+    the temporary file holds every byte, so a reader never opens half of one."""
+    renames = []
+    replace = os.replace
+
+    def checked(source, destination):
+        assert not os.path.exists(destination)
+        renames.append((os.path.basename(destination), os.path.getsize(source)))
+        replace(source, destination)
+    monkeypatch.setattr(os, "replace", checked)
+    produce(tmp_path, [LONG])
+    assert sorted(renames) == [(name, os.path.getsize(tmp_path / name))
+                               for name in entries(tmp_path)]
+    assert len(renames) == len(LONG) // 16
+
+
 def test_the_folder_keeps_the_newest_max_entries(tmp_path):
     produce(tmp_path, [list(range(1, 50))])  # 3 blocks
     oldest = entries(tmp_path)
@@ -360,5 +377,6 @@ def test_outputs_through_the_proxy_equal_one_instance(tmp_path):
     assert f"nanoserve:kv_load_tokens_total {decoder.stats.num_kv_loaded_tokens}\n" in metrics
     assert decoder.stats.num_kv_loaded_tokens >= 16 * ((len(LONG) - 1) // 16)
     assert producer.stats.num_kv_saved_tokens > 0
+    assert producer.stats.num_generated_tokens == 2 * len(bodies)  # one token a request
     for engine in (producer, decoder):
         assert_no_leaks(engine)
