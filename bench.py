@@ -252,6 +252,19 @@ class BenchConfig:
     beam_widths: tuple = option((4, 8), "--beam-search: beam widths W")
     beam_max_tokens: int = option(128, "--beam-search: tokens each beam generates")
     beam_requests: int = option(16, "--beam-search: requests searched together, for tokens/s")
+    disagg: bool = option(False, "only disaggregated prefill and decode, the interference "
+                          "experiment: a steady stream of short requests (--prompt-len tokens, "
+                          "--disagg-short-output out) at --disagg-rate, long prompts "
+                          "(--disagg-long-len) every --disagg-long-every seconds, through one "
+                          "instance of two threads (chunked prefill) and through a prefill and "
+                          "a decode instance of one thread each (kv_connector.py): ITL, TPOT, "
+                          "TTFT, throughput, the transfer's cost a token")
+    disagg_rate: float = option(8.0, "--disagg: short requests a second", low=0, open_low=True)
+    disagg_short_output: int = option(64, "--disagg: tokens each short request generates")
+    disagg_long_len: int = option(896, "--disagg: tokens of each long prompt (it generates 8)")
+    disagg_long_every: float = option(2.0, "--disagg: seconds between long prompts", low=0,
+                                      open_low=True)
+    disagg_duration: float = option(16.0, "--disagg: seconds of arrivals", low=0, open_low=True)
 
 
 def parse_args(argv=None) -> BenchConfig:
@@ -1453,6 +1466,145 @@ def beam_search_table(found: dict) -> str:
     throughput = table("Beam search, requests searched together", found["throughput"],
                        "beam_width requests wall_s beam_tokens_per_s best_tokens_per_s")
     return blocks + "\n\n" + throughput
+
+# ----------------------------------------------------------------------------- disaggregation
+
+DISAGG_LONG_OUTPUT = 8  # tokens each long prompt generates: its cost is its prefill
+DISAGG_THREADS = 2      # the cores each configuration has in all: one instance of two threads,
+                        # or a prefill and a decode instance of one each
+
+
+def disagg_workload(cfg: BenchConfig, with_long: bool) -> tuple[list, list, list, list[bool]]:
+    """Arrival times, prompts, output lengths and which are long: short requests arriving
+    every 1 / --disagg-rate seconds for --disagg-duration seconds, and (with_long) a long
+    prompt every --disagg-long-every seconds from the first such interval on; by arrival."""
+    rng = np.random.default_rng(cfg.seed)
+    requests = []
+    for k in range(int(cfg.disagg_duration * cfg.disagg_rate)):
+        prompt = rng.integers(0, 256, cfg.prompt_len).tolist()
+        requests.append((k / cfg.disagg_rate, prompt, cfg.disagg_short_output, False))
+    for k in range(int(cfg.disagg_duration / cfg.disagg_long_every) if with_long else 0):
+        prompt = rng.integers(0, 256, cfg.disagg_long_len).tolist()
+        requests.append(((k + 0.5) * cfg.disagg_long_every, prompt, DISAGG_LONG_OUTPUT, True))
+    requests.sort(key=arrival_time)
+    arrivals, prompts, lengths, long = (list(column) for column in zip(*requests))
+    return arrivals, prompts, lengths, long
+
+
+def arrival_time(request: tuple) -> float:
+    return request[0]
+
+
+class Stopwatch:
+    """Wraps a function to add each call's wall time to `seconds`."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.seconds = 0.0
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def disagg_one_instance(cfg: BenchConfig, workload: tuple) -> list:
+    """The workload on one instance of DISAGG_THREADS threads, chunked prefill: token times."""
+    arrivals, prompts, lengths, _ = workload
+    torch.set_num_threads(DISAGG_THREADS)
+    engine = make_engine(cfg, "fcfs", max(lengths))
+    return run_online_engine(cfg, "fcfs", arrivals, prompts, lengths, engine=engine)
+
+
+def disagg_two_instances(cfg: BenchConfig, workload: tuple, folder: str) -> tuple[list, dict]:
+    """The workload through a prefill instance (kv_producer, max_tokens 1, as the proxy asks)
+    and then a decode instance (kv_consumer), one thread each, each on its own clock: the
+    prefill instance's run first (nothing it does waits for the decode one), then the decode
+    instance's with each request arriving when its prefill finished (its K/V saved). Token
+    times (the decode instance's: a client streams from it), and the transfer's cost."""
+    arrivals, prompts, lengths, _ = workload
+    torch.set_num_threads(DISAGG_THREADS // 2)
+    extra = {"shared_storage_path": folder}
+    prefill = make_engine(cfg, "fcfs", 1, kv_transfer_config={
+        "kv_connector": "ExampleConnector", "kv_role": "kv_producer",
+        "kv_connector_extra_config": extra})
+    prefill_step = prefill.step = Stopwatch(prefill.step)
+    save = prefill.kv_connector.save_kv = Stopwatch(prefill.kv_connector.save_kv)
+    prefilled = run_online_engine(cfg, "fcfs", arrivals, prompts, [1] * len(prompts),
+                                  engine=prefill)
+    ready_at = [t[0] for t in prefilled]  # its prefill done and its K/V saved
+    ready = sorted(range(len(prompts)), key=ready_at.__getitem__)
+    decode = make_engine(cfg, "fcfs", max(lengths), kv_transfer_config={
+        "kv_connector": "ExampleConnector", "kv_role": "kv_consumer",
+        "kv_connector_extra_config": extra})
+    decoded = run_online_engine(cfg, "fcfs", [ready_at[i] for i in ready],
+                                [prompts[i] for i in ready], [lengths[i] for i in ready],
+                                engine=decode)
+    times = [None] * len(prompts)
+    for position, i in enumerate(ready):
+        times[i] = decoded[position]
+    computed = prefill.stats.num_batched_tokens - prefill.stats.num_generated_tokens
+    loaded = decode.stats.num_kv_loaded_tokens
+    transfer = save.seconds + decode.stats.kv_load_seconds
+    return times, dict(prefill_s_per_token=(prefill_step.seconds - save.seconds) / computed,
+                       transfer_s_per_token=transfer / loaded if loaded else None,
+                       loaded_tokens=loaded, load_failures=decode.stats.num_kv_load_failures)
+
+
+def disagg_figures(name: str, threads: str, workload: tuple, times: list) -> dict:
+    """A run's row: the short requests' ITL and TPOT, the long ones' TTFT, the throughput."""
+    arrivals, _, lengths, long = workload
+    short = [i for i in range(len(times)) if not long[i]]
+    longs = [i for i in range(len(times)) if long[i]]
+    figures = latency_figures([arrivals[i] for i in short], [times[i] for i in short],
+                              [lengths[i] for i in short])
+    row = dict(run=name, threads=threads, itl_p50_ms=figures["itl"]["p50"] * 1e3,
+               itl_p99_ms=figures["itl"]["p99"] * 1e3, tpot_ms=figures["tpot"]["mean"] * 1e3,
+               tpot_p99_ms=figures["tpot"]["p99"] * 1e3, long_ttft_ms=None,
+               itl_p99_vs_alone=None,
+               output_throughput=sum(lengths) / (max(t[-1] for t in times) - arrivals[0]))
+    if longs:
+        row["long_ttft_ms"] = np.mean([times[i][0] - arrivals[i] for i in longs]) * 1e3
+    return row
+
+
+def disaggregation(cfg: BenchConfig) -> dict:
+    """--disagg: the short stream alone, then with long prompts arriving, on one instance and
+    through two; the p99 ITL of each against its own run without long prompts."""
+    threads = torch.get_num_threads()
+    rows, transfer = [], {}
+    try:
+        for with_long in (False, True):
+            workload = disagg_workload(cfg, with_long)
+            suffix = ", long prompts arriving" if with_long else ", short requests alone"
+            times = disagg_one_instance(cfg, workload)
+            rows.append(disagg_figures("one instance" + suffix, "1 x 2", workload, times))
+            with tempfile.TemporaryDirectory() as folder:
+                times, transfer = disagg_two_instances(cfg, workload, folder)
+            rows.append(disagg_figures("prefill + decode" + suffix, "2 x 1", workload, times))
+    finally:
+        torch.set_num_threads(threads)
+    for row, alone in zip(rows[2:], rows[:2]):  # each with long prompts against its own alone
+        row["itl_p99_vs_alone"] = row["itl_p99_ms"] / alone["itl_p99_ms"]
+    for row in rows:
+        emit(cfg, "disagg", row)
+    return dict(rows=rows, transfer=transfer)
+
+
+def disagg_table(found: dict) -> str:
+    runs = table("Disaggregated prefill and decode: the short requests' inter-token latency and "
+                 "time a token, the long prompts' time to first token, output tokens/s",
+                 found["rows"], "run threads itl_p50_ms itl_p99_ms itl_p99_vs_alone tpot_ms "
+                 "tpot_p99_ms long_ttft_ms output_throughput")
+    transfer = found["transfer"]
+    per_token = transfer["transfer_s_per_token"]
+    cost = "no tokens were loaded" if per_token is None else (
+        f"{per_token * 1e6:.1f} us a token saved and loaded against "
+        f"{transfer['prefill_s_per_token'] * 1e6:.1f} us a token to compute it "
+        f"({transfer['loaded_tokens']} tokens loaded, {transfer['load_failures']} failures)")
+    return runs + f"\n\nThe transfer (one machine, a shared folder): {cost}"
 
 
 # ----------------------------------------------------------------------------- LoRA
@@ -2667,7 +2819,7 @@ def versions(cfg: BenchConfig) -> dict:
 # The flags of the measurements that run alone (run_single_measurement), each BenchConfig's
 SINGLE_MEASUREMENTS = ("lm_head", "host_overhead", "detokenizer", "step_gemms", "kernel",
                        "count_ops", "sampling", "speculative", "structured_output", "goodput",
-                       "swap", "lora", "quantization", "beam_search")
+                       "swap", "lora", "quantization", "beam_search", "disagg")
 
 
 def run_single_measurement(cfg: BenchConfig) -> bool:
@@ -2687,7 +2839,8 @@ def run_single_measurement(cfg: BenchConfig) -> bool:
              "swap": (swap_against_recompute, swap_table),
              "lora": (lora_sweep, lora_table),
              "quantization": (quantization_sweep, quantization_table),
-             "beam_search": (beam_search_figures, beam_search_table)}
+             "beam_search": (beam_search_figures, beam_search_table),
+             "disagg": (disaggregation, disagg_table)}
     for name in SINGLE_MEASUREMENTS:
         if not getattr(cfg, name):
             continue

@@ -5,7 +5,8 @@ SamplingParams and ServerConfig (add_config_args: one place maps argparse onto t
 builds the Engine and hands it to one front end: --prompt serves every prompt as one batch
 and streams its text (--trace draws the steps after); piped lines are submitted as they arrive
 and printed whole, in order (--jsonl: a JSON object a line); at a terminal, a REPL; --serve
-starts the HTTP server (server.py). With a checkpoint that has a chat template, a --prompt, a
+starts the HTTP server (server.py); --disagg-proxy builds no engine and runs the proxy of
+disaggregated prefill and decode (disagg_proxy.py). With a checkpoint that has a chat template, a --prompt, a
 piped line and a REPL line are the user's turn through it (the REPL: one conversation), unless
 --ignore-chat-template; a --jsonl "prompt" is a completion's, always raw. --trace-html writes
 the watch page (watch.py) replaying the run of --prompt or piped input. An error is one
@@ -24,6 +25,7 @@ from functools import partial
 import torch
 
 import watch
+from disagg_proxy import ProxyConfig, serve_proxy
 from display import Progress, render_trace
 from nanoserve import (CompletionOutput, Engine, EngineConfig, EngineDeadError, RequestOutput,
                        accumulate)
@@ -67,6 +69,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "--jsonl: write a page that replays the run step by step (open it in a "
                    "browser); a server's live page is at /")
     p.add_argument("--serve", action="store_true", help="serve OpenAI's API over HTTP")
+    p.add_argument("--disagg-proxy", action="store_true", help="no engine: a proxy that sends "
+                   "each request to a --prefill instance, then to a --decode one "
+                   "(disagg_proxy.py), on --host and --port")
+    p.add_argument("--prefill", nargs="+", metavar="URL", help="with --disagg-proxy: the "
+                   "prefill instances (kv_producer), taken in turn")
+    p.add_argument("--decode", nargs="+", metavar="URL", help="with --disagg-proxy: the decode "
+                   "instances (kv_consumer), taken in turn")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                    help="torch CPU threads: half the cores, so a busy core does not stall steps")
     sampling = p.add_argument_group("sampling (SamplingParams; a flag not given: the "
@@ -540,6 +549,11 @@ def write_trace_page(path: str, frames: list[dict]) -> None:
 
 def check_front_end_flags(args: argparse.Namespace) -> None:
     """ValueError for flags that the chosen front end would ignore."""
+    if (args.prefill or args.decode) and not args.disagg_proxy:
+        raise ValueError("--prefill and --decode are the instances of --disagg-proxy")
+    if args.disagg_proxy and (args.serve or args.prompt or args.jsonl):
+        raise ValueError("--disagg-proxy runs no engine: it takes no --serve, --prompt or "
+                         "--jsonl")
     if args.trace and not args.prompt:
         raise ValueError("--trace needs --prompt")
     if args.jsonl and args.prompt:
@@ -568,6 +582,9 @@ def main(argv=None) -> None:
     try:
         check_int("--threads", args.threads, 1, MAX_THREADS)
         check_front_end_flags(args)
+        if args.disagg_proxy:
+            serve_proxy(ProxyConfig(args.prefill or [], args.decode or [], args.host, args.port))
+            return
         runs_a_batch = args.prompt or args.jsonl or not sys.stdin.isatty()  # not the REPL
         if args.trace_html is not None and (args.serve or not runs_a_batch):
             raise ValueError("--trace-html needs --prompt, piped input or --jsonl (a server's "

@@ -73,7 +73,7 @@ class Progress:
 
 
 TRACE_LEGEND = ("= prompt chunk  o generated token  2-9 that many (accepted drafts)  * end  "
-                "x preempted  . waiting  c cache hit")
+                "x preempted  . waiting  c cache hit  k KV loaded")
 
 
 def trace_mark(request_id: str, record: "StepRecord") -> str:  # noqa: F821 (nanoserve.py)
@@ -82,6 +82,8 @@ def trace_mark(request_id: str, record: "StepRecord") -> str:  # noqa: F821 (nan
         return "x"
     if request_id in record.finished:
         return "*"
+    if request_id in record.num_loaded_tokens:  # from another instance (kv_connector.py)
+        return "k"
     if request_id in record.num_cached_tokens:
         return "c"
     if request_id in record.num_accepted_tokens and record.num_accepted_tokens[request_id]:

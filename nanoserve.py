@@ -34,6 +34,7 @@ Left out: tensor parallelism, multi-modal inputs.
 """
 import dataclasses
 import itertools
+import os
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from linear import QUANTIZATION_METHODS
 from display import Progress, progress_wanted, render_trace
 from draft_proposer import DraftModelProposer, draft_kv_bytes_per_token, load_draft
 from kernels import keep_freed_memory
+from kv_connector import KVTransferConfig, make_kv_connector, parse_kv_transfer_config
 from lora import LoRARequest
 from model import PRESETS
 from model_runner import ModelOutput, ModelRunner
@@ -127,6 +129,12 @@ class EngineConfig:
         ": 4} or {\"model\": PATH, \"num_speculative_tokens\": 4} (spec_decode.py)",
         type=parse_speculative_config)
 
+    kv_transfer_config: KVTransferConfig | None = option(
+        None, "disaggregated prefill and decode, as JSON: {\"kv_connector\": "
+        "\"ExampleConnector\", \"kv_role\": \"kv_producer\" | \"kv_consumer\" | "
+        "\"kv_both\", \"kv_connector_extra_config\": {\"shared_storage_path\": DIR}} "
+        "(kv_connector.py)", type=parse_kv_transfer_config)
+
     # LoRA (lora.py): vLLM's flags
     enable_lora: bool = option(False, "serve LoRA adapters (requests name one: lora_request)")
     max_loras: int = option(4, "LoRA adapters resident on the device at once (a step's most)",
@@ -138,6 +146,7 @@ class EngineConfig:
 
     def __post_init__(self):
         self.speculative_config = parse_speculative_config(self.speculative_config)
+        self.kv_transfer_config = parse_kv_transfer_config(self.kv_transfer_config)
         check_fields(self)
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras {self.max_cpu_loras} is below max_loras "
@@ -232,6 +241,13 @@ class StepRecord:
     lora_names: dict[str, str] = field(default_factory=dict)  # scheduled with a LoRA adapter
     swap_blocks_used: int = 0       # host blocks holding swapped-out K/V (swap.py)
     num_block_copies: int = 0       # copy-on-write: blocks copied before the step (beams)
+    # disaggregated prefill (kv_connector.py): admitted with K/V loaded from another instance
+    # -> how many tokens; and what the connector read (checked), spent, failed and wrote
+    num_loaded_tokens: dict[str, int] = field(default_factory=dict)
+    kv_load_bytes: int = 0
+    kv_load_seconds: float = 0.0
+    num_kv_load_failures: int = 0   # entries there but bad: their tokens computed instead
+    num_kv_saved_tokens: int = 0
     fell_back: bool = False         # the batch failed and each sequence ran alone
 
 
@@ -254,6 +270,13 @@ class EngineStats:
     # steps whose batch failed and ran again one sequence at a time: a step that raises is
     # seen here (and in /metrics), not only in the requests that fail alone
     num_fallbacks: int = 0
+    # disaggregated prefill (kv_connector.py): prompt tokens loaded rather than computed, the
+    # bytes read for them, the seconds it took, bad entries recomputed, tokens saved
+    num_kv_loaded_tokens: int = 0
+    kv_load_bytes: int = 0
+    kv_load_seconds: float = 0.0
+    num_kv_load_failures: int = 0
+    num_kv_saved_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -263,6 +286,11 @@ class EngineStats:
         return self.num_cached_tokens / self.num_queried_tokens
 
     def record(self, step: StepRecord) -> None:
+        self.num_kv_loaded_tokens += sum(step.num_loaded_tokens.values())
+        self.kv_load_bytes += step.kv_load_bytes
+        self.kv_load_seconds += step.kv_load_seconds
+        self.num_kv_load_failures += step.num_kv_load_failures
+        self.num_kv_saved_tokens += step.num_kv_saved_tokens
         if not step.scheduled:  # only aborts since the last step
             return
         self.num_steps += 1
@@ -335,13 +363,18 @@ class Engine:
                                         self.eos_token_ids,
                                         draft_kv_bytes_per_token(draft, config.kv_cache_dtype))
         self.block_pool = self.model_runner.block_pool
+        # disaggregated prefill: K/V to and from other instances (kv_connector.py), or None
+        self.kv_connector = make_kv_connector(
+            config.kv_transfer_config, model_id(checkpoint, config), config.block_size,
+            self.model_runner.k_caches, self.model_runner.v_caches)
         self.max_model_len = self._max_model_len(config.max_model_len, c.n_positions)
         self.model_runner.prepare(self.max_model_len)
         self.scheduler = Scheduler(self.block_pool, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
                                    config.policy, preemption_mode=config.preemption_mode,
                                    swap_space=self.model_runner.swap_space,
-                                   max_loras=config.max_loras if config.enable_lora else None)
+                                   max_loras=config.max_loras if config.enable_lora else None,
+                                   kv_connector=self.kv_connector)
         self.lora_manager = self.model_runner.lora_manager  # None unless enable_lora
         self.seqs: dict[str, Sequence] = {}            # sequence id -> its sequence
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n samples
@@ -456,6 +489,8 @@ class Engine:
             self._remove(seq)
         self.model_runner.swap(scheduler_output.swapped_out, scheduler_output.swapped_in,
                                scheduler_output.block_copies)
+        if self.kv_connector is not None:  # the admitted sequences' K/V from other instances
+            self.kv_connector.start_load_kv()
         num_scheduled_tokens = scheduler_output.num_scheduled_tokens
         spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
         if not num_scheduled_tokens:
@@ -496,6 +531,7 @@ class Engine:
                 outputs.append(self._fail(seq, error))
         spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
         self.scheduler.update(ran, model_output.sampled_token_ids, spec_decode_tokens)
+        self.save_kv(ran)
         for request in self.beam_search.update(model_output):  # the beams' next tokens
             outputs.append(self._beam_output(request))
         for seq, drafts in spec_decode_tokens.items():
@@ -510,6 +546,16 @@ class Engine:
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def save_kv(self, ran: dict[Sequence, int]) -> None:
+        """A KV producer (kv_connector.py) saves the full blocks of each prompt whose last
+        token this step computed (num_new of them ran), for a decode instance to load."""
+        if self.kv_connector is None:
+            return
+        for seq, num_new in ran.items():
+            computed = seq.num_computed_tokens
+            if computed - num_new < seq.num_prompt_tokens <= computed:
+                self.kv_connector.save_kv(seq)
 
     def _verified(self, seq: Sequence, drafts: list[int], emitted: list[int]) -> None:
         """seq verified its drafts: its input-batch row forgets the blocks the scheduler freed
@@ -557,9 +603,22 @@ class Engine:
             swap_blocks_used=self.swap_blocks_used,
             num_block_copies=sum(map(len, scheduler_output.block_copies.values())),
             fell_back=model_output.fell_back)
+        self._record_kv_transfer(self.last_step, scheduler_output)
         self.stats.record(self.last_step)
         if self.step_records is not None:
             self.step_records.append(self.last_step)
+
+    def _record_kv_transfer(self, step: StepRecord, scheduler_output: SchedulerOutput) -> None:
+        """What the KV connector loaded, read, spent and saved in the step (kv_connector.py)."""
+        if self.kv_connector is None:
+            return
+        step.num_loaded_tokens = {seq.seq_id: num for seq, num
+                                  in scheduler_output.num_external_tokens.items()}
+        stats = self.kv_connector.take_stats()
+        step.kv_load_bytes = stats.num_load_bytes
+        step.kv_load_seconds = stats.load_seconds
+        step.num_kv_load_failures = stats.num_load_failures
+        step.num_kv_saved_tokens = stats.num_saved_tokens
 
     def add_request(self, prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, stream: bool = True, priority: int = 0,
@@ -923,6 +982,14 @@ class Engine:
             return False
         self.requests.pop(seq.request_id, None)
         return True
+
+
+def model_id(checkpoint, config: EngineConfig) -> str:
+    """What a KV connector's entries name as their model, so another model's K/V of the same
+    shape are never loaded: the checkpoint's real path, or a preset and its seed."""
+    if checkpoint.path is not None:
+        return os.path.realpath(checkpoint.path)
+    return f"preset {config.preset} seed {config.seed}"
 
 
 def lora_cache_salt(lora_request: LoRARequest | None) -> bytes:

@@ -94,6 +94,8 @@ class Sequence:
     lora_request: "LoRARequest | None" = None  # noqa: F821 (lora.LoRARequest) its adapter
     beams: "BeamGroup | None" = None          # beam search: its request's live beams
     cum_logprob: float = 0.0                  # beam search: its output's log-probability
+    num_external_computed_tokens: int = 0     # prompt tokens the KV connector loaded at its
+                                              # first admission (vLLM's name; kv_connector.py)
     # len(prompt_token_ids), kept beside the sequence's other numbers: every step reads it,
     # and a long prompt's list sits far from them in memory (BENCHMARKS.md, section 8)
     num_prompt_tokens: int = field(init=False)
@@ -161,6 +163,9 @@ class SchedulerOutput:
     # copy-on-write (beam search): each sequence that writes into a block it shared this step
     # -> (shared block, its new block) pairs, copied after the swaps out, before the swaps in
     block_copies: dict[Sequence, list[tuple[int, int]]] = field(default_factory=dict)
+    # admitted this step with K/V the KV connector loads (kv_connector.py) -> how many tokens;
+    # the engine has them copied into their blocks before the step's forward
+    num_external_tokens: dict[Sequence, int] = field(default_factory=dict)
 
     def schedule(self, seq: Sequence, num_new: int) -> None:
         """seq runs num_new of its uncomputed tokens this step."""
@@ -312,7 +317,8 @@ class Scheduler:
     def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, policy: str = "fcfs",
                  sjf_max_wait_steps: int = 256, preemption_mode: str = "recompute",
-                 swap_space: SwapSpace | None = None, max_loras: int | None = None):
+                 swap_space: SwapSpace | None = None, max_loras: int | None = None,
+                 kv_connector=None):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {POLICIES}")
         if preemption_mode not in PREEMPTION_MODES:
@@ -330,6 +336,7 @@ class Scheduler:
         self.preemption_mode = preemption_mode
         self.swap_space = swap_space
         self.max_loras = max_loras  # LoRA adapters the running sequences may hold; None: no LoRA
+        self.kv_connector = kv_connector  # K/V from other instances (kv_connector.py), or None
         self.num_schedule_calls = 0  # the queue's clock: arrival_step and sjf's aging read it
         self.num_preemptions = 0   # by recompute and by swapping
         self.num_swapped_out = 0
@@ -467,7 +474,9 @@ class Scheduler:
             num_computed = len(cached_block_ids) * self.block_pool.block_size
             if seq.is_swapped_out:  # its blocks come back from host memory
                 num_computed = seq.num_computed_tokens
-            num_new = self._num_new_tokens(len(seq.token_ids) - num_computed, budget)
+            num_external = self._num_external_tokens(seq, num_computed)
+            num_uncomputed = len(seq.token_ids) - num_computed - num_external
+            num_new = self._num_new_tokens(num_uncomputed, budget)
             if num_new == 0:
                 return budget
             if not self._has_lora_slot(seq):  # as vLLM: passed over, those behind it go on
@@ -487,8 +496,10 @@ class Scheduler:
             for victim in victims:
                 budget += self._preempt_in_step(victim, output)
             self._admit(seq, output, cached_hashes, cached_block_ids)
-            took_blocks = seq.block_table.ensure(num_computed + num_new, num_computed)
+            took_blocks = seq.block_table.ensure(num_computed + num_external + num_new,
+                                                 num_computed)
             assert took_blocks, "_has_room counted these blocks as free"
+            self._load_external(seq, num_external, output)
             output.schedule(seq, num_new)
             budget -= num_new
             if victims:  # the step's last admission: its victims are not readmitted in it
@@ -536,6 +547,37 @@ class Scheduler:
         """Beam search: child, a copy of the running parent sharing its blocks, runs too."""
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
+
+    def _num_external_tokens(self, seq: Sequence, num_computed: int) -> int:
+        """The KV connector's hook (vLLM's get_num_new_matched_tokens): how many of seq's
+        tokens past its first num_computed another instance computed and it can load, whole
+        blocks, never its last token. None without a connector, when swapped out (its blocks
+        come back from host memory) or for prompt log-probabilities (every prompt token
+        computed)."""
+        if self.kv_connector is None or seq.is_swapped_out:
+            return 0
+        if seq.params.prompt_logprobs is not None:
+            return 0
+        return self.kv_connector.get_num_new_matched_tokens(seq, num_computed)
+
+    def _load_external(self, seq: Sequence, num_external: int, output: SchedulerOutput
+                       ) -> None:
+        """seq, just admitted with blocks for them, takes num_external tokens from the KV
+        connector (vLLM's update_state_after_alloc): the blocks past its cached prefix are
+        theirs, loaded before the step's forward, and its progress starts past them, as after
+        a prefix-cache hit that came from outside."""
+        if self.kv_connector is None:
+            return
+        first = seq.num_computed_tokens // self.block_pool.block_size
+        num_blocks = num_external // self.block_pool.block_size
+        block_ids = seq.block_table.block_ids[first:first + num_blocks]
+        self.kv_connector.update_state_after_alloc(seq, block_ids, num_external)
+        if num_external == 0:
+            return
+        if seq.num_preemptions == 0:  # its first admission
+            seq.num_external_computed_tokens = num_external
+        seq.num_computed_tokens += num_external
+        output.num_external_tokens[seq] = num_external
 
     def _num_new_tokens(self, num_uncomputed: int, budget: int) -> int:
         """How many of a sequence's uncomputed tokens this step can take: all that the budget
@@ -791,6 +833,8 @@ class Scheduler:
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.block_table.release()
+        if self.kv_connector is not None:
+            self.kv_connector.request_finished(seq)
         if seq.is_swapped_out:  # aborted while swapped out
             self.swap_space.free(seq.host_block_ids)
             seq.host_block_ids = []

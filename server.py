@@ -287,6 +287,12 @@ class EngineThread(threading.Thread):
                   ("num_swapped_out_total", "counter", engine.scheduler.num_swapped_out),
                   ("num_swapped_in_total", "counter", engine.scheduler.num_swapped_in),
                   ("num_fallbacks_total", "counter", engine.stats.num_fallbacks),
+                  # disaggregated prefill (kv_connector.py)
+                  ("kv_load_tokens_total", "counter", engine.stats.num_kv_loaded_tokens),
+                  ("kv_load_bytes_total", "counter", engine.stats.kv_load_bytes),
+                  ("kv_load_seconds_total", "counter", engine.stats.kv_load_seconds),
+                  ("kv_load_failures_total", "counter", engine.stats.num_kv_load_failures),
+                  ("kv_save_tokens_total", "counter", engine.stats.num_kv_saved_tokens),
                   ("swap_blocks_used", "gauge", step.swap_blocks_used if step else 0)]
         lines = []
         for name, kind, value in values:

@@ -384,6 +384,28 @@ def test_bench_swap_times_resuming_by_context_and_throughput_by_mode(tmp_path):
     assert "Throughput under a cache that preempts often" in printed
 
 
+def test_bench_disagg_compares_one_instance_with_a_prefill_and_a_decode_instance(tmp_path):
+    """--disagg's quick form: the short stream alone and with long prompts, on one instance
+    and through two; the decode instance loaded the prompts the prefill instance saved, and
+    each run with long prompts is set against its own run without."""
+    found, printed = run_single(tmp_path, ["--disagg", "--prompt-len", "16", "--disagg-rate",
+                                           "16", "--disagg-duration", "0.5",
+                                           "--disagg-long-len", "120", "--disagg-long-every",
+                                           "0.25", "--disagg-short-output", "6"])
+    rows = found["disagg"]["rows"]
+    assert [(row["run"], row["threads"]) for row in rows] == [
+        ("one instance, short requests alone", "1 x 2"),
+        ("prefill + decode, short requests alone", "2 x 1"),
+        ("one instance, long prompts arriving", "1 x 2"),
+        ("prefill + decode, long prompts arriving", "2 x 1")]
+    assert [row["long_ttft_ms"] is None for row in rows] == [True, True, False, False]
+    assert all(row["itl_p99_vs_alone"] > 0 for row in rows[2:])
+    transfer = found["disagg"]["transfer"]
+    assert transfer["loaded_tokens"] == 2 * 112 and transfer["load_failures"] == 0
+    assert transfer["transfer_s_per_token"] > 0 and transfer["prefill_s_per_token"] > 0
+    assert "The transfer (one machine, a shared folder)" in printed
+
+
 # ----------------------------------------------------------------------------- bench.py --url
 
 URL_TINY = ("--online-requests 8 --online-limit 9 --mean-output-len 5 --prompt-len 12 "

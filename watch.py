@@ -54,10 +54,14 @@ def frame(engine: Engine) -> dict:
 
 def sequence(seq: Sequence) -> dict:
     """One sequence as a queue shows it: its tokens computed of all it has, its prompt's
-    length, its block table, and its host blocks while swapped out."""
+    length, its block table, its host blocks while swapped out, and the prompt tokens whose
+    K/V a KV connector loaded rather than computed (its first loaded // block_size blocks,
+    after any prefix-cache hit)."""
     return {"id": seq.seq_id, "computed": seq.num_computed_tokens, "tokens": len(seq.token_ids),
             "prompt": seq.num_prompt_tokens, "blocks": list(seq.block_table.block_ids),
             "host_blocks": list(seq.host_block_ids),
+            "loaded": seq.num_external_computed_tokens,  # its first tokens' K/V loaded from
+                                                          # another instance (kv_connector.py)
             "lora": seq.lora_request.lora_name if seq.lora_request is not None else None}
 
 

@@ -1,0 +1,408 @@
+"""Disaggregated prefill and decode: a KV connector that hands a prompt's K/V from the instance
+that computed it (the producer) to the one that decodes it (the consumer), through a folder.
+
+Prefill is compute-bound and decode bandwidth-bound; on one instance a long prompt's prefill
+stalls every decode beside it. Disaggregated serving (DistServe, Splitwise, Mooncake; vLLM's
+kv_transfer_config) runs them apart: the prefill instance computes the prompt and sends its
+K/V; the decode instance admits the request as if the prompt were cached and computes only
+the rest. This is vLLM's ExampleConnector (earlier SharedStorageConnector): the transport is
+files, one a full block, named by the prefix cache's block hash (paged_cache.hash_block: the
+SHA-256 chain of the block's tokens and every block before it), so any instance that shares a
+prefix finds it. Real deployments move the blocks GPU to GPU instead (NIXL, LMCache,
+Mooncake's transfer engine); the hooks are the same, so another transport could take its place.
+
+    kv_transfer_config = {"kv_connector": "ExampleConnector", "kv_role": "kv_producer",
+                          "kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}
+
+The hooks, vLLM's names (KVConnectorBase_V1), where the engine calls them:
+
+    scheduler side   get_num_new_matched_tokens(seq, num_computed_tokens)  admission: how many
+                       more prompt tokens the folder holds, past the prefix cache's hit
+                     update_state_after_alloc(seq, block_ids, num_external_tokens)  the fresh
+                       blocks they go to
+                     request_finished(seq)  the sequence ended: forget what was kept for it
+    worker side      start_load_kv()   before the step's forward: copy into those blocks
+                     save_kv(seq)      after the step that finished seq's prompt: its full
+                                       blocks to the folder (vLLM saves layer by layer during
+                                       the forward, save_kv_layer; here all at once)
+
+Example, block_size 16, a 40-token prompt. The producer (the proxy sent it max_tokens 1)
+computes 40 tokens and writes blocks 0 and 1 (tokens 0-31; 32-39 fill no block). The consumer
+asks get_num_new_matched_tokens: 32; it admits the request with two fresh blocks, loads them,
+sets num_computed_tokens to 32 and computes tokens 32-39 (at least the last token is always
+computed: its logits give the first sample).
+
+Failure is never wrong output (vLLM's kv_load_failure_policy "recompute"): every entry is
+checked before it is used: its model, the tokens and parent hash it is for, its shapes, dtype
+and a SHA-256 of its bytes. A missing entry ends the match; a truncated, corrupted or foreign
+one ends it too and is counted (num_load_failures): the tokens from there are computed. vLLM
+learns of a failed load from the worker after scheduling; here, in one process, the entries
+are read and checked when the match is counted, so a failure only shortens it. An entry is
+written to a temporary name and renamed, so no reader sees half of one; the folder is bounded
+(max_entries, max_bytes in the extra config): the oldest entries go first.
+
+In this file: KVTransferConfig and parse_kv_transfer_config, the entry format (write_entry,
+read_entry), ExampleConnector. Left out: asynchronous and layer-by-layer transfer, saving
+decoded tokens, transfer between machines.
+"""
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import struct
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from paged_cache import hash_block
+
+CONNECTORS = ("ExampleConnector", "SharedStorageConnector")  # vLLM's names, new and old
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+FAILURE_POLICIES = ("recompute",)  # vLLM's kv_load_failure_policy; "fail" is left out
+EXTRA_KEYS = ("shared_storage_path", "max_entries", "max_bytes")
+MAGIC = b"NSKV1\n"                 # an entry's first bytes: the format and its version
+SUFFIX = ".kv"                     # an entry's file name: its block hash in hex, then this
+HEADER_LENGTH = struct.Struct("<Q")  # after the magic: the JSON header's length in bytes
+
+
+@dataclass
+class KVTransferConfig:
+    """vLLM's kv_transfer_config: the connector, this instance's role, and the connector's own
+    settings (kv_connector_extra_config: shared_storage_path, the folder, required;
+    max_entries and max_bytes, its bounds, optional)."""
+    kv_connector: str
+    kv_role: str
+    kv_connector_extra_config: dict = field(default_factory=dict)
+    kv_load_failure_policy: str = "recompute"
+
+    def __post_init__(self):
+        if self.kv_connector not in CONNECTORS:
+            raise ValueError(f"kv_transfer_config: unknown kv_connector {self.kv_connector!r}; "
+                             f"choose one of {', '.join(CONNECTORS)}")
+        if self.kv_role not in ROLES:
+            raise ValueError(f"kv_transfer_config: unknown kv_role {self.kv_role!r}; choose "
+                             f"one of {', '.join(ROLES)}")
+        if self.kv_load_failure_policy not in FAILURE_POLICIES:
+            raise ValueError("kv_transfer_config: kv_load_failure_policy must be recompute, got "
+                             f"{self.kv_load_failure_policy!r}")
+        self._check_extra_config(self.kv_connector_extra_config)
+
+    @staticmethod
+    def _check_extra_config(extra: dict) -> None:
+        if not isinstance(extra, dict):
+            raise ValueError("kv_transfer_config: kv_connector_extra_config must be an object, "
+                             f"got {extra!r}")
+        unknown = sorted(set(extra) - set(EXTRA_KEYS))
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown kv_connector_extra_config key "
+                             f"{unknown[0]!r}; known: {', '.join(EXTRA_KEYS)}")
+        path = extra.get("shared_storage_path")
+        if not isinstance(path, str) or not path:
+            raise ValueError("kv_transfer_config: kv_connector_extra_config needs "
+                             f"shared_storage_path, a folder; got {path!r}")
+        for name in ("max_entries", "max_bytes"):
+            value = extra.get(name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"kv_transfer_config: {name} must be an integer >= 1, got "
+                                 f"{value!r}")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+
+def parse_kv_transfer_config(value) -> KVTransferConfig | None:
+    """None, a KVTransferConfig, a dict or its JSON text (the command line's) -> a validated
+    KVTransferConfig or None; ValueError naming the field for anything else."""
+    if value is None or isinstance(value, KVTransferConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"kv_transfer_config is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"kv_transfer_config must be a JSON object, got {value!r}")
+    known = {f.name for f in dataclasses.fields(KVTransferConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"kv_transfer_config: unknown key {unknown[0]!r}; known: "
+                         f"{', '.join(sorted(known))}")
+    for name in ("kv_connector", "kv_role"):
+        if name not in value:
+            raise ValueError(f"kv_transfer_config needs {name}")
+    return KVTransferConfig(**value)
+
+
+# --- an entry: one full block's K/V ------------------------------------------------------
+
+@dataclass
+class EntryKey:
+    """What an entry must be for: the model, the block's parent hash and tokens (which give
+    its hash, the file's name), and the K/V's dtype and shape, a block's of every layer:
+    (n_layer, block_size, n_kv_head, head_dim)."""
+    model_id: str
+    parent_hash: bytes
+    token_ids: list[int]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def block_hash(self) -> bytes:
+        return hash_block(self.parent_hash, self.token_ids)
+
+    def header(self) -> dict:
+        return {"model": self.model_id, "parent_hash": self.parent_hash.hex(),
+                "token_ids": self.token_ids, "dtype": str(self.dtype).removeprefix("torch."),
+                "shape": list(self.shape)}
+
+
+class BadEntry(ValueError):
+    """An entry that is there but is not the K/V asked for: truncated, corrupted, foreign."""
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """A tensor's bytes, any dtype (bfloat16 too), from any device."""
+    return tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def write_entry(path: str, key: EntryKey, k: torch.Tensor, v: torch.Tensor) -> int:
+    """Write a block's K and V (each key.shape) to path: the magic, the header's length, the
+    JSON header (key.header() and the payload's SHA-256), the payload (K's bytes, V's). Written
+    under a temporary name in the same folder and renamed: a reader sees all of it or none.
+    Returns the bytes written."""
+    payload = tensor_bytes(k) + tensor_bytes(v)
+    header = json.dumps(key.header() | {"sha256": hashlib.sha256(payload).hexdigest()}).encode()
+    folder = os.path.dirname(path)
+    fd, temp_path = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=SUFFIX + ".part")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(MAGIC + HEADER_LENGTH.pack(len(header)) + header + payload)
+        os.replace(temp_path, path)
+    except BaseException:
+        if os.path.exists(temp_path):
+            os.remove(temp_path)
+        raise
+    return len(MAGIC) + HEADER_LENGTH.size + len(header) + len(payload)
+
+
+def read_entry(path: str, key: EntryKey) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The K and V (each key.shape, key.dtype, on the CPU) an entry holds, and its size in
+    bytes; FileNotFoundError if there is none, BadEntry if it is not exactly what key asks
+    for (each check says which)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    start = len(MAGIC) + HEADER_LENGTH.size
+    if len(data) < start or not data.startswith(MAGIC):
+        raise BadEntry("not an entry (its magic or header length is missing)")
+    (header_length,) = HEADER_LENGTH.unpack_from(data, len(MAGIC))
+    try:
+        header = json.loads(data[start:start + header_length])
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadEntry("its header is not JSON (truncated?)") from None
+    if not isinstance(header, dict):
+        raise BadEntry("its header is not an object")
+    checksum = header.pop("sha256", None)
+    expected = key.header()
+    for name, value in expected.items():
+        if header.get(name) != value:
+            raise BadEntry(f"its {name} is {header.get(name)!r:.80}, not {value!r:.80}")
+    payload = data[start + header_length:]
+    num_bytes = 2 * math.prod(key.shape) * key.dtype.itemsize
+    if len(payload) != num_bytes:
+        raise BadEntry(f"its payload is {len(payload)} bytes, not {num_bytes} (truncated?)")
+    if hashlib.sha256(payload).hexdigest() != checksum:
+        raise BadEntry("its checksum does not match its bytes (corrupted)")
+    kv = torch.frombuffer(bytearray(payload), dtype=key.dtype).view(2, *key.shape)
+    return kv[0], kv[1], len(data)
+
+
+# --- the connector ---------------------------------------------------------------------------
+
+@dataclass
+class KVTransferStats:
+    """What the connector moved since it was last asked (take_stats): the engine's StepRecord
+    carries it into EngineStats and /metrics."""
+    num_load_bytes: int = 0      # entries read (checked), in bytes
+    load_seconds: float = 0.0    # reading, checking and copying them into the cache
+    num_load_failures: int = 0   # entries there but bad: the tokens from there recomputed
+    num_saved_tokens: int = 0    # tokens whose K/V were written (producer)
+    num_saved_bytes: int = 0
+
+
+class ExampleConnector:
+    """vLLM's ExampleConnector on one machine: the K/V of full blocks through a shared folder.
+    One object holds both sides (vLLM splits them between the scheduler and the workers):
+    `matched` and `to_load` are the scheduler side's state, the cache tensors the worker's."""
+
+    def __init__(self, config: KVTransferConfig, model_id: str, block_size: int,
+                 k_caches: torch.Tensor, v_caches: torch.Tensor):
+        self.config = config
+        extra = config.kv_connector_extra_config
+        self.folder = extra["shared_storage_path"]
+        self.max_entries = extra.get("max_entries")
+        self.max_bytes = extra.get("max_bytes")
+        os.makedirs(self.folder, exist_ok=True)
+        self.model_id = model_id
+        self.block_size = block_size
+        self.register_kv_caches(k_caches, v_caches)
+        # scheduler side: per waiting sequence, the checked K/V of the blocks matched past
+        # its cached prefix (looked up once, until admitted or finished), and, once admitted,
+        # the blocks they go to at the next start_load_kv
+        self.matched: dict = {}   # seq -> (num_computed_tokens looked up from, [(k, v)])
+        self.to_load: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (block id, k, v)
+        self.stats = KVTransferStats()
+
+    def register_kv_caches(self, k_caches: torch.Tensor, v_caches: torch.Tensor) -> None:
+        """Worker side (vLLM's name): the cache tensors, (n_layer, NB + 1, BS, Hkv, D) each."""
+        self.k_caches = k_caches
+        self.v_caches = v_caches
+        n_layer, _, block_size, n_kv_head, head_dim = k_caches.shape
+        self.block_shape = (n_layer, block_size, n_kv_head, head_dim)
+
+    def take_stats(self) -> KVTransferStats:
+        """What was moved since the last call."""
+        stats, self.stats = self.stats, KVTransferStats()
+        return stats
+
+    # --- scheduler side ----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, seq, num_computed_tokens: int) -> int:
+        """How many of seq's tokens past its first num_computed_tokens (the prefix cache's
+        hit, whole blocks) the folder holds, checked: whole blocks, never seq's last token
+        (its logits give the next sample). 0 for a producer alone. Read once a waiting
+        sequence; a sequence preempted and readmitted looks again."""
+        if not self.config.is_consumer:
+            return 0
+        looked_up = self.matched.get(seq)
+        if looked_up is None or looked_up[0] != num_computed_tokens:
+            looked_up = (num_computed_tokens, self._read_matching(seq, num_computed_tokens))
+            self.matched[seq] = looked_up
+        return len(looked_up[1]) * self.block_size
+
+    def update_state_after_alloc(self, seq, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        """seq was admitted with num_external_tokens from the folder, into these fresh blocks
+        (one a matched block, in order): the next start_load_kv copies them in."""
+        _, entries = self.matched.pop(seq, (0, []))
+        num_blocks = num_external_tokens // self.block_size
+        for block_id, (k, v) in zip(block_ids, entries[:num_blocks]):
+            self.to_load.append((block_id, k, v))
+
+    def request_finished(self, seq) -> None:
+        """seq ended (finished, aborted, failed): what was matched for it is dropped."""
+        self.matched.pop(seq, None)
+
+    def _read_matching(self, seq, num_computed_tokens: int) -> list:
+        """The checked K/V of seq's blocks from block num_computed_tokens // block_size on,
+        as long as each is in the folder and good; a bad one is counted and ends the run."""
+        start = time.perf_counter()
+        entries = []
+        token_ids = seq.token_ids
+        num_blocks = (len(token_ids) - 1) // self.block_size
+        for i, key in self._keys(seq, num_blocks):
+            if i * self.block_size < num_computed_tokens:
+                continue
+            try:
+                k, v, num_bytes = read_entry(self._path(key.block_hash), key)
+            except FileNotFoundError:
+                break
+            except BadEntry:
+                self.stats.num_load_failures += 1
+                break
+            self.stats.num_load_bytes += num_bytes
+            entries.append((k, v))
+        self.stats.load_seconds += time.perf_counter() - start
+        return entries
+
+    def _keys(self, seq, num_blocks: int):
+        """(block index, its EntryKey) of seq's first num_blocks blocks, the
+        hash chain from its table's cache salt (a LoRA adapter's, else empty), as the prefix
+        cache chains them."""
+        parent_hash = seq.block_table.cache_salt
+        bs = self.block_size
+        for i in range(num_blocks):
+            key = EntryKey(self.model_id, parent_hash, seq.token_ids[i * bs:(i + 1) * bs],
+                           self.k_caches.dtype, self.block_shape)
+            yield i, key
+            parent_hash = key.block_hash
+
+    def _path(self, block_hash: bytes) -> str:
+        return os.path.join(self.folder, block_hash.hex() + SUFFIX)
+
+    # --- worker side ---------------------------------------------------------------------
+
+    def start_load_kv(self) -> None:
+        """Before the step's forward: copy each admitted sequence's matched K/V into its
+        fresh blocks (slots block_id * block_size ... + block_size - 1 of every layer)."""
+        if not self.to_load:
+            return
+        start = time.perf_counter()
+        for block_id, k, v in self.to_load:
+            self.k_caches[:, block_id].copy_(k, non_blocking=True)
+            self.v_caches[:, block_id].copy_(v, non_blocking=True)
+        self.to_load = []
+        self.stats.load_seconds += time.perf_counter() - start
+
+    def save_kv(self, seq) -> None:
+        """Producer: after the step that computed the last of seq's prompt, write each full
+        block of the prompt that the folder does not hold yet, then trim the folder."""
+        if not self.config.is_producer:
+            return
+        num_blocks = seq.num_prompt_tokens // self.block_size
+        wrote = False
+        for i, key in self._keys(seq, num_blocks):
+            path = self._path(key.block_hash)
+            if os.path.exists(path):
+                continue
+            block_id = seq.block_table.block_ids[i]
+            self.stats.num_saved_bytes += write_entry(path, key, self.k_caches[:, block_id],
+                                                      self.v_caches[:, block_id])
+            self.stats.num_saved_tokens += self.block_size
+            wrote = True
+        if wrote:
+            self._trim()
+
+    def _trim(self) -> None:
+        """Remove the oldest entries until the folder is within max_entries and max_bytes."""
+        if self.max_entries is None and self.max_bytes is None:
+            return
+        entries = []
+        for entry in os.scandir(self.folder):
+            if not entry.name.endswith(SUFFIX) or entry.name.startswith("."):
+                continue
+            try:
+                status = entry.stat()
+            except FileNotFoundError:  # another instance removed it meanwhile
+                continue
+            entries.append((status.st_mtime_ns, entry.name, status.st_size))
+        entries.sort()
+        total = sum(size for _, _, size in entries)
+        while entries and self._over_bounds(len(entries), total):
+            _, name, size = entries.pop(0)
+            total -= size
+            try:
+                os.remove(os.path.join(self.folder, name))
+            except FileNotFoundError:
+                pass  # another instance removed it first: gone either way
+
+    def _over_bounds(self, num_entries: int, num_bytes: int) -> bool:
+        too_many = self.max_entries is not None and num_entries > self.max_entries
+        too_large = self.max_bytes is not None and num_bytes > self.max_bytes
+        return too_many or too_large
+
+
+def make_kv_connector(config: KVTransferConfig | None, model_id: str, block_size: int,
+                      k_caches: torch.Tensor, v_caches: torch.Tensor
+                      ) -> ExampleConnector | None:
+    """The connector kv_transfer_config names (both names are ExampleConnector), or None."""
+    if config is None:
+        return None
+    return ExampleConnector(config, model_id, block_size, k_caches, v_caches)
