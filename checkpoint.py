@@ -338,14 +338,16 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str) -> None:
             f.write(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
 
 
-def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> GPT:
+def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                    shard=None) -> GPT:
     """A Hugging Face checkpoint directory of a served architecture (config_from_hf):
     config.json + model.safetensors (or its shards, or pytorch_model.bin), loaded as the best
     loaders load one. The model is built on the meta device (no memory, no random weights to
     overwrite); each tensor, a view of its memory-mapped file, goes to `device` in `dtype` in
     one copy (none on a CPU in the file's own dtype: the model then reads the mapped pages),
     and the model takes those tensors as its parameters. Host memory: the file's pages, where
-    building, initialising and converting a whole model first took four times the file."""
+    building, initialising and converting a whole model first took four times the file.
+    shard: a tensor-parallel rank's (tensor_parallel.Shard), which copies its slices only."""
     config_file = os.path.join(path, "config.json")
     if not os.path.exists(config_file):
         raise ValueError(f"{path} is not a checkpoint directory: no config.json")
@@ -360,6 +362,8 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: str =
                                                 to_gpt2_state(model.state_dict()), path))
     else:
         tensors = checked_llama_state(tensors, model, path)
+    if shard is not None:  # tensor parallelism: the views narrowed to the rank's slices
+        return shard.build(config, tensors, device, dtype)
     # safetensors' views, never overlapping (read_safetensors checks): their pages may go
     is_safetensors = os.path.exists(os.path.join(path, "model.safetensors")) or \
         os.path.exists(os.path.join(path, "model.safetensors.index.json"))
@@ -602,21 +606,25 @@ class Checkpoint:
 
 
 def load_model(model: str | None = None, preset: str | None = None, seed: int = 0,
-               device: str = "cpu", dtype: torch.dtype | None = None) -> Checkpoint:
+               device: str = "cpu", dtype: torch.dtype | None = None, shard=None) -> Checkpoint:
     """A preset (seeded random weights), a checkpoint directory, a name in the local Hugging
     Face cache (Qwen/Qwen3-0.6B; GPT-2's are downloaded there if missing) or the shipped model,
-    on `device` in `dtype` (None: run_dtype's choice)."""
+    on `device` in `dtype` (None: run_dtype's choice); shard: a tensor-parallel rank's slices
+    only (tensor_parallel.Shard)."""
     if preset is not None:
         dtype = run_dtype(dtype, None)
         torch.manual_seed(seed)  # the weights are drawn on the CPU: the same on any device
-        gpt = GPT(PRESETS[preset]).to(device, dtype)
+        gpt = GPT(PRESETS[preset])
+        if shard is not None:  # the rank's slices of the drawn weights
+            gpt = shard.build(gpt.config, gpt.state_dict(), device, dtype)
+        gpt = gpt.to(device, dtype)
         tokenizer = byte_tokenizer()
         eos_ids = eos_token_ids(tokenizer, {}, {}, gpt.config.vocab_size, preset)
         return Checkpoint(gpt, tokenizer, eos_ids, dtype)
     path = checkpoint_path(model or DEFAULT_MODEL)
     hf = read_json(os.path.join(path, "config.json"))
     dtype = run_dtype(dtype, DTYPES.get(hf.get("torch_dtype", hf.get("dtype"))))
-    gpt = load_checkpoint(path, dtype, device)  # first: a directory that is no checkpoint says so
+    gpt = load_checkpoint(path, dtype, device, shard)  # first: a directory that is no checkpoint says so
     generation_config = read_json(os.path.join(path, "generation_config.json"))
     tokenizer = load_tokenizer(path)
     eos_ids = eos_token_ids(tokenizer, hf, generation_config, gpt.config.vocab_size, path)

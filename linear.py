@@ -161,3 +161,23 @@ def projections(model: nn.Module) -> dict[str, tuple[Linear, int]]:
         elif isinstance(m, Linear):
             found[name] = (m, 0)
     return found
+
+
+class RowParallel:
+    """The forward hook that makes a Linear row-parallel (Megatron's RowParallelLinear): the
+    rank holds its columns of the weight, multiplies its slice of the input (the heads or MLP
+    slice a column-parallel projection gave it), and the ranks' partial outputs (N, O) are
+    summed by all_reduce. The bias is added by one rank (the others hold zeros), so once. An
+    adapter's A would be cut by the same columns (a partial x A^T, summed with the rest)."""
+
+    def __init__(self, all_reduce):
+        self.all_reduce = all_reduce
+
+    def __call__(self, _module, _inputs, output: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce(output)
+
+
+def row_parallel(linear: Linear, all_reduce) -> None:
+    """Make linear row-parallel (see RowParallel); a column-parallel one needs nothing but its
+    rows (tensor_parallel.Shard cuts each part's, so each LoRA slice would shard with them)."""
+    linear.register_forward_hook(RowParallel(all_reduce))
