@@ -62,6 +62,7 @@ from model import GPT, PRESETS, GPTConfig
 JOIN_TIMEOUT = datetime.timedelta(seconds=60)  # a process group's rendezvous and its ops
 STARTUP_SECONDS = 120   # a worker's start and load, at most (imports on a busy machine)
 SHUTDOWN_SECONDS = 5    # a worker's exit after it is told to, before it is killed
+DEATH_SECONDS = 1       # a worker's exit after its connection closed, before we say so
 
 
 class WorkerDiedError(RuntimeError):
@@ -284,7 +285,7 @@ class TensorParallel:
         self.world_size = config.tensor_parallel_size
         check_tensor_parallel(model_config(config), self.world_size)
         self.comm = Communicator(0, self.world_size)
-        self.comm.on_error = self.check_alive
+        self.comm.on_error = self.find_dead_worker
         self.shard = Shard(0, self.world_size, self.comm)
         self.device = config.device
         self.processes, self.pipes = start_workers(config)
@@ -329,6 +330,13 @@ class TensorParallel:
             if not process.is_alive():
                 raise WorkerDiedError(f"tensor-parallel worker rank {rank} (pid {process.pid}) "
                                       f"died (exit code {process.exitcode})")
+
+    def find_dead_worker(self) -> None:
+        """After an all-reduce failed: WorkerDiedError naming the worker that died, once its
+        exit is seen (its connection may close a moment before), else nothing."""
+        for process in self.processes:
+            process.join(DEATH_SECONDS)
+        self.check_alive()
 
     def send_step(self, _model, args) -> None:
         """The forward pre-hook: model(input_ids, positions, meta, k_caches, ...)'s inputs to
