@@ -764,3 +764,19 @@ def test_bench_lora_serves_requests_over_k_adapters_three_ways(tmp_path):
                for row in figures["rows"])
     assert figures["load"]["disk_ms"] > 0 and figures["load"]["slot_ms"] > 0
     assert "Loading an adapter of rank 8" in printed.getvalue()
+
+
+def test_bench_tensor_parallel_counts_each_steps_all_reduces(tmp_path):
+    """--tensor-parallel, CI's quick form on the tiny preset (4 layers, C = 256): N = 1 has no
+    all-reduce; N = 2 has the embedding's and two a layer, 9 a decode step, each a token's C
+    fp32 values (1 KiB) a sequence; both give the same tokens."""
+    out = tmp_path / "tp.json"
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        bench.main(["--tensor-parallel", "--tp-batches", "2", "--tp-steps", "2",
+                    "--prompt-len", "4", "--out", str(out)])
+    rows = json.loads(out.read_text())["tensor_parallel"]
+    assert [(r["tensor_parallel_size"], r["all_reduces_a_step"], r["all_reduce_kib_a_step"])
+            for r in rows] == [(1, 0, 0), (2, 9, 18)]
+    assert all(r["same_tokens"] and r["step_ms"] > 0 for r in rows)
+    assert rows[1]["channel_ms_a_step"] > 0
+    assert "tensor parallelism" in printed.getvalue()
