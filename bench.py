@@ -2480,12 +2480,13 @@ def tensor_parallel_run(cfg: BenchConfig, size: int, batch: int) -> tuple[dict, 
                                  cfg.preset, device=cfg.device, seed=cfg.seed,
                                  tensor_parallel_size=size, max_num_seqs=max(batch, 1)))
     generator = torch.Generator().manual_seed(cfg.seed)
-    params = SamplingParams(max_tokens=cfg.tp_steps + 1, temperature=0, ignore_eos=True)
+    # enough that none finishes in the timed steps (the first ones prefilled decode sooner)
+    params = SamplingParams(max_tokens=2 * cfg.tp_steps + 1, temperature=0, ignore_eos=True)
     for _ in range(batch):
         prompt = torch.randint(0, engine.vocab_size, (cfg.prompt_len,), generator=generator)
         engine.add_request(prompt.tolist(), params, stream=False)
-    outputs = {}
-    while engine.stats.num_generated_tokens < batch:  # the prefills, each sampling one token
+    outputs = {}  # the prefills, until each sequence has sampled a token
+    while any(len(seq.token_ids) == seq.num_prompt_tokens for seq in engine.seqs.values()):
         outputs |= {o.request_id: o.outputs[0].token_ids for o in engine.step()}
     tp = engine.tensor_parallel
     if tp is not None:
