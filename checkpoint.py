@@ -606,7 +606,8 @@ class Checkpoint:
 
 
 def load_model(model: str | None = None, preset: str | None = None, seed: int = 0,
-               device: str = "cpu", dtype: torch.dtype | None = None, shard=None) -> Checkpoint:
+               device: str = "cpu", dtype: torch.dtype | None = None,
+               shard=None) -> Checkpoint:
     """A preset (seeded random weights), a checkpoint directory, a name in the local Hugging
     Face cache (Qwen/Qwen3-0.6B; GPT-2's are downloaded there if missing) or the shipped model,
     on `device` in `dtype` (None: run_dtype's choice); shard: a tensor-parallel rank's slices

@@ -12,8 +12,9 @@ Hugging Face's names and back at the state dict's edge, so checkpoints keep thei
 How a later layer composes here: a quantized projection replaces Linear.base's F.linear (its
 weight stored packed, dequantized in the GEMM); a tensor-parallel one builds each rank's share
 of the output (its parts' rows, so each LoRA slice shards with them) or of the input, and
-all-reduces. Neither is built. Shape legend: N tokens, L adapter slots (max_loras), R the
-slots' rank (max_lora_rank), I in_features, O a part's rows.
+all-reduces: RowParallel below, the cut in tensor_parallel.py. Quantization is not built.
+Shape legend: N tokens, L adapter slots (max_loras), R the slots' rank (max_lora_rank), I
+in_features, O a part's rows.
 """
 from dataclasses import dataclass
 

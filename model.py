@@ -22,7 +22,8 @@ checkpoint.py builds a GPT from a checkpoint's config.json and weights; the engi
 (nanoserve.py) runs it.
 
 Left out: dropout, sliding-window attention, mixture-of-experts, RoPE scalings but Llama 3's,
-tensor parallelism and quantisation (linear.py says where they would go).
+quantisation (linear.py says where it would go); tensor parallelism cuts this model in
+tensor_parallel.py.
 Shape legend: N tokens in the flat batch, B batch, T time, C n_embd, H query heads, Hkv K/V
 heads, D head dim.
 """
