@@ -40,6 +40,7 @@ class Linear(nn.Linear):
     lora_a: list[torch.Tensor] | None = None  # per part (L, R, I): each slot's A, zero-padded
     lora_b: list[torch.Tensor] | None = None  # per part (L, O, R): each slot's B x scaling
     lora_mapping: LoRAMapping | None = None
+    lora_shard = None  # tensor parallelism: (part, a, b) -> this rank's slices of a and b
 
     @property
     def output_sizes(self) -> list[int]:
@@ -80,6 +81,8 @@ class Linear(nn.Linear):
 
     def set_lora(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Slot `slot` of part `part` holds a (r, I) and b (O, r), r <= R, zero past r."""
+        if self.lora_shard is not None:  # tensor parallelism: its rows of b, or columns of a
+            a, b = self.lora_shard(part, a, b)
         r = a.shape[0]
         self.lora_a[part][slot].zero_()
         self.lora_b[part][slot].zero_()

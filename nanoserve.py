@@ -169,9 +169,6 @@ class EngineConfig:
         size = self.tensor_parallel_size
         if size == 1:
             return
-        if self.enable_lora:
-            raise ValueError("enable_lora with tensor_parallel_size > 1: adapters are not cut "
-                             "across ranks yet")
         if self.preemption_mode != "recompute":
             raise ValueError(f"preemption_mode {self.preemption_mode} with tensor_parallel_size "
                              "> 1: swapping is not mirrored on the workers; use recompute")
@@ -355,8 +352,8 @@ class Engine:
         self.model_runner = ModelRunner(config, self.model, checkpoint.dtype, self.vocab_size,
                                         self.eos_token_ids, draft_kv_bytes_per_token(draft))
         self.block_pool = self.model_runner.block_pool
-        if self.tensor_parallel is not None:  # the workers' caches: as many blocks, their heads
-            self.tensor_parallel.allocate(self.model_runner.k_caches.shape[1])
+        if self.tensor_parallel is not None:  # the workers' caches and adapter slots
+            self.tensor_parallel.prepare(self.model_runner)
         self.max_model_len = self._max_model_len(config.max_model_len, c.n_positions)
         self.model_runner.prepare(self.max_model_len)
         self.scheduler = Scheduler(self.block_pool, config.max_num_seqs,

@@ -37,8 +37,11 @@ alive) or by the all-reduce it left (gloo: the connection closes): WorkerDiedErr
 ends the engine (nanoserve.is_device_error). Workers end when the engine is closed or
 collected, and at exit (a weakref finalizer); a worker whose pipe closes (rank 0 died) ends.
 
-Left out: a vocab-parallel LM head (rank 0 holds it whole), LoRA adapters and swapping
-preemption under N > 1 (refused), CUDA graphs under N > 1 (enforce_eager required).
+LoRA: each projection's adapters are cut as its weight (LoRAShard); rank 0 sends each adapter
+it puts in a slot to the workers, and each step's token slots with its inputs.
+
+Left out: a vocab-parallel LM head (rank 0 holds it whole), swapping preemption under N > 1
+(refused), CUDA graphs under N > 1 (enforce_eager required).
 """
 import dataclasses
 import datetime
@@ -56,7 +59,7 @@ import torch.nn.functional as F
 from checkpoint import (DEFAULT_MODEL, DTYPES, checkpoint_path, config_from_hf, load_model,
                         read_json)
 from kernels import AttentionMetadata, select_attention
-from linear import row_parallel
+from linear import LoRAMapping, Linear, projections, row_parallel
 from model import GPT, PRESETS, GPTConfig
 
 JOIN_TIMEOUT = datetime.timedelta(seconds=60)  # a process group's rendezvous and its ops
@@ -193,7 +196,31 @@ class Shard:
         for layer in model.model.layers:
             row_parallel(layer.self_attn.o_proj, self.comm.all_reduce)
             row_parallel(layer.mlp.down_proj, self.comm.all_reduce)
+        parts = {}  # each projection's parts' Hugging Face names, in order
+        for name, (linear, _) in projections(model).items():
+            parts.setdefault(linear, []).append(name)
+        for linear, names in parts.items():
+            linear.lora_shard = LoRAShard(self, full, names)
         return model.to(device)
+
+
+class LoRAShard:
+    """A projection's adapters cut as its weight is (set_lora calls it with the whole a (r, I)
+    and b (O, r)): a column-parallel part keeps its rows of b (A whole: x A^T is the same on
+    every rank), a row-parallel one its columns of a (b whole: each rank's x_r A_r^T B^T is a
+    partial sum, which the all-reduce after the projection adds up with the base's)."""
+
+    def __init__(self, shard: Shard, full: GPTConfig, names: list[str]):
+        self.shard = shard
+        self.full = full
+        self.names = names  # per part: "model.layers.0.self_attn.q_proj", ...
+        self.row_parallel = names[0].endswith(("o_proj", "down_proj"))
+
+    def __call__(self, part: int, a: torch.Tensor, b: torch.Tensor) -> tuple:
+        name = self.names[part] + ".weight"
+        if self.row_parallel:
+            return self.shard.narrow(self.full, name, a), b
+        return a, self.shard.narrow(self.full, name, b)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -283,11 +310,13 @@ class TensorParallel:
 
     def __init__(self, config):
         self.world_size = config.tensor_parallel_size
-        check_tensor_parallel(model_config(config), self.world_size)
+        check_tensor_parallel(model_config(config), self.world_size)  # before any worker
         self.comm = Communicator(0, self.world_size)
         self.comm.on_error = self.find_dead_worker
         self.shard = Shard(0, self.world_size, self.comm)
         self.device = config.device
+        self.full_config = model_config(config)
+        self.lora_mapping: LoRAMapping | None = None  # rank 0's adapters' slots a token
         self.processes, self.pipes = start_workers(config)
         self._finalizer = weakref.finalize(self, stop_workers, self.processes, self.pipes)
 
@@ -303,9 +332,26 @@ class TensorParallel:
         self.comm.group = join_group(store, 0, self.world_size, self.device)
         model.register_forward_pre_hook(self.send_step)
 
-    def allocate(self, num_blocks: int) -> None:
-        """Each worker allocates its KV cache, as many blocks as rank 0's (its heads only)."""
-        self._send(("allocate", num_blocks))
+    def prepare(self, model_runner) -> None:
+        """Once rank 0's model runner is built: each worker allocates its KV cache, as many
+        blocks as rank 0's (its heads only); with LoRA, every adapter rank 0 puts in a slot
+        goes to the workers too, and rank 0 reads adapters against the whole model's shapes
+        (a meta model: no memory), its slots holding its slices (LoRAShard)."""
+        self._send(("allocate", model_runner.k_caches.shape[1]))
+        manager = model_runner.lora_manager
+        if manager is None:
+            return
+        with torch.device("meta"):
+            manager.model = GPT(self.full_config).to(model_runner.dtype)
+        manager.mirror = self.mirror_lora
+        self.lora_mapping = manager.mapping
+
+    def mirror_lora(self, slot: int, lora) -> None:
+        """Rank 0 loaded adapter `lora` (a lora.LoRAModel) into `slot`: the workers do too,
+        from its whole A and B (fp32 arrays: bf16 has no numpy type; exact both ways)."""
+        weights = {name: (a.float().numpy(), b.float().numpy())
+                   for name, (a, b) in lora.weights.items()}
+        self._send(("lora", (slot, weights)))
 
     def _wait_for(self, rank: int, pipe, expected: str) -> None:
         """The worker's next message, which must be `expected`; WorkerDiedError if it died or
@@ -343,7 +389,10 @@ class TensorParallel:
         every worker, which runs the same forward."""
         self.check_alive()
         start = time.perf_counter()
-        self._send(("forward", pack_step(*args[:4])))
+        step = pack_step(*args[:4])
+        if self.lora_mapping is not None and self.lora_mapping.token_slots is not None:
+            step["lora_slots"] = self.lora_mapping.token_slots.cpu().numpy()
+        self._send(("forward", step))
         self.comm.stats.num_steps += 1
         self.comm.stats.channel_seconds += time.perf_counter() - start
 
@@ -407,6 +456,25 @@ class Worker:
         self.attention = select_attention(config.attention, device)
         self.k_caches = None
         self.v_caches = None
+        self.lora_mapping: LoRAMapping | None = None
+        if config.enable_lora:  # slots as rank 0's, in this rank's shapes
+            self.lora_mapping = LoRAMapping()
+            for linear in model.modules():
+                if isinstance(linear, Linear):
+                    linear.create_lora_weights(config.max_loras, config.max_lora_rank,
+                                               self.lora_mapping)
+            self.projections = projections(model)
+
+    def load_lora(self, slot: int, weights: dict) -> None:
+        """LoRAManager._load_slot's copy, on this rank: every projection's slot reset, then
+        the adapter's (whole) A and B set, each Linear keeping its slices."""
+        for linear in self.model.modules():
+            if isinstance(linear, Linear):
+                linear.reset_lora(slot)
+        for name, (a, b) in weights.items():
+            linear, part = self.projections[name]
+            linear.set_lora(slot, part, torch.from_numpy(a).to(self.device, self.dtype),
+                            torch.from_numpy(b).to(self.device, self.dtype))
 
     def allocate(self, num_blocks: int) -> None:
         self.k_caches, self.v_caches = self.caches(num_blocks)
@@ -426,6 +494,11 @@ class Worker:
         k_caches, v_caches = self.k_caches, self.v_caches
         if k_caches is None or k_caches.shape[1] != num_blocks:
             k_caches, v_caches = self.caches(num_blocks)
+        if self.lora_mapping is not None:
+            self.lora_mapping.token_slots = None
+            if "lora_slots" in step:
+                self.lora_mapping.token_slots = torch.from_numpy(step["lora_slots"]).to(
+                    self.device)
         self.model(input_ids, positions, meta, k_caches, v_caches, self.attention)
 
 
@@ -462,6 +535,8 @@ def worker_main(config, rank: int, pipe) -> None:
             comm.group = join_group(store, rank, comm.world_size, device)
         elif kind == "allocate":
             worker.allocate(payload)
+        elif kind == "lora":
+            worker.load_lora(*payload)
         else:
             worker.forward(payload)
 

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from conftest import GREEDY, PROMPTS, assert_no_leaks, fixture_llm, tiny, token_ids
+from lora import LoRARequest, save_random_lora
 from model import GPTConfig
 from nanoserve import LLM, EngineConfig, EngineDeadError
 from sampling import SamplingParams
@@ -79,6 +80,24 @@ def test_grouped_query_llama_at_two_ranks_matches_one(name, tmp_path):
         assert_same_outputs(one, two.generate(prompts, PARAMS))
     finally:
         two.close()
+
+
+def test_lora_adapters_at_two_ranks_match_one(tmp_path):
+    """llama-tiny with an adapter on every projection, beside a base request: each part's B
+    rows (q, k, v, gate, up) or A columns (o_proj, down_proj) a rank; the workers load the
+    slot rank 0 loads and read each step's token slots."""
+    one = tiny(preset="llama-tiny", enable_lora=True)
+    save_random_lora(str(tmp_path), one.engine.model, ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                       "gate_proj", "up_proj", "down_proj"], r=8)
+    adapters = [LoRARequest("a", 1, str(tmp_path)), None, LoRARequest("a", 1, str(tmp_path))]
+    prompts = PROMPTS[:3]
+    expected = one.generate(prompts, PARAMS, lora_request=adapters)
+    two = tiny(preset="llama-tiny", enable_lora=True, tensor_parallel_size=2)
+    try:
+        assert_same_outputs(expected, two.generate(prompts, PARAMS, lora_request=adapters))
+    finally:
+        two.close()
+    assert token_ids(expected)[0] != token_ids(one.generate(prompts[:1], PARAMS))[0]
 
 
 def test_killed_worker_ends_the_engine_within_seconds():
