@@ -169,9 +169,6 @@ class EngineConfig:
         size = self.tensor_parallel_size
         if size == 1:
             return
-        if self.preemption_mode != "recompute":
-            raise ValueError(f"preemption_mode {self.preemption_mode} with tensor_parallel_size "
-                             "> 1: swapping is not mirrored on the workers; use recompute")
         if device_type == "cuda" and size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs (one a rank); "
                              f"this machine has {torch.cuda.device_count()}")

@@ -40,8 +40,11 @@ collected, and at exit (a weakref finalizer); a worker whose pipe closes (rank 0
 LoRA: each projection's adapters are cut as its weight (LoRAShard); rank 0 sends each adapter
 it puts in a slot to the workers, and each step's token slots with its inputs.
 
-Left out: a vocab-parallel LM head (rank 0 holds it whole), swapping preemption under N > 1
-(refused), CUDA graphs under N > 1 (enforce_eager required).
+Swapping: each rank has a swap space for its heads; rank 0 sends each copy out or in to the
+workers before its own.
+
+Left out: a vocab-parallel LM head (rank 0 holds it whole), CUDA graphs under N > 1
+(enforce_eager required).
 """
 import dataclasses
 import datetime
@@ -61,6 +64,7 @@ from checkpoint import (DEFAULT_MODEL, DTYPES, checkpoint_path, config_from_hf, 
 from kernels import AttentionMetadata, select_attention
 from linear import LoRAMapping, Linear, projections, row_parallel
 from model import GPT, PRESETS, GPTConfig
+from swap import SwapSpace
 
 JOIN_TIMEOUT = datetime.timedelta(seconds=60)  # a process group's rendezvous and its ops
 STARTUP_SECONDS = 120   # a worker's start and load, at most (imports on a busy machine)
@@ -338,6 +342,10 @@ class TensorParallel:
         goes to the workers too, and rank 0 reads adapters against the whole model's shapes
         (a meta model: no memory), its slots holding its slices (LoRAShard)."""
         self._send(("allocate", model_runner.k_caches.shape[1]))
+        swap_space = model_runner.swap_space
+        if swap_space is not None:  # as many host blocks a worker, its heads only
+            self._send(("swap_space", swap_space.num_blocks))
+            swap_space.mirror = self.mirror_swap
         manager = model_runner.lora_manager
         if manager is None:
             return
@@ -345,6 +353,10 @@ class TensorParallel:
             manager.model = GPT(self.full_config).to(model_runner.dtype)
         manager.mirror = self.mirror_lora
         self.lora_mapping = manager.mapping
+
+    def mirror_swap(self, direction: str, pairs: list[tuple[int, int]]) -> None:
+        """Rank 0 copies blocks out to its swap space or back in: the workers do the same."""
+        self._send(("swap", (direction, pairs)))
 
     def mirror_lora(self, slot: int, lora) -> None:
         """Rank 0 loaded adapter `lora` (a lora.LoRAModel) into `slot`: the workers do too,
@@ -456,6 +468,7 @@ class Worker:
         self.attention = select_attention(config.attention, device)
         self.k_caches = None
         self.v_caches = None
+        self.swap_space: SwapSpace | None = None  # with preemption_mode swap or auto
         self.lora_mapping: LoRAMapping | None = None
         if config.enable_lora:  # slots as rank 0's, in this rank's shapes
             self.lora_mapping = LoRAMapping()
@@ -478,6 +491,11 @@ class Worker:
 
     def allocate(self, num_blocks: int) -> None:
         self.k_caches, self.v_caches = self.caches(num_blocks)
+
+    def swap(self, direction: str, pairs: list[tuple[int, int]]) -> None:
+        """Rank 0's copy_out or copy_in, on this rank's caches and swap space."""
+        copy = getattr(self.swap_space, direction)
+        copy(self.k_caches, self.v_caches, pairs)
 
     def caches(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(n_layer, num_blocks, BS, its K/V heads, D) zeros, K and V."""
@@ -535,6 +553,10 @@ def worker_main(config, rank: int, pipe) -> None:
             comm.group = join_group(store, rank, comm.world_size, device)
         elif kind == "allocate":
             worker.allocate(payload)
+        elif kind == "swap_space":
+            worker.swap_space = SwapSpace(payload, worker.k_caches, worker.v_caches)
+        elif kind == "swap":
+            worker.swap(*payload)
         elif kind == "lora":
             worker.load_lora(*payload)
         else:

@@ -69,6 +69,21 @@ def test_preemption_and_prefix_cache_at_two_ranks(shipped_tp):
     assert_no_leaks(engine)
 
 
+def test_swapped_preemption_at_two_ranks():
+    """preemption_mode swap: each worker copies its heads' blocks out and back in as rank 0
+    does, so a sequence resumed from host memory continues as at N = 1."""
+    tight = dict(kv_cache_tokens=192, max_num_batched_tokens=64, preemption_mode="swap")
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    expected = token_ids(tiny(**tight).generate(PROMPTS, greedy))
+    llm = tiny(tensor_parallel_size=2, **tight)
+    try:
+        assert token_ids(llm.generate(PROMPTS, greedy)) == expected
+        assert llm.engine.scheduler.num_swapped_out > 0
+        assert_no_leaks(llm.engine)
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("name", ["llama3-tied", "llama-untied"])
 def test_grouped_query_llama_at_two_ranks_matches_one(name, tmp_path):
     """llama3-tied: 4 query heads on 2 K/V heads, one K/V head a rank (split); llama-untied:
