@@ -66,6 +66,7 @@ from options import check_fields, option
 from paged_cache import cdiv, kv_bytes_per_token
 from sampling import SamplingParams, sample, sampling_tensors
 from scheduler import SchedulerOutput, Sequence
+from tensor_parallel import CommStats
 from structured_output import StructuredOutputsParams
 from tokenizer import EOT, GPT2_PATTERN, Detokenizer, Tokenizer, byte_ranks, byte_tokenizer
 
@@ -265,6 +266,13 @@ class BenchConfig:
     disagg_long_every: float = option(2.0, "--disagg: seconds between long prompts", low=0,
                                       open_low=True)
     disagg_duration: float = option(16.0, "--disagg: seconds of arrivals", low=0, open_low=True)
+    tensor_parallel: bool = option(False, "only tensor parallelism: decode steps of --preset "
+                                   "(or --model) at each of --tp-sizes ranks (each rank one "
+                                   "thread) and --tp-batches: the step's time, its all-reduces "
+                                   "(count, bytes, time) and the step channel's cost")
+    tp_sizes: tuple = option((1, 2), "--tensor-parallel: tensor_parallel_size values")
+    tp_batches: tuple = option((1, 16), "--tensor-parallel: sequences decoding together")
+    tp_steps: int = option(32, "--tensor-parallel: decode steps timed")
 
 
 def parse_args(argv=None) -> BenchConfig:
@@ -2819,7 +2827,64 @@ def versions(cfg: BenchConfig) -> dict:
 # The flags of the measurements that run alone (run_single_measurement), each BenchConfig's
 SINGLE_MEASUREMENTS = ("lm_head", "host_overhead", "detokenizer", "step_gemms", "kernel",
                        "count_ops", "sampling", "speculative", "structured_output", "goodput",
-                       "swap", "lora", "quantization", "beam_search", "disagg")
+                       "swap", "lora", "quantization", "beam_search", "disagg",
+                       "tensor_parallel")
+
+
+def tensor_parallel_sweep(cfg: BenchConfig) -> list[dict]:
+    """Each batch at each tensor_parallel_size: `batch` random prompts prefilled, then
+    tp_steps decode steps timed; the all-reduces and the channel from rank 0's counters
+    (tensor_parallel.CommStats). Greedy: every size must give N = 1's tokens (checked)."""
+    rows = []
+    for batch in cfg.tp_batches:
+        first = None  # N = 1's tokens
+        for size in cfg.tp_sizes:
+            row, tokens = tensor_parallel_run(cfg, size, batch)
+            first = first or tokens
+            rows.append(emit(cfg, "tensor_parallel", row | dict(same_tokens=tokens == first)))
+    return rows
+
+
+def tensor_parallel_run(cfg: BenchConfig, size: int, batch: int) -> tuple[dict, list]:
+    """One engine of `size` ranks: its decode steps' figures, and every request's tokens."""
+    engine = Engine(EngineConfig(model=cfg.model or None, preset=None if cfg.model else
+                                 cfg.preset, device=cfg.device, seed=cfg.seed,
+                                 tensor_parallel_size=size, max_num_seqs=max(batch, 1)))
+    generator = torch.Generator().manual_seed(cfg.seed)
+    # enough that none finishes in the timed steps (the first ones prefilled decode sooner)
+    params = SamplingParams(max_tokens=2 * cfg.tp_steps + 1, temperature=0, ignore_eos=True)
+    for _ in range(batch):
+        prompt = torch.randint(0, engine.vocab_size, (cfg.prompt_len,), generator=generator)
+        engine.add_request(prompt.tolist(), params, stream=False)
+    outputs = {}  # the prefills, until each sequence has sampled a token
+    while any(len(seq.token_ids) == seq.num_prompt_tokens for seq in engine.seqs.values()):
+        outputs |= {o.request_id: o.outputs[0].token_ids for o in engine.step()}
+    tp = engine.tensor_parallel
+    if tp is not None:
+        tp.comm.stats = CommStats()
+    start = time.perf_counter()
+    for _ in range(cfg.tp_steps):
+        outputs |= {o.request_id: o.outputs[0].token_ids for o in engine.step()}
+    step_ms = (time.perf_counter() - start) * 1e3 / cfg.tp_steps
+    stats = CommStats() if tp is None else tp.comm.stats
+    engine.close()
+    steps = cfg.tp_steps
+    row = dict(tensor_parallel_size=size, batch=batch, step_ms=step_ms,
+               all_reduces_a_step=stats.num_all_reduces / steps,
+               all_reduce_kib_a_step=stats.all_reduce_bytes / steps / 1024,
+               all_reduce_ms_a_step=stats.all_reduce_seconds * 1e3 / steps,
+               all_reduce_share=stats.all_reduce_seconds * 1e3 / steps / step_ms,
+               channel_ms_a_step=stats.channel_seconds * 1e3 / steps,
+               tokens_per_s=batch * 1e3 / step_ms)
+    return row, [outputs[i] for i in sorted(outputs, key=int)]
+
+
+def tensor_parallel_table(rows: list[dict]) -> str:
+    return table("tensor parallelism: a decode step at N ranks (each one thread), its "
+                 "all-reduces (rank 0's wait included) and the step channel (rank 0's send)",
+                 rows, "tensor_parallel_size batch step_ms tokens_per_s all_reduces_a_step "
+                 "all_reduce_kib_a_step all_reduce_ms_a_step all_reduce_share "
+                 "channel_ms_a_step same_tokens")
 
 
 def run_single_measurement(cfg: BenchConfig) -> bool:
@@ -2840,7 +2905,8 @@ def run_single_measurement(cfg: BenchConfig) -> bool:
              "lora": (lora_sweep, lora_table),
              "quantization": (quantization_sweep, quantization_table),
              "beam_search": (beam_search_figures, beam_search_table),
-             "disagg": (disaggregation, disagg_table)}
+             "disagg": (disaggregation, disagg_table),
+             "tensor_parallel": (tensor_parallel_sweep, tensor_parallel_table)}
     for name in SINGLE_MEASUREMENTS:
         if not getattr(cfg, name):
             continue

@@ -488,7 +488,7 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str) -> None:
 
 
 def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                    quantization: str | None = None) -> GPT:
+                    quantization: str | None = None, shard=None) -> GPT:
     """A Hugging Face checkpoint directory of a served architecture (config_from_hf):
     config.json + model.safetensors (or its shards, or pytorch_model.bin), loaded as the best
     loaders load one. The model is built on the meta device (no memory, no random weights to
@@ -498,7 +498,9 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: str =
     building, initialising and converting a whole model first took four times the file.
     quantization ("int8", "fp8"): each projection's weight quantized as it is placed, its
     file's pages let go, so no more than one full-precision tensor is held beyond the
-    quantized model; a compressed-tensors FP8 checkpoint's are placed as stored."""
+    quantized model; a compressed-tensors FP8 checkpoint's are placed as stored. shard: a
+    tensor-parallel rank's (tensor_parallel.Shard), which copies its slices only (quantized
+    after: one rank's full-precision slices, 1/N of the model, held for a moment)."""
     config_file = os.path.join(path, "config.json")
     if not os.path.exists(config_file):
         raise ValueError(f"{path} is not a checkpoint directory: no config.json")
@@ -523,6 +525,14 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: str =
     to_quantize = set()
     if quantization is not None and stored is None:
         to_quantize = {f"{name}.weight" for name in projections(model)}
+    if shard is not None:  # tensor parallelism: the views narrowed to the rank's slices
+        if stored is not None:
+            raise ValueError(f"{path}: a compressed-tensors checkpoint is not cut for "
+                             "tensor_parallel_size > 1 (its scales would need cutting too)")
+        sharded = shard.build(config, tensors, device, dtype)
+        if quantization is not None:
+            quantize_model(sharded, quantization)
+        return sharded
     # safetensors' views, never overlapping (read_safetensors checks): their pages may go
     is_safetensors = os.path.exists(os.path.join(path, "model.safetensors")) or \
         os.path.exists(os.path.join(path, "model.safetensors.index.json"))
@@ -785,15 +795,19 @@ class Checkpoint:
 
 def load_model(model: str | None = None, preset: str | None = None, seed: int = 0,
                device: str = "cpu", dtype: torch.dtype | None = None,
-               quantization: str | None = None) -> Checkpoint:
+               quantization: str | None = None, shard=None) -> Checkpoint:
     """A preset (seeded random weights), a checkpoint directory, a name in the local Hugging
     Face cache (Qwen/Qwen3-0.6B; GPT-2's are downloaded there if missing) or the shipped model,
     on `device` in `dtype` (None: run_dtype's choice), its projections quantized if asked
-    (quantization: "int8", "fp8"; a compressed-tensors FP8 checkpoint's are already)."""
+    (quantization: "int8", "fp8"; a compressed-tensors FP8 checkpoint's are already); shard: a
+    tensor-parallel rank's slices only (tensor_parallel.Shard)."""
     if preset is not None:
         dtype = run_dtype(dtype, None)
         torch.manual_seed(seed)  # the weights are drawn on the CPU: the same on any device
-        gpt = GPT(PRESETS[preset]).to(device, dtype)
+        gpt = GPT(PRESETS[preset])
+        if shard is not None:  # the rank's slices of the drawn weights
+            gpt = shard.build(gpt.config, gpt.state_dict(), device, dtype)
+        gpt = gpt.to(device, dtype)
         if served_quantization(quantization, None, preset) is not None:
             quantize_model(gpt, quantization)
         tokenizer = byte_tokenizer()
@@ -803,7 +817,7 @@ def load_model(model: str | None = None, preset: str | None = None, seed: int = 
     hf = read_json(os.path.join(path, "config.json"))
     dtype = run_dtype(dtype, DTYPES.get(hf.get("torch_dtype", hf.get("dtype"))))
     # first: a directory that is no checkpoint says so
-    gpt = load_checkpoint(path, dtype, device, quantization)
+    gpt = load_checkpoint(path, dtype, device, quantization, shard)
     generation_config = read_json(os.path.join(path, "generation_config.json"))
     tokenizer = load_tokenizer(path)
     eos_ids = eos_token_ids(tokenizer, hf, generation_config, gpt.config.vocab_size, path)

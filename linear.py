@@ -35,9 +35,10 @@ step (2^-10 s); their products with x within the sums of those times |x|. checkp
 quantizes a checkpoint's weights one tensor at a time as they load; the embedding and the LM
 head are no Linear of these, and stay in the model's dtype (README: why).
 
-A tensor-parallel projection would build each rank's share of the output (its parts' rows,
-so each LoRA slice shards with them) or of the input, and all-reduce: not built. Shape
-legend: N tokens, L adapter slots (max_loras), R the slots' rank (max_lora_rank), I
+A tensor-parallel projection holds its rank's share of the output (its parts' rows, so each
+LoRA slice shards with them) or of the input, and all-reduces: RowParallel below, the cut in
+tensor_parallel.py (a quantized one is quantized after the cut, each rank its own scales).
+Shape legend: N tokens, L adapter slots (max_loras), R the slots' rank (max_lora_rank), I
 in_features, O a part's rows.
 """
 from dataclasses import dataclass
@@ -155,6 +156,7 @@ class Linear(nn.Linear):
     lora_mapping: LoRAMapping | None = None
     quant_method: str | None = None  # "int8" or "fp8": weight is q, weight_scale its scales
     params_dtype: torch.dtype | None = None  # the model's dtype, which a quantized weight is not
+    lora_shard = None  # tensor parallelism: (part, a, b) -> this rank's slices of a and b
 
     @property
     def output_sizes(self) -> list[int]:
@@ -220,6 +222,8 @@ class Linear(nn.Linear):
 
     def set_lora(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Slot `slot` of part `part` holds a (r, I) and b (O, r), r <= R, zero past r."""
+        if self.lora_shard is not None:  # tensor parallelism: its rows of b, or columns of a
+            a, b = self.lora_shard(part, a, b)
         r = a.shape[0]
         self.lora_a[part][slot].zero_()
         self.lora_b[part][slot].zero_()
@@ -312,3 +316,23 @@ def quantize_model(model: nn.Module, quant_method: str) -> None:
     and the LM head are no Linear of ours, and stay in the model's dtype."""
     for linear in {id(m): m for m, _ in projections(model).values()}.values():
         linear.quantize_(quant_method)
+
+
+class RowParallel:
+    """The forward hook that makes a Linear row-parallel (Megatron's RowParallelLinear): the
+    rank holds its columns of the weight, multiplies its slice of the input (the heads or MLP
+    slice a column-parallel projection gave it), and the ranks' partial outputs (N, O) are
+    summed by all_reduce. The bias is added by one rank (the others hold zeros), so once. An
+    adapter's A would be cut by the same columns (a partial x A^T, summed with the rest)."""
+
+    def __init__(self, all_reduce):
+        self.all_reduce = all_reduce
+
+    def __call__(self, _module, _inputs, output: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce(output)
+
+
+def row_parallel(linear: Linear, all_reduce) -> None:
+    """Make linear row-parallel (see RowParallel); a column-parallel one needs nothing but its
+    rows (tensor_parallel.Shard cuts each part's, so each LoRA slice would shard with them)."""
+    linear.register_forward_hook(RowParallel(all_reduce))

@@ -287,6 +287,8 @@ class LoRAManager:
     The engine calls acquire() when a request names an adapter and release() when a sequence
     of it leaves; activate() before each step puts the running sequences' adapters in slots;
     token_slots() gives each token of a step its slot."""
+    mirror = None  # tensor parallelism: told (slot, adapter) after each slot load, so the
+                   # workers load it too (tensor_parallel.TensorParallel.mirror_lora)
 
     def __init__(self, model, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
                  device: str):
@@ -366,6 +368,8 @@ class LoRAManager:
             linear.set_lora(slot, part, a.to(self.device), b.to(self.device))
         self.slots[lora_id] = slot
         self.num_slot_loads += 1
+        if self.mirror is not None:
+            self.mirror(slot, lora)
 
     def token_slots(self, scheduled: list[tuple]) -> list[int] | None:
         """Each scheduled token's slot, in the flat batch's order (scheduled: (sequence, its

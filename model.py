@@ -21,9 +21,9 @@ written, computing what it always did, bit for bit.
 checkpoint.py builds a GPT from a checkpoint's config.json and weights; the engine
 (nanoserve.py) runs it.
 
-Left out: dropout, sliding-window attention, mixture-of-experts, RoPE scalings but Llama 3's,
-tensor parallelism (linear.py says where it would go). Quantized projections are linear.py's;
-an FP8 KV cache is kernels.py's, with Attention's k_scale and v_scale.
+Left out: dropout, sliding-window attention, mixture-of-experts, RoPE scalings but Llama 3's.
+Tensor parallelism cuts this model in tensor_parallel.py; quantized projections are
+linear.py's, an FP8 KV cache kernels.py's (with Attention's k_scale and v_scale).
 Shape legend: N tokens in the flat batch, B batch, T time, C n_embd, H query heads, Hkv K/V
 heads, D head dim.
 """

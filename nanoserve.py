@@ -30,7 +30,10 @@ as its first beam, update() hands the beams' logits to BeamSearch.update, which 
 drops beams on shared blocks, and abort() cancels one; execute() makes the step's
 copy-on-write block copies with its swaps. LLM.beam_search is vLLM's offline call.
 
-Left out: tensor parallelism, multi-modal inputs.
+Tensor parallelism (tensor_parallel.py) is a few hooks here: with tensor_parallel_size > 1
+the workers start before the model loads, rank 0 loads its shard, and close() stops them.
+
+Left out: multi-modal inputs.
 """
 import dataclasses
 import itertools
@@ -60,6 +63,7 @@ from scheduler import (MAX_PRIORITY, POLICIES, PREEMPTION_MODES, BeamGroup, Sche
                        SchedulerOutput, Sequence, SequenceStatus, check_stop)
 from spec_decode import SpeculativeConfig, Speculator, parse_speculative_config
 from structured_output import StructuredOutputManager, accept_token, new_grammar
+from tensor_parallel import TensorParallel, WorkerDiedError
 from tokenizer import Detokenizer
 
 __version__ = "0.1.0"     # pyproject.toml reads it from here
@@ -144,6 +148,11 @@ class EngineConfig:
     max_cpu_loras: int | None = option(None, "LoRA adapters kept in host memory; default: "
                                        "max_loras", type=int)
 
+    # tensor parallelism (tensor_parallel.py): vLLM's flag
+    tensor_parallel_size: int = option(1, "processes the model is cut across (Megatron's cut: "
+                                       "each holds 1/N of the heads, MLP and KV cache); gloo "
+                                       "on a CPU, NCCL on CUDA (a GPU each)")
+
     def __post_init__(self):
         self.speculative_config = parse_speculative_config(self.speculative_config)
         self.kv_transfer_config = parse_kv_transfer_config(self.kv_transfer_config)
@@ -176,6 +185,20 @@ class EngineConfig:
         if self.attention == "triton" and device.type == "cpu" and self.dtype == "bfloat16":
             raise ValueError("Triton attention cannot run bfloat16 on a CPU (its interpreter "
                              "multiplies bf16 wrongly); use --dtype float32 or float16")
+        self._check_tensor_parallel(device.type)
+
+    def _check_tensor_parallel(self, device_type: str) -> None:
+        """What tensor_parallel_size > 1 does not run with (yet), refused by name; whether
+        the model's heads divide by it is checked as it loads (tensor_parallel.py)."""
+        size = self.tensor_parallel_size
+        if size == 1:
+            return
+        if device_type == "cuda" and size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs (one a rank); "
+                             f"this machine has {torch.cuda.device_count()}")
+        if device_type == "cuda" and not self.enforce_eager:
+            raise ValueError("tensor_parallel_size > 1 on CUDA needs enforce_eager: decode "
+                             "graphs would not replay the workers' steps")
 
     def _default_limits(self, device_type: str) -> None:
         """max_num_seqs and max_num_batched_tokens left unset take the device's defaults: a
@@ -315,6 +338,8 @@ def is_device_error(error: Exception) -> bool:
     """Whether an error is the device's (a device-side assert, an illegal address): CUDA
     reports it at the next wait for the GPU, whichever request caused it, and the CUDA context
     stays unusable, so running the requests again one at a time would only fail them all."""
+    if isinstance(error, WorkerDiedError):  # a tensor-parallel rank is gone: as fatal
+        return True
     return isinstance(error, torch.AcceleratorError) or "CUDA error" in str(error)
 
 
@@ -336,13 +361,20 @@ class Engine:
         self.config = config = config or EngineConfig()
         if config.device.startswith("cpu"):
             keep_freed_memory()
+        self.tensor_parallel: TensorParallel | None = None  # ranks 1..N-1, if N > 1
+        shard = None
+        if config.tensor_parallel_size > 1:  # the workers load their shards as we load ours
+            self.tensor_parallel = TensorParallel(config)
+            shard = self.tensor_parallel.shard
         # built on its device in its dtype (auto on CUDA: the checkpoint's, run_dtype)
         checkpoint = load_model(config.model, config.preset, config.seed, config.device,
-                                DTYPES.get(config.dtype), config.quantization)
+                                DTYPES.get(config.dtype), config.quantization, shard=shard)
         self.checkpoint = checkpoint
         self.tokenizer = checkpoint.tokenizer
         self.eos_token_ids = checkpoint.eos_token_ids  # each ends a request unless ignore_eos
         self.model = checkpoint.model.eval()
+        if self.tensor_parallel is not None:  # every forward of ours runs on the workers too
+            self.tensor_parallel.attach(self.model)
         c = self.model.config
         self.vocab_size = self._vocab_size(c.vocab_size)
         # what the checkpoint says of requests: read here, so a bad one stops the engine's start
@@ -367,6 +399,8 @@ class Engine:
         self.kv_connector = make_kv_connector(
             config.kv_transfer_config, model_id(checkpoint, config), config.block_size,
             self.model_runner.k_caches, self.model_runner.v_caches)
+        if self.tensor_parallel is not None:  # the workers' caches and adapter slots
+            self.tensor_parallel.prepare(self.model_runner)
         self.max_model_len = self._max_model_len(config.max_model_len, c.n_positions)
         self.model_runner.prepare(self.max_model_len)
         self.scheduler = Scheduler(self.block_pool, config.max_num_seqs,
@@ -391,6 +425,12 @@ class Engine:
         if spec_config is not None:
             self.speculator = Speculator(spec_config, self._proposer(spec_config, draft),
                                          config.device)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (done too when the engine is collected,
+        and at exit); the engine cannot step after."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
     def _proposer(self, spec_config: SpeculativeConfig, draft):
         """The proposer speculative_config names: n-gram lookup, or a draft model (draft,
@@ -1027,6 +1067,10 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args):
         self.engine = Engine(EngineConfig(model=model, **engine_args))
+
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel workers (Engine.close)."""
+        self.engine.close()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: the checkpoint's sampling defaults (generation_config.json, unless

@@ -48,6 +48,9 @@ class SwapSpace:
     free list. A block is held by one swapped-out sequence (Sequence.host_block_ids) from its
     swap-out until its swap-in, or until it is aborted."""
 
+    mirror = None  # tensor parallelism: told ("copy_out" or "copy_in", pairs) before each
+                   # copy, so the workers copy their heads' blocks too (tensor_parallel.py)
+
     def __init__(self, num_blocks: int, k_caches: torch.Tensor, v_caches: torch.Tensor):
         n_layer, _, block_size, n_kv_head, head_dim = k_caches.shape
         shape = (num_blocks, n_layer, block_size, n_kv_head, head_dim)
@@ -85,6 +88,8 @@ class SwapSpace:
     def copy_out(self, k_caches: torch.Tensor, v_caches: torch.Tensor,
                  pairs: list[tuple[int, int]]) -> None:
         """Device blocks -> host blocks, for each (device block, host block) of pairs."""
+        if self.mirror is not None:
+            self.mirror("copy_out", pairs)
         for device_block, host_block in pairs:
             self.k[host_block].copy_(k_caches[:, device_block], non_blocking=True)
             self.v[host_block].copy_(v_caches[:, device_block], non_blocking=True)
@@ -92,6 +97,8 @@ class SwapSpace:
     def copy_in(self, k_caches: torch.Tensor, v_caches: torch.Tensor,
                 pairs: list[tuple[int, int]]) -> None:
         """Host blocks -> device blocks, for each (host block, device block) of pairs."""
+        if self.mirror is not None:
+            self.mirror("copy_in", pairs)
         for host_block, device_block in pairs:
             k_caches[:, device_block].copy_(self.k[host_block], non_blocking=True)
             v_caches[:, device_block].copy_(self.v[host_block], non_blocking=True)

@@ -822,3 +822,18 @@ def test_bench_beam_search_compares_blocks_with_independent_sequences_and_times_
     assert [(row["beam_width"], row["requests"]) for row in throughput] == [(2, 2), (4, 2)]
     assert all(row["beam_tokens_per_s"] > 0 for row in throughput)
     assert "independent sequences" in printed
+
+def test_bench_tensor_parallel_counts_each_steps_all_reduces(tmp_path):
+    """--tensor-parallel, CI's quick form on the tiny preset (4 layers, C = 256): N = 1 has no
+    all-reduce; N = 2 has the embedding's and two a layer, 9 a decode step, each a token's C
+    fp32 values (1 KiB) a sequence; both give the same tokens."""
+    out = tmp_path / "tp.json"
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        bench.main(["--tensor-parallel", "--tp-batches", "2", "--tp-steps", "2",
+                    "--prompt-len", "4", "--out", str(out)])
+    rows = json.loads(out.read_text())["tensor_parallel"]
+    assert [(r["tensor_parallel_size"], r["all_reduces_a_step"], r["all_reduce_kib_a_step"])
+            for r in rows] == [(1, 0, 0), (2, 9, 18)]
+    assert all(r["same_tokens"] and r["step_ms"] > 0 for r in rows)
+    assert rows[1]["channel_ms_a_step"] > 0
+    assert "tensor parallelism" in printed.getvalue()

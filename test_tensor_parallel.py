@@ -1,0 +1,150 @@
+"""Tensor parallelism (tensor_parallel.py) on the CPU: N = 2 ranks (gloo) give N = 1's greedy
+tokens, and its log-probabilities within float32 rounding (the all-reduce sums the partial
+products in another order), for GPT-2 (the shipped model: biases, a tied head, an odd
+vocabulary), Llama with K/V heads split and replicated; under preemption and the prefix
+cache; a killed worker ends the engine; no worker outlives its engine; bad sizes refused.
+These tests start processes (forked: a fraction of a second each): few engines, few tokens."""
+import gc
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import GREEDY, PROMPTS, assert_no_leaks, fixture_llm, tiny, token_ids
+from lora import LoRARequest, save_random_lora
+from model import GPTConfig
+from nanoserve import LLM, EngineConfig, EngineDeadError
+from sampling import SamplingParams
+from tensor_parallel import check_tensor_parallel, pid_running
+
+PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+SHIPPED = dict(device="cpu", dtype="float32", kv_cache_tokens=1024)
+LOGPROB_TOLERANCE = 1e-4  # float32 sums of 2 partial products against 1 whole one
+
+
+def assert_same_outputs(one: list, two: list) -> None:
+    """Greedy tokens equal; each token's log-probability and its top 2 within tolerance."""
+    assert token_ids(two) == token_ids(one)
+    for a, b in zip(one, two):
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert list(x) == list(y)
+            assert list(y.values()) == pytest.approx(list(x.values()), abs=LOGPROB_TOLERANCE)
+
+
+def worker_pids(llm: LLM) -> list[int]:
+    return [process.pid for process in llm.engine.tensor_parallel.processes]
+
+
+@pytest.fixture(scope="module")
+def shipped_tp():
+    """The shipped GPT-2 at N = 2, with a cache small enough to preempt PROMPTS."""
+    llm = LLM(tensor_parallel_size=2, **SHIPPED | dict(kv_cache_tokens=192,
+                                                       max_num_batched_tokens=64))
+    yield llm
+    llm.close()
+
+
+def test_shipped_model_at_two_ranks_matches_one(shipped_tp):
+    """GPT-2: biases on every projection (o_proj's and down_proj's added once), a tied head,
+    a vocabulary of 257 (129 and 128 rows a rank)."""
+    prompts = PROMPTS[:3]
+    assert_same_outputs(LLM(**SHIPPED).generate(prompts, PARAMS),
+                        shipped_tp.generate(prompts, PARAMS))
+    assert_no_leaks(shipped_tp.engine)
+
+
+def test_preemption_and_prefix_cache_at_two_ranks(shipped_tp):
+    """Every prompt twice (the second time from the prefix cache) in a cache that preempts:
+    the workers' caches follow rank 0's blocks, so the tokens are N = 1's."""
+    engine = shipped_tp.engine
+    prompts = PROMPTS + PROMPTS
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    one = LLM(**SHIPPED).generate(prompts, greedy)
+    preemptions = engine.scheduler.num_preemptions
+    cached = engine.stats.num_cached_tokens
+    assert token_ids(shipped_tp.generate(prompts, greedy)) == token_ids(one)
+    assert engine.scheduler.num_preemptions > preemptions
+    assert engine.stats.num_cached_tokens > cached
+    assert_no_leaks(engine)
+
+
+def test_swapped_preemption_at_two_ranks():
+    """preemption_mode swap: each worker copies its heads' blocks out and back in as rank 0
+    does, so a sequence resumed from host memory continues as at N = 1."""
+    tight = dict(kv_cache_tokens=192, max_num_batched_tokens=64, preemption_mode="swap")
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    expected = token_ids(tiny(**tight).generate(PROMPTS, greedy))
+    llm = tiny(tensor_parallel_size=2, **tight)
+    try:
+        assert token_ids(llm.generate(PROMPTS, greedy)) == expected
+        assert llm.engine.scheduler.num_swapped_out > 0
+        assert_no_leaks(llm.engine)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("name", ["llama3-tied", "llama-untied"])
+def test_grouped_query_llama_at_two_ranks_matches_one(name, tmp_path):
+    """llama3-tied: 4 query heads on 2 K/V heads, one K/V head a rank (split); llama-untied:
+    4 on 1, which both ranks hold (replicated, as vLLM does), and an untied head."""
+    prompts = PROMPTS[:3]
+    one = fixture_llm(name, tmp_path).generate(prompts, PARAMS)
+    two = fixture_llm(name, tmp_path, tensor_parallel_size=2)
+    try:
+        assert_same_outputs(one, two.generate(prompts, PARAMS))
+    finally:
+        two.close()
+
+
+def test_lora_adapters_at_two_ranks_match_one(tmp_path):
+    """llama-tiny with an adapter on every projection, beside a base request: each part's B
+    rows (q, k, v, gate, up) or A columns (o_proj, down_proj) a rank; the workers load the
+    slot rank 0 loads and read each step's token slots."""
+    one = tiny(preset="llama-tiny", enable_lora=True)
+    save_random_lora(str(tmp_path), one.engine.model, ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                       "gate_proj", "up_proj", "down_proj"], r=8)
+    adapters = [LoRARequest("a", 1, str(tmp_path)), None, LoRARequest("a", 1, str(tmp_path))]
+    prompts = PROMPTS[:3]
+    expected = one.generate(prompts, PARAMS, lora_request=adapters)
+    two = tiny(preset="llama-tiny", enable_lora=True, tensor_parallel_size=2)
+    try:
+        assert_same_outputs(expected, two.generate(prompts, PARAMS, lora_request=adapters))
+    finally:
+        two.close()
+    assert token_ids(expected)[0] != token_ids(one.generate(prompts[:1], PARAMS))[0]
+
+
+def test_killed_worker_ends_the_engine_within_seconds():
+    llm = tiny(tensor_parallel_size=2)
+    os.kill(worker_pids(llm)[0], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="worker rank 1 .* died"):
+        llm.generate(["A"], GREEDY)
+    assert time.monotonic() - start < 10
+    llm.close()
+
+
+def test_no_worker_outlives_its_engine():
+    """close() stops the workers; so does collecting an engine that was never closed."""
+    closed = tiny(tensor_parallel_size=2)
+    pids = worker_pids(closed)
+    closed.close()
+    dropped = tiny(tensor_parallel_size=2)
+    pids += worker_pids(dropped)
+    del dropped
+    gc.collect()
+    assert not [pid for pid in pids if pid_running(pid)]
+
+
+@pytest.mark.parametrize("size", [0, -1, True, 1.5, "2", None])
+def test_tensor_parallel_size_must_be_a_positive_integer(size):
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        EngineConfig(tensor_parallel_size=size)
+
+
+def test_heads_that_do_not_divide_are_refused():
+    with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
+        tiny(tensor_parallel_size=3)  # refused before any worker starts
+    with pytest.raises(ValueError, match="neither divides the other"):
+        check_tensor_parallel(GPTConfig(n_head=12, n_kv_head=3, n_embd=384), 2)
