@@ -531,7 +531,7 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: str =
                              "tensor_parallel_size > 1 (its scales would need cutting too)")
         sharded = shard.build(config, tensors, device, dtype)
         if quantization is not None:
-            quantize_model(sharded, quantization)
+            shard.quantize(sharded, quantization)
         return sharded
     # safetensors' views, never overlapping (read_safetensors checks): their pages may go
     is_safetensors = os.path.exists(os.path.join(path, "model.safetensors")) or \
@@ -808,7 +808,10 @@ def load_model(model: str | None = None, preset: str | None = None, seed: int = 
         if shard is not None:  # the rank's slices of the drawn weights
             gpt = shard.build(gpt.config, gpt.state_dict(), device, dtype)
         gpt = gpt.to(device, dtype)
-        if served_quantization(quantization, None, preset) is not None:
+        quantized = served_quantization(quantization, None, preset) is not None
+        if quantized and shard is not None:
+            shard.quantize(gpt, quantization)
+        elif quantized:
             quantize_model(gpt, quantization)
         tokenizer = byte_tokenizer()
         eos_ids = eos_token_ids(tokenizer, {}, {}, gpt.config.vocab_size, preset)

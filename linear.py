@@ -57,14 +57,17 @@ QUANTIZED_DTYPES = {"int8": torch.int8, "fp8": FP8_DTYPE}
 FP8_MIN_CAPABILITY = (8, 9)             # Ada and Hopper: FP8 tensor cores, torch._scaled_mm
 
 
-def quantize_weight(weight: torch.Tensor, quant_method: str
+def quantize_weight(weight: torch.Tensor, quant_method: str, amax: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """weight (O, I) -> (q (O, I) int8 or float8_e4m3fn, weight_scale (O,) fp32), symmetric per
     output channel: s = max|row| / QMAX (a zero row: s = 1), q = row / s rounded (int8 to the
-    nearest integer, fp8 to its nearest value). The docstring above works one channel."""
+    nearest integer, fp8 to its nearest value). The docstring above works one channel. amax
+    (O,): each row's max|w| when weight holds only some of its columns (a row-parallel rank's
+    slice, tensor_parallel.py: the whole row's max, so q and s are those of one rank's)."""
     w = weight.float()
     qmax = INT8_MAX if quant_method == "int8" else FP8_MAX
-    amax = w.abs().amax(dim=1)
+    if amax is None:
+        amax = w.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))  # (O,)
     q = (w / scale[:, None]).clamp(-qmax, qmax)
     if quant_method == "int8":
@@ -187,10 +190,11 @@ class Linear(nn.Linear):
         self.weight_scale = nn.Parameter(torch.empty(weight.shape[0], device=weight.device),
                                          requires_grad=False)
 
-    def quantize_(self, quant_method: str) -> None:
-        """This projection's float weight quantized in place (a preset's random weights; a
-        checkpoint's are quantized as they load, checkpoint.py)."""
-        q, scale = quantize_weight(self.weight.detach(), quant_method)
+    def quantize_(self, quant_method: str, amax: torch.Tensor | None = None) -> None:
+        """This projection's float weight quantized in place (a preset's random weights, a
+        tensor-parallel rank's slices; a checkpoint's are quantized as they load,
+        checkpoint.py); amax: as quantize_weight's."""
+        q, scale = quantize_weight(self.weight.detach(), quant_method, amax)
         self.create_quantized_weights(quant_method)
         self.weight = nn.Parameter(q, requires_grad=False)
         self.weight_scale = nn.Parameter(scale, requires_grad=False)

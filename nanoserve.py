@@ -199,6 +199,9 @@ class EngineConfig:
         if device_type == "cuda" and not self.enforce_eager:
             raise ValueError("tensor_parallel_size > 1 on CUDA needs enforce_eager: decode "
                              "graphs would not replay the workers' steps")
+        if self.kv_transfer_config is not None:
+            raise ValueError("kv_transfer_config with tensor_parallel_size > 1: the connector "
+                             "saves and loads rank 0's K/V heads only")
 
     def _default_limits(self, device_type: str) -> None:
         """max_num_seqs and max_num_batched_tokens left unset take the device's defaults: a
@@ -748,6 +751,9 @@ class Engine:
         check_int("priority", priority, -MAX_PRIORITY, MAX_PRIORITY)
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        if self.tensor_parallel is not None:
+            raise ValueError("beam search with tensor_parallel_size > 1: the workers' caches "
+                             "do not take the beams' copy-on-write block copies")
         params = dataclasses.replace(params)  # a copy, validated again
         text, token_ids = self.parse_prompt(prompt)
         # what the scheduler reads of a beam: a length, greedy (the sampled token is unused)

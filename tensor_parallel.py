@@ -64,6 +64,7 @@ from checkpoint import (DEFAULT_MODEL, DTYPES, checkpoint_path, config_from_hf, 
 from kernels import AttentionMetadata, select_attention
 from linear import LoRAMapping, Linear, projections, row_parallel
 from model import GPT, PRESETS, GPTConfig
+from paged_cache import kv_cache_torch_dtype
 from swap import SwapSpace
 
 JOIN_TIMEOUT = datetime.timedelta(seconds=60)  # a process group's rendezvous and its ops
@@ -119,6 +120,9 @@ class Shard:
         self.rank = rank
         self.world_size = world_size
         self.comm = comm
+        # each row-parallel projection's rows' max|w| over all their columns, read in build
+        # before the cut: its quantization scales are then N = 1's (quantize)
+        self.row_amax: dict[str, torch.Tensor] = {}
 
     def config(self, full: GPTConfig) -> GPTConfig:
         """The rank's shapes: its query heads, K/V heads and MLP slice (vocabulary whole: the
@@ -189,6 +193,9 @@ class Shard:
                 placed["lm_head.weight"] = view.to(device, dtype).contiguous()
                 placed[name] = placed["lm_head.weight"].narrow(0, start, rows)
                 continue
+            module, _, param = name.rpartition(".")
+            if module.endswith(("o_proj", "down_proj")) and param == "weight":
+                self.row_amax[module] = view.abs().amax(dim=1).float()
             piece = self.narrow(full, name, view)
             if piece is not None:
                 placed[name] = piece.to(device, dtype).contiguous()
@@ -206,6 +213,20 @@ class Shard:
         for linear, names in parts.items():
             linear.lora_shard = LoRAShard(self, full, names)
         return model.to(device)
+
+
+    def quantize(self, model: GPT, quant_method: str) -> None:
+        """Quantize the rank's projections after the cut (linear.quantize_model's, per rank): a
+        column-parallel part's channels are whole here, a row-parallel one's take the whole
+        rows' max (row_amax), so every q and scale is a slice of N = 1's."""
+        linears = {}  # each Linear once (a merged one is several projections), by a name
+        for name, (linear, _) in projections(model).items():
+            linears.setdefault(linear, name)
+        for linear, name in linears.items():
+            amax = self.row_amax.get(name)
+            if amax is not None:
+                amax = amax.to(linear.weight.device)
+            linear.quantize_(quant_method, amax)
 
 
 class LoRAShard:
@@ -465,6 +486,7 @@ class Worker:
         self.dtype = dtype
         self.device = device
         self.block_size = config.block_size
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
         self.attention = select_attention(config.attention, device)
         self.k_caches = None
         self.v_caches = None
@@ -501,7 +523,7 @@ class Worker:
         """(n_layer, num_blocks, BS, its K/V heads, D) zeros, K and V."""
         c = self.model.config
         shape = (c.n_layer, num_blocks, self.block_size, c.n_kv_head, c.head_dim)
-        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        k = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         return k, torch.zeros_like(k)
 
     @torch.inference_mode()
@@ -531,9 +553,9 @@ def worker_main(config, rank: int, pipe) -> None:
         torch.set_num_threads(1)
     comm = Communicator(rank, config.tensor_parallel_size)
     try:
+        shard = Shard(rank, comm.world_size, comm)
         checkpoint = load_model(config.model, config.preset, config.seed, device,
-                                DTYPES.get(config.dtype), shard=Shard(rank, comm.world_size,
-                                                                      comm))
+                                DTYPES.get(config.dtype), config.quantization, shard=shard)
     except Exception as e:  # noqa: BLE001 (told to rank 0, which raises it)
         pipe.send(f"{type(e).__name__}: {e}")
         return

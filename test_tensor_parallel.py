@@ -115,6 +115,23 @@ def test_lora_adapters_at_two_ranks_match_one(tmp_path):
     assert token_ids(expected)[0] != token_ids(one.generate(prompts[:1], PARAMS))[0]
 
 
+@pytest.mark.parametrize("quantization", [dict(quantization="int8"),
+                                          dict(quantization="fp8", kv_cache_dtype="fp8")])
+def test_quantized_model_at_two_ranks_matches_one(quantization):
+    """Quantized after the cut, each q and scale a slice of N = 1's (a row-parallel part's scale
+    from its whole row's max, read before the cut), and the workers' caches in kv_cache_dtype:
+    N = 1's tokens and log-probabilities within float32 rounding (a worker in full precision,
+    or scales from its slice alone, errs by 0.005 to 0.04)."""
+    prompts = PROMPTS[:3]
+    expected = tiny(preset="llama-tiny", **quantization).generate(prompts, PARAMS)
+    two = tiny(preset="llama-tiny", tensor_parallel_size=2, **quantization)
+    try:
+        got = two.generate(prompts, PARAMS)
+    finally:
+        two.close()
+    assert_same_outputs(expected, got)
+
+
 def test_killed_worker_ends_the_engine_within_seconds():
     llm = tiny(tensor_parallel_size=2)
     os.kill(worker_pids(llm)[0], signal.SIGKILL)
