@@ -29,9 +29,8 @@ step one more for the embedding. Llama's gate_proj and up_proj are cut as up_pro
 part its rows, then stacked); K/V heads that do not divide by N are replicated when N is a
 multiple of them (vLLM's way: rank r holds K/V head r // (N / Hkv)), else refused.
 
-Processes: workers are forked on a CPU (vLLM's default; a forked worker runs one thread:
-libgomp's pool does not survive a fork) and spawned on CUDA, one GPU each (cuda:r). They
-meet in a gloo (CPU) or NCCL (CUDA) process group through a TCPStore on a free port that
+Processes: workers come from multiprocessing's fork server (start_workers says why), one
+thread each on a CPU, one GPU each on CUDA (cuda:r). They meet in a gloo (CPU) or NCCL (CUDA) process group through a TCPStore on a free port that
 rank 0 opens. A worker that dies is found before the next step sends (its process is not
 alive) or by the all-reduce it left (gloo: the connection closes): WorkerDiedError, which
 ends the engine (nanoserve.is_device_error). Workers end when the engine is closed or
@@ -422,10 +421,14 @@ class TensorParallel:
 
 
 def start_workers(config) -> tuple[list, list]:
-    """Ranks 1..N-1, each a process running worker_main with a pipe to it: forked on a CPU
-    (fast, and vLLM's default), spawned on CUDA (a forked CUDA context is unusable)."""
-    method = "spawn" if str(config.device).startswith("cuda") else "fork"
-    context = multiprocessing.get_context(method)
+    """Ranks 1..N-1, each a process running worker_main with a pipe to it, forked by
+    multiprocessing's fork server: a process of its own that imported this module once (the
+    first engine waits for it) and has no thread, so a worker starts in a fraction of a
+    second and safely. Forking the engine's process itself crashed workers now and then (a
+    segfault, a hang: another engine's gloo threads held locks at the fork), and spawning
+    imports torch anew each time (seconds)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["tensor_parallel"])
     processes, pipes = [], []
     for rank in range(1, config.tensor_parallel_size):
         ours, theirs = context.Pipe()
