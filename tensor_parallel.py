@@ -5,7 +5,7 @@ Rank 0 is the engine's own process: the scheduler, the block pool, sampling and 
 else run there once, unchanged. Ranks 1..N-1 are worker processes (start_workers) that hold
 only their slices of the weights and of the KV cache and run only the model: each step,
 rank 0's model, as it is called, sends its inputs (token ids, positions, the attention
-metadata) down a pipe to every worker (StepChannel), and all N run the same forward in
+metadata) down a pipe to every worker (TensorParallel.send_step), and all N run the same forward in
 lockstep, meeting at each all-reduce. A worker's forward output is thrown away: the hidden
 states after the last all-reduce are the same on every rank, and rank 0 alone makes logits.
 
@@ -30,8 +30,8 @@ part its rows, then stacked); K/V heads that do not divide by N are replicated w
 multiple of them (vLLM's way: rank r holds K/V head r // (N / Hkv)), else refused.
 
 Processes: workers come from multiprocessing's fork server (start_workers says why), one
-thread each on a CPU, one GPU each on CUDA (cuda:r). They meet in a gloo (CPU) or NCCL (CUDA) process group through a TCPStore on a free port that
-rank 0 opens. A worker that dies is found before the next step sends (its process is not
+thread each on a CPU, one GPU each on CUDA (cuda:r). They meet in a gloo (CPU) or NCCL (CUDA)
+process group through a TCPStore on a free port that rank 0 opens. A worker that dies is found before the next step sends (its process is not
 alive) or by the all-reduce it left (gloo: the connection closes): WorkerDiedError, which
 ends the engine (nanoserve.is_device_error). Workers end when the engine is closed or
 collected, and at exit (a weakref finalizer); a worker whose pipe closes (rank 0 died) ends.
@@ -112,7 +112,8 @@ def model_config(config) -> GPTConfig:
 class Shard:
     """Rank `rank`'s share of a model cut across world_size ranks (see the module docstring):
     its shapes (config), its slices of each checkpoint tensor (narrow), and the model built
-    from them with its all-reduces (build). all_reduce: the group's, set once it is joined."""
+    from them with its all-reduces (build). comm: the rank's Communicator, whose group is
+    joined after the load."""
 
     def __init__(self, rank: int, world_size: int, comm: "Communicator"):
         self.rank = rank
