@@ -33,7 +33,9 @@ Processes: workers come from multiprocessing's fork server (start_workers says w
 thread each on a CPU, one GPU each on CUDA (cuda:r). They meet in a gloo (CPU) or NCCL (CUDA)
 process group through a TCPStore on a free port that rank 0 opens. A worker that dies is found before the next step sends (its process is not
 alive) or by the all-reduce it left (gloo: the connection closes): WorkerDiedError, which
-ends the engine (nanoserve.is_device_error). Workers end when the engine is closed or
+ends the engine (nanoserve.is_device_error). So does a forward that failed on rank 0 alone
+(TensorParallelError at the next one): the workers would wait in its all-reduces, out of
+step, so they are stopped. Workers end when the engine is closed or
 collected, and at exit (a weakref finalizer); a worker whose pipe closes (rank 0 died) ends.
 
 LoRA: each projection's adapters are cut as its weight (LoRAShard); rank 0 sends each adapter
@@ -71,8 +73,12 @@ SHUTDOWN_SECONDS = 5    # a worker's exit after it is told to, before it is kill
 DEATH_SECONDS = 1       # a worker's exit after its connection closed, before we say so
 
 
-class WorkerDiedError(RuntimeError):
-    """A tensor-parallel worker process died or left the group: the engine cannot step."""
+class TensorParallelError(RuntimeError):
+    """The ranks cannot run another step together: the engine must be restarted."""
+
+
+class WorkerDiedError(TensorParallelError):
+    """A tensor-parallel worker process died or left the group."""
 
 
 @dataclass
@@ -321,6 +327,7 @@ class TensorParallel:
         self.device = config.device
         self.full_config = model_config(config)
         self.lora_mapping: LoRAMapping | None = None  # rank 0's adapters' slots a token
+        self.in_step = False  # a forward was sent and rank 0's has not returned
         self.processes, self.pipes = start_workers(config)
         self._finalizer = weakref.finalize(self, stop_workers, self.processes, self.pipes)
 
@@ -335,6 +342,7 @@ class TensorParallel:
         self._send(("join", store.port))
         self.comm.group = join_group(store, 0, self.world_size, self.device)
         model.register_forward_pre_hook(self.send_step)
+        model.register_forward_hook(self.step_done)
 
     def prepare(self, model_runner) -> None:
         """Once rank 0's model runner is built: each worker allocates its KV cache, as many
@@ -400,6 +408,11 @@ class TensorParallel:
         """The forward pre-hook: model(input_ids, positions, meta, k_caches, ...)'s inputs to
         every worker, which runs the same forward."""
         self.check_alive()
+        if self.in_step:  # rank 0's last forward raised; the workers wait in its all-reduces
+            stop_workers(self.processes, self.pipes, wait=False)
+            raise TensorParallelError("rank 0's last forward failed part-way, leaving the "
+                                      "workers out of step; the engine must be restarted")
+        self.in_step = True
         start = time.perf_counter()
         step = pack_step(*args[:4])
         if self.lora_mapping is not None and self.lora_mapping.token_slots is not None:
@@ -407,6 +420,10 @@ class TensorParallel:
         self._send(("forward", step))
         self.comm.stats.num_steps += 1
         self.comm.stats.channel_seconds += time.perf_counter() - start
+
+    def step_done(self, _model, _args, _output) -> None:
+        """The forward hook: rank 0's forward returned, so every all-reduce was met."""
+        self.in_step = False
 
     def _send(self, message) -> None:
         for pipe in self.pipes:
@@ -442,14 +459,15 @@ def start_workers(config) -> tuple[list, list]:
     return processes, pipes
 
 
-def stop_workers(processes: list, pipes: list) -> None:
-    """Tell each worker to exit (None), wait SHUTDOWN_SECONDS, kill what is left."""
+def stop_workers(processes: list, pipes: list, wait: bool = True) -> None:
+    """Tell each worker to exit (None), wait SHUTDOWN_SECONDS (unless not `wait`: they are
+    stuck), kill what is left."""
     for pipe in pipes:
         try:
             pipe.send(None)
         except OSError:
             pass  # already gone
-    deadline = time.monotonic() + SHUTDOWN_SECONDS
+    deadline = time.monotonic() + (SHUTDOWN_SECONDS if wait else 0)
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
         if process.is_alive():

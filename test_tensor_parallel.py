@@ -125,6 +125,26 @@ def test_killed_worker_ends_the_engine_within_seconds():
     llm.close()
 
 
+@pytest.mark.allows_fallback
+def test_a_forward_failed_on_rank_0_alone_ends_the_engine(monkeypatch):
+    """Rank 0's forward raises after its first layer: the worker waits in the next all-reduce,
+    out of step. The next forward stops the engine (no hang, no mismatched all-reduces)."""
+    llm = tiny(tensor_parallel_size=2)
+    block = llm.engine.model.model.layers[1]
+    monkeypatch.setattr(block, "forward", broken_forward)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="out of step"):
+        llm.generate(["A", "B"], GREEDY)
+    assert time.monotonic() - start < 10
+    pids = worker_pids(llm)
+    llm.close()
+    assert not [pid for pid in pids if pid_running(pid)]
+
+
+def broken_forward(*_args):
+    raise RuntimeError("a bug on rank 0")
+
+
 def test_no_worker_outlives_its_engine():
     """close() stops the workers; so does collecting an engine that was never closed."""
     closed = tiny(tensor_parallel_size=2)
