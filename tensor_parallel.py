@@ -583,12 +583,3 @@ def worker_main(config, rank: int, pipe) -> None:
             worker.load_lora(*payload)
         else:
             worker.forward(payload)
-
-
-def pid_running(pid: int) -> bool:
-    """Whether a process of that id exists (tests: no worker is left behind)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True

@@ -4,6 +4,7 @@ products in another order), for GPT-2 (the shipped model: biases, a tied head, a
 vocabulary), Llama with K/V heads split and replicated; under preemption and the prefix
 cache; a killed worker ends the engine; no worker outlives its engine; bad sizes refused.
 These tests start processes (forked: a fraction of a second each): few engines, few tokens."""
+import contextlib
 import gc
 import os
 import signal
@@ -11,12 +12,13 @@ import time
 
 import pytest
 
-from conftest import GREEDY, PROMPTS, assert_no_leaks, fixture_llm, tiny, token_ids
+from conftest import (GREEDY, PROMPTS, assert_no_leaks, fixture_llm, http, start_server, stop,
+                      tiny, token_ids)
 from lora import LoRARequest, save_random_lora
 from model import GPTConfig
 from nanoserve import LLM, EngineConfig, EngineDeadError
 from sampling import SamplingParams
-from tensor_parallel import check_tensor_parallel, pid_running
+from tensor_parallel import check_tensor_parallel
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
 SHIPPED = dict(device="cpu", dtype="float32", kv_cache_tokens=1024)
@@ -155,6 +157,47 @@ def test_no_worker_outlives_its_engine():
     del dropped
     gc.collect()
     assert not [pid for pid in pids if pid_running(pid)]
+
+
+def test_no_process_outlives_a_killed_server():
+    """A server at N = 2 killed (SIGKILL: no exit handler runs): its worker, the fork server
+    and multiprocessing's resource tracker see its end and exit within seconds."""
+    proc, url = start_server("--tensor-parallel-size", "2")
+    status, _ = http(url, "/v1/completions", dict(model="tiny", prompt="Hi", max_tokens=3))
+    assert status == 200
+    descendants = descendants_of(proc.pid)
+    assert len(descendants) >= 2  # the fork server and the worker at least
+    stop(proc)
+    deadline = time.monotonic() + 15
+    while [pid for pid in descendants if pid_running(pid)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in descendants if pid_running(pid)]
+
+
+def pid_running(pid: int) -> bool:
+    """Whether a process of that id runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def descendants_of(pid: int) -> list[int]:
+    """Every process below pid, from /proc's parent ids."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
 
 
 @pytest.mark.parametrize("size", [0, -1, True, 1.5, "2", None])
