@@ -217,8 +217,9 @@ class Shard:
 class LoRAShard:
     """A projection's adapters cut as its weight is (set_lora calls it with the whole a (r, I)
     and b (O, r)): a column-parallel part keeps its rows of b (A whole: x A^T is the same on
-    every rank), a row-parallel one its columns of a (b whole: each rank's x_r A_r^T B^T is a
-    partial sum, which the all-reduce after the projection adds up with the base's)."""
+    every rank), a row-parallel one its columns of a (b whole: each rank's term, its slice of x
+    times its columns of A, then B, is a partial sum, added up by the projection's
+    all-reduce with the base's)."""
 
     def __init__(self, shard: Shard, full: GPTConfig, names: list[str]):
         self.shard = shard
