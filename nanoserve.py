@@ -376,7 +376,7 @@ class Engine:
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (done too when the engine is collected,
-        and at exit); the engine cannot step after."""
+        and at exit), after which the engine cannot step; without workers, nothing."""
         if self.tensor_parallel is not None:
             self.tensor_parallel.close()
 
