@@ -198,8 +198,9 @@ class Shard:
             piece = self.narrow(full, name, view)
             if piece is not None:
                 placed[name] = piece.to(device, dtype).contiguous()
-        model.model["embed_tokens"] = VocabParallelEmbedding(start, rows, full.n_embd,
-                                                             self.comm.all_reduce)
+        with torch.device("meta"):  # its weight comes next, as every other
+            model.model["embed_tokens"] = VocabParallelEmbedding(start, rows, full.n_embd,
+                                                                 self.comm.all_reduce)
         if self.rank > 0:
             model.lm_head = None  # workers make no logits
         model.load_state_dict(placed, assign=True)
@@ -321,12 +322,12 @@ class TensorParallel:
 
     def __init__(self, config):
         self.world_size = config.tensor_parallel_size
-        check_tensor_parallel(model_config(config), self.world_size)  # before any worker
+        self.full_config = model_config(config)
+        check_tensor_parallel(self.full_config, self.world_size)  # before any worker starts
         self.comm = Communicator(0, self.world_size)
         self.comm.on_error = self.find_dead_worker
         self.shard = Shard(0, self.world_size, self.comm)
         self.device = config.device
-        self.full_config = model_config(config)
         self.lora_mapping: LoRAMapping | None = None  # rank 0's adapters' slots a token
         self.in_step = False  # a forward was sent and rank 0's has not returned
         self.processes, self.pipes = start_workers(config)
