@@ -262,7 +262,7 @@ class Communicator:
         self.world_size = world_size
         self.group = group
         self.stats = CommStats()
-        self.on_error = None  # rank 0: a callable that raises WorkerDiedError if one died
+        self.workers: list | None = None  # rank 0: the workers' processes, to name a dead one
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """tensor summed over the ranks, in place (contiguous), returned."""
@@ -270,8 +270,8 @@ class Communicator:
         try:
             self.group.allreduce([tensor]).wait()
         except RuntimeError as e:  # gloo: a peer closed its connection, or the op timed out
-            if self.on_error is not None:
-                self.on_error()
+            if self.workers is not None:
+                find_dead_worker(self.workers)
             raise WorkerDiedError(f"an all-reduce failed: {str(e).splitlines()[0]}") from e
         stats = self.stats
         stats.num_all_reduces += 1
@@ -325,12 +325,13 @@ class TensorParallel:
         self.full_config = model_config(config)
         check_tensor_parallel(self.full_config, self.world_size)  # before any worker starts
         self.comm = Communicator(0, self.world_size)
-        self.comm.on_error = self.find_dead_worker
         self.shard = Shard(0, self.world_size, self.comm)
         self.device = config.device
         self.lora_mapping: LoRAMapping | None = None  # rank 0's adapters' slots a token
         self.in_step = False  # a forward was sent and rank 0's has not returned
         self.processes, self.pipes = start_workers(config)
+        self.comm.workers = self.processes  # (not a method of ours: no cycle, so collecting
+                                            # the engine stops the workers at once)
         self._finalizer = weakref.finalize(self, stop_workers, self.processes, self.pipes)
 
     def attach(self, model: GPT) -> None:
@@ -393,18 +394,7 @@ class TensorParallel:
             raise WorkerDiedError(f"tensor-parallel rank {rank} failed to start: {message}")
 
     def check_alive(self) -> None:
-        """WorkerDiedError naming the first worker that is not running."""
-        for rank, process in enumerate(self.processes, start=1):
-            if not process.is_alive():
-                raise WorkerDiedError(f"tensor-parallel worker rank {rank} (pid {process.pid}) "
-                                      f"died (exit code {process.exitcode})")
-
-    def find_dead_worker(self) -> None:
-        """After an all-reduce failed: WorkerDiedError naming the worker that died, once its
-        exit is seen (its connection may close a moment before), else nothing."""
-        for process in self.processes:
-            process.join(DEATH_SECONDS)
-        self.check_alive()
+        check_alive(self.processes)
 
     def send_step(self, _model, args) -> None:
         """The forward pre-hook: model(input_ids, positions, meta, k_caches, ...)'s inputs to
@@ -459,6 +449,22 @@ def start_workers(config) -> tuple[list, list]:
         processes.append(process)
         pipes.append(ours)
     return processes, pipes
+
+
+def check_alive(processes: list) -> None:
+    """WorkerDiedError naming the first worker (rank 1, 2, ...) that is not running."""
+    for rank, process in enumerate(processes, start=1):
+        if not process.is_alive():
+            raise WorkerDiedError(f"tensor-parallel worker rank {rank} (pid {process.pid}) "
+                                  f"died (exit code {process.exitcode})")
+
+
+def find_dead_worker(processes: list) -> None:
+    """After an all-reduce failed: WorkerDiedError naming the worker that died, once its exit
+    is seen (its connection may close a moment before), else nothing."""
+    for process in processes:
+        process.join(DEATH_SECONDS)
+    check_alive(processes)
 
 
 def stop_workers(processes: list, pipes: list, wait: bool = True) -> None:

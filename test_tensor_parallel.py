@@ -5,7 +5,7 @@ vocabulary), Llama with K/V heads split and replicated; under preemption and the
 cache; a killed worker ends the engine; no worker outlives its engine; bad sizes refused.
 These tests start processes (forked: a fraction of a second each): few engines, few tokens."""
 import contextlib
-import gc
+import multiprocessing
 import os
 import signal
 import time
@@ -148,15 +148,20 @@ def broken_forward(*_args):
 
 
 def test_no_worker_outlives_its_engine():
-    """close() stops the workers; so does collecting an engine that was never closed."""
+    """close() stops the workers; so does dropping the last reference to an engine never
+    closed (at once: no reference cycle holds the workers' handle), or one that failed to
+    start after its workers had."""
     closed = tiny(tensor_parallel_size=2)
     pids = worker_pids(closed)
     closed.close()
     dropped = tiny(tensor_parallel_size=2)
     pids += worker_pids(dropped)
     del dropped
-    gc.collect()
     assert not [pid for pid in pids if pid_running(pid)]
+    running = set(multiprocessing.active_children())  # the module's engine's, say
+    with pytest.raises(ValueError, match="max_model_len 4096 > the context 1024"):
+        tiny(tensor_parallel_size=2, max_model_len=4096)
+    assert set(multiprocessing.active_children()) <= running
 
 
 def test_no_process_outlives_a_killed_server():
