@@ -31,12 +31,13 @@ multiple of them (vLLM's way: rank r holds K/V head r // (N / Hkv)), else refuse
 
 Processes: workers come from multiprocessing's fork server (start_workers says why), one
 thread each on a CPU, one GPU each on CUDA (cuda:r). They meet in a gloo (CPU) or NCCL (CUDA)
-process group through a TCPStore on a free port that rank 0 opens. A worker that dies is found before the next step sends (its process is not
-alive) or by the all-reduce it left (gloo: the connection closes): WorkerDiedError, which
-ends the engine (nanoserve.is_device_error). So does a forward that failed on rank 0 alone
+process group through a TCPStore on a free port that rank 0 opens. A worker that dies is
+found before the next step sends (its process is not alive) or by the all-reduce it left
+(gloo: the connection closes): WorkerDiedError, which ends the engine
+(nanoserve.is_device_error). So does a forward that failed on rank 0 alone
 (TensorParallelError at the next one): the workers would wait in its all-reduces, out of
-step, so they are stopped. Workers end when the engine is closed or
-collected, and at exit (a weakref finalizer); a worker whose pipe closes (rank 0 died) ends.
+step, so they are stopped. Workers end when the engine is closed or dropped, and at exit (a
+weakref finalizer); a worker whose pipe closes (rank 0 died) ends.
 
 LoRA: each projection's adapters are cut as its weight (LoRAShard); rank 0 sends each adapter
 it puts in a slot to the workers, and each step's token slots with its inputs.
