@@ -327,7 +327,7 @@ class RowParallel:
     rank holds its columns of the weight, multiplies its slice of the input (the heads or MLP
     slice a column-parallel projection gave it), and the ranks' partial outputs (N, O) are
     summed by all_reduce. The bias is added by one rank (the others hold zeros), so once. An
-    adapter's A would be cut by the same columns (a partial x A^T, summed with the rest)."""
+    adapter's A is cut by the same columns (a partial LoRA term, summed with the rest)."""
 
     def __init__(self, all_reduce):
         self.all_reduce = all_reduce
@@ -338,5 +338,5 @@ class RowParallel:
 
 def row_parallel(linear: Linear, all_reduce) -> None:
     """Make linear row-parallel (see RowParallel); a column-parallel one needs nothing but its
-    rows (tensor_parallel.Shard cuts each part's, so each LoRA slice would shard with them)."""
+    rows (tensor_parallel.Shard cuts each part's, and each LoRA slice shards with them)."""
     linear.register_forward_hook(RowParallel(all_reduce))

@@ -63,7 +63,7 @@ from scheduler import (MAX_PRIORITY, POLICIES, PREEMPTION_MODES, BeamGroup, Sche
                        SchedulerOutput, Sequence, SequenceStatus, check_stop)
 from spec_decode import SpeculativeConfig, Speculator, parse_speculative_config
 from structured_output import StructuredOutputManager, accept_token, new_grammar
-from tensor_parallel import TensorParallel, WorkerDiedError
+from tensor_parallel import TensorParallel, TensorParallelError
 from tokenizer import Detokenizer
 
 __version__ = "0.1.0"     # pyproject.toml reads it from here
@@ -341,7 +341,7 @@ def is_device_error(error: Exception) -> bool:
     """Whether an error is the device's (a device-side assert, an illegal address): CUDA
     reports it at the next wait for the GPU, whichever request caused it, and the CUDA context
     stays unusable, so running the requests again one at a time would only fail them all."""
-    if isinstance(error, WorkerDiedError):  # a tensor-parallel rank is gone: as fatal
+    if isinstance(error, TensorParallelError):  # the ranks cannot step together: as fatal
         return True
     return isinstance(error, torch.AcceleratorError) or "CUDA error" in str(error)
 
@@ -431,7 +431,7 @@ class Engine:
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (done too when the engine is collected,
-        and at exit); the engine cannot step after."""
+        and at exit), after which the engine cannot step; without workers, nothing."""
         if self.tensor_parallel is not None:
             self.tensor_parallel.close()
 

@@ -5,7 +5,7 @@ Rank 0 is the engine's own process: the scheduler, the block pool, sampling and 
 else run there once, unchanged. Ranks 1..N-1 are worker processes (start_workers) that hold
 only their slices of the weights and of the KV cache and run only the model: each step,
 rank 0's model, as it is called, sends its inputs (token ids, positions, the attention
-metadata) down a pipe to every worker (StepChannel), and all N run the same forward in
+metadata) down a pipe to every worker (TensorParallel.send_step), and all N run the same forward in
 lockstep, meeting at each all-reduce. A worker's forward output is thrown away: the hidden
 states after the last all-reduce are the same on every rank, and rank 0 alone makes logits.
 
@@ -29,13 +29,15 @@ step one more for the embedding. Llama's gate_proj and up_proj are cut as up_pro
 part its rows, then stacked); K/V heads that do not divide by N are replicated when N is a
 multiple of them (vLLM's way: rank r holds K/V head r // (N / Hkv)), else refused.
 
-Processes: workers are forked on a CPU (vLLM's default; a forked worker runs one thread:
-libgomp's pool does not survive a fork) and spawned on CUDA, one GPU each (cuda:r). They
-meet in a gloo (CPU) or NCCL (CUDA) process group through a TCPStore on a free port that
-rank 0 opens. A worker that dies is found before the next step sends (its process is not
-alive) or by the all-reduce it left (gloo: the connection closes): WorkerDiedError, which
-ends the engine (nanoserve.is_device_error). Workers end when the engine is closed or
-collected, and at exit (a weakref finalizer); a worker whose pipe closes (rank 0 died) ends.
+Processes: workers come from multiprocessing's fork server (start_workers says why), one
+thread each on a CPU, one GPU each on CUDA (cuda:r). They meet in a gloo (CPU) or NCCL (CUDA)
+process group through a TCPStore on a free port that rank 0 opens. A worker that dies is
+found before the next step sends (its process is not alive) or by the all-reduce it left
+(gloo: the connection closes): WorkerDiedError, which ends the engine
+(nanoserve.is_device_error). So does a forward that failed on rank 0 alone
+(TensorParallelError at the next one): the workers would wait in its all-reduces, out of
+step, so they are stopped. Workers end when the engine is closed or dropped, and at exit (a
+weakref finalizer); a worker whose pipe closes (rank 0 died) ends.
 
 LoRA: each projection's adapters are cut as its weight (LoRAShard); rank 0 sends each adapter
 it puts in a slot to the workers, and each step's token slots with its inputs.
@@ -73,8 +75,12 @@ SHUTDOWN_SECONDS = 5    # a worker's exit after it is told to, before it is kill
 DEATH_SECONDS = 1       # a worker's exit after its connection closed, before we say so
 
 
-class WorkerDiedError(RuntimeError):
-    """A tensor-parallel worker process died or left the group: the engine cannot step."""
+class TensorParallelError(RuntimeError):
+    """The ranks cannot run another step together: the engine must be restarted."""
+
+
+class WorkerDiedError(TensorParallelError):
+    """A tensor-parallel worker process died or left the group."""
 
 
 @dataclass
@@ -114,7 +120,8 @@ def model_config(config) -> GPTConfig:
 class Shard:
     """Rank `rank`'s share of a model cut across world_size ranks (see the module docstring):
     its shapes (config), its slices of each checkpoint tensor (narrow), and the model built
-    from them with its all-reduces (build). all_reduce: the group's, set once it is joined."""
+    from them with its all-reduces (build). comm: the rank's Communicator, whose group is
+    joined after the load."""
 
     def __init__(self, rank: int, world_size: int, comm: "Communicator"):
         self.rank = rank
@@ -199,8 +206,9 @@ class Shard:
             piece = self.narrow(full, name, view)
             if piece is not None:
                 placed[name] = piece.to(device, dtype).contiguous()
-        model.model["embed_tokens"] = VocabParallelEmbedding(start, rows, full.n_embd,
-                                                             self.comm.all_reduce)
+        with torch.device("meta"):  # its weight comes next, as every other
+            model.model["embed_tokens"] = VocabParallelEmbedding(start, rows, full.n_embd,
+                                                                 self.comm.all_reduce)
         if self.rank > 0:
             model.lm_head = None  # workers make no logits
         model.load_state_dict(placed, assign=True)
@@ -232,8 +240,9 @@ class Shard:
 class LoRAShard:
     """A projection's adapters cut as its weight is (set_lora calls it with the whole a (r, I)
     and b (O, r)): a column-parallel part keeps its rows of b (A whole: x A^T is the same on
-    every rank), a row-parallel one its columns of a (b whole: each rank's x_r A_r^T B^T is a
-    partial sum, which the all-reduce after the projection adds up with the base's)."""
+    every rank), a row-parallel one its columns of a (b whole: each rank's term, its slice of x
+    times its columns of A, then B, is a partial sum, added up by the projection's
+    all-reduce with the base's)."""
 
     def __init__(self, shard: Shard, full: GPTConfig, names: list[str]):
         self.shard = shard
@@ -275,7 +284,7 @@ class Communicator:
         self.world_size = world_size
         self.group = group
         self.stats = CommStats()
-        self.on_error = None  # rank 0: a callable that raises WorkerDiedError if one died
+        self.workers: list | None = None  # rank 0: the workers' processes, to name a dead one
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """tensor summed over the ranks, in place (contiguous), returned."""
@@ -283,8 +292,8 @@ class Communicator:
         try:
             self.group.allreduce([tensor]).wait()
         except RuntimeError as e:  # gloo: a peer closed its connection, or the op timed out
-            if self.on_error is not None:
-                self.on_error()
+            if self.workers is not None:
+                find_dead_worker(self.workers)
             raise WorkerDiedError(f"an all-reduce failed: {str(e).splitlines()[0]}") from e
         stats = self.stats
         stats.num_all_reduces += 1
@@ -335,14 +344,16 @@ class TensorParallel:
 
     def __init__(self, config):
         self.world_size = config.tensor_parallel_size
-        check_tensor_parallel(model_config(config), self.world_size)  # before any worker
+        self.full_config = model_config(config)
+        check_tensor_parallel(self.full_config, self.world_size)  # before any worker starts
         self.comm = Communicator(0, self.world_size)
-        self.comm.on_error = self.find_dead_worker
         self.shard = Shard(0, self.world_size, self.comm)
         self.device = config.device
-        self.full_config = model_config(config)
         self.lora_mapping: LoRAMapping | None = None  # rank 0's adapters' slots a token
+        self.in_step = False  # a forward was sent and rank 0's has not returned
         self.processes, self.pipes = start_workers(config)
+        self.comm.workers = self.processes  # (not a method of ours: no cycle, so collecting
+                                            # the engine stops the workers at once)
         self._finalizer = weakref.finalize(self, stop_workers, self.processes, self.pipes)
 
     def attach(self, model: GPT) -> None:
@@ -356,6 +367,7 @@ class TensorParallel:
         self._send(("join", store.port))
         self.comm.group = join_group(store, 0, self.world_size, self.device)
         model.register_forward_pre_hook(self.send_step)
+        model.register_forward_hook(self.step_done)
 
     def prepare(self, model_runner) -> None:
         """Once rank 0's model runner is built: each worker allocates its KV cache, as many
@@ -404,23 +416,17 @@ class TensorParallel:
             raise WorkerDiedError(f"tensor-parallel rank {rank} failed to start: {message}")
 
     def check_alive(self) -> None:
-        """WorkerDiedError naming the first worker that is not running."""
-        for rank, process in enumerate(self.processes, start=1):
-            if not process.is_alive():
-                raise WorkerDiedError(f"tensor-parallel worker rank {rank} (pid {process.pid}) "
-                                      f"died (exit code {process.exitcode})")
-
-    def find_dead_worker(self) -> None:
-        """After an all-reduce failed: WorkerDiedError naming the worker that died, once its
-        exit is seen (its connection may close a moment before), else nothing."""
-        for process in self.processes:
-            process.join(DEATH_SECONDS)
-        self.check_alive()
+        check_alive(self.processes)
 
     def send_step(self, _model, args) -> None:
         """The forward pre-hook: model(input_ids, positions, meta, k_caches, ...)'s inputs to
         every worker, which runs the same forward."""
         self.check_alive()
+        if self.in_step:  # rank 0's last forward raised; the workers wait in its all-reduces
+            stop_workers(self.processes, self.pipes, wait=False)
+            raise TensorParallelError("rank 0's last forward failed part-way, leaving the "
+                                      "workers out of step; the engine must be restarted")
+        self.in_step = True
         start = time.perf_counter()
         step = pack_step(*args[:4])
         if self.lora_mapping is not None and self.lora_mapping.token_slots is not None:
@@ -428,6 +434,10 @@ class TensorParallel:
         self._send(("forward", step))
         self.comm.stats.num_steps += 1
         self.comm.stats.channel_seconds += time.perf_counter() - start
+
+    def step_done(self, _model, _args, _output) -> None:
+        """The forward hook: rank 0's forward returned, so every all-reduce was met."""
+        self.in_step = False
 
     def _send(self, message) -> None:
         for pipe in self.pipes:
@@ -443,10 +453,14 @@ class TensorParallel:
 
 
 def start_workers(config) -> tuple[list, list]:
-    """Ranks 1..N-1, each a process running worker_main with a pipe to it: forked on a CPU
-    (fast, and vLLM's default), spawned on CUDA (a forked CUDA context is unusable)."""
-    method = "spawn" if str(config.device).startswith("cuda") else "fork"
-    context = multiprocessing.get_context(method)
+    """Ranks 1..N-1, each a process running worker_main with a pipe to it, forked by
+    multiprocessing's fork server: a process of its own that imported this module once (the
+    first engine waits for it) and has no thread, so a worker starts in a fraction of a
+    second and safely. Forking the engine's process itself crashed workers now and then (a
+    segfault, a hang: another engine's gloo threads held locks at the fork), and spawning
+    imports torch anew each time (seconds)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["tensor_parallel"])
     processes, pipes = [], []
     for rank in range(1, config.tensor_parallel_size):
         ours, theirs = context.Pipe()
@@ -459,14 +473,31 @@ def start_workers(config) -> tuple[list, list]:
     return processes, pipes
 
 
-def stop_workers(processes: list, pipes: list) -> None:
-    """Tell each worker to exit (None), wait SHUTDOWN_SECONDS, kill what is left."""
+def check_alive(processes: list) -> None:
+    """WorkerDiedError naming the first worker (rank 1, 2, ...) that is not running."""
+    for rank, process in enumerate(processes, start=1):
+        if not process.is_alive():
+            raise WorkerDiedError(f"tensor-parallel worker rank {rank} (pid {process.pid}) "
+                                  f"died (exit code {process.exitcode})")
+
+
+def find_dead_worker(processes: list) -> None:
+    """After an all-reduce failed: WorkerDiedError naming the worker that died, once its exit
+    is seen (its connection may close a moment before), else nothing."""
+    for process in processes:
+        process.join(DEATH_SECONDS)
+    check_alive(processes)
+
+
+def stop_workers(processes: list, pipes: list, wait: bool = True) -> None:
+    """Tell each worker to exit (None), wait SHUTDOWN_SECONDS (unless not `wait`: they are
+    stuck), kill what is left."""
     for pipe in pipes:
         try:
             pipe.send(None)
         except OSError:
             pass  # already gone
-    deadline = time.monotonic() + SHUTDOWN_SECONDS
+    deadline = time.monotonic() + (SHUTDOWN_SECONDS if wait else 0)
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
         if process.is_alive():
@@ -583,12 +614,3 @@ def worker_main(config, rank: int, pipe) -> None:
             worker.load_lora(*payload)
         else:
             worker.forward(payload)
-
-
-def pid_running(pid: int) -> bool:
-    """Whether a process of that id exists (tests: no worker is left behind)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True

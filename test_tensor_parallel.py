@@ -4,19 +4,21 @@ products in another order), for GPT-2 (the shipped model: biases, a tied head, a
 vocabulary), Llama with K/V heads split and replicated; under preemption and the prefix
 cache; a killed worker ends the engine; no worker outlives its engine; bad sizes refused.
 These tests start processes (forked: a fraction of a second each): few engines, few tokens."""
-import gc
+import contextlib
+import multiprocessing
 import os
 import signal
 import time
 
 import pytest
 
-from conftest import GREEDY, PROMPTS, assert_no_leaks, fixture_llm, tiny, token_ids
+from conftest import (GREEDY, PROMPTS, assert_no_leaks, fixture_llm, http, start_server, stop,
+                      tiny, token_ids)
 from lora import LoRARequest, save_random_lora
 from model import GPTConfig
 from nanoserve import LLM, EngineConfig, EngineDeadError
 from sampling import SamplingParams
-from tensor_parallel import check_tensor_parallel, pid_running
+from tensor_parallel import check_tensor_parallel
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
 SHIPPED = dict(device="cpu", dtype="float32", kv_cache_tokens=1024)
@@ -142,16 +144,82 @@ def test_killed_worker_ends_the_engine_within_seconds():
     llm.close()
 
 
+@pytest.mark.allows_fallback
+def test_a_forward_failed_on_rank_0_alone_ends_the_engine(monkeypatch):
+    """Rank 0's forward raises after its first layer: the worker waits in the next all-reduce,
+    out of step. The next forward stops the engine (no hang, no mismatched all-reduces)."""
+    llm = tiny(tensor_parallel_size=2)
+    block = llm.engine.model.model.layers[1]
+    monkeypatch.setattr(block, "forward", broken_forward)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="out of step"):
+        llm.generate(["A", "B"], GREEDY)
+    assert time.monotonic() - start < 10
+    pids = worker_pids(llm)
+    llm.close()
+    assert not [pid for pid in pids if pid_running(pid)]
+
+
+def broken_forward(*_args):
+    raise RuntimeError("a bug on rank 0")
+
+
 def test_no_worker_outlives_its_engine():
-    """close() stops the workers; so does collecting an engine that was never closed."""
+    """close() stops the workers; so does dropping the last reference to an engine never
+    closed (at once: no reference cycle holds the workers' handle), or one that failed to
+    start after its workers had."""
     closed = tiny(tensor_parallel_size=2)
     pids = worker_pids(closed)
     closed.close()
     dropped = tiny(tensor_parallel_size=2)
     pids += worker_pids(dropped)
     del dropped
-    gc.collect()
     assert not [pid for pid in pids if pid_running(pid)]
+    running = set(multiprocessing.active_children())  # the module's engine's, say
+    with pytest.raises(ValueError, match="max_model_len 4096 > the context 1024"):
+        tiny(tensor_parallel_size=2, max_model_len=4096)
+    assert set(multiprocessing.active_children()) <= running
+
+
+def test_no_process_outlives_a_killed_server():
+    """A server at N = 2 killed (SIGKILL: no exit handler runs): its worker, the fork server
+    and multiprocessing's resource tracker see its end and exit within seconds."""
+    proc, url = start_server("--tensor-parallel-size", "2")
+    status, _ = http(url, "/v1/completions", dict(model="tiny", prompt="Hi", max_tokens=3))
+    assert status == 200
+    descendants = descendants_of(proc.pid)
+    assert len(descendants) >= 2  # the fork server and the worker at least
+    stop(proc)
+    deadline = time.monotonic() + 15
+    while [pid for pid in descendants if pid_running(pid)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in descendants if pid_running(pid)]
+
+
+def pid_running(pid: int) -> bool:
+    """Whether a process of that id runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def descendants_of(pid: int) -> list[int]:
+    """Every process below pid, from /proc's parent ids."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
 
 
 @pytest.mark.parametrize("size", [0, -1, True, 1.5, "2", None])
