@@ -132,7 +132,7 @@ class BeamSearchRequest:
         return sorted(self.finished, key=score, reverse=True)[:self.params.beam_width]
 
 
-@dataclass
+@dataclass(eq=False)
 class Candidate:
     """A beam and a next token: their cumulative log-probability, the token's own."""
     cum_logprob: float
@@ -244,14 +244,14 @@ class BeamSearch:
         new_beams = {}  # candidate -> the sequence that continues it
         for parent, candidates in continued.items():
             for candidate in candidates[1:]:
-                new_beams[id(candidate)] = self._fork(request, parent)
-            new_beams[id(candidates[0])] = parent  # last: the forks copy its tokens before
+                new_beams[candidate] = self._fork(request, parent)
+            new_beams[candidates[0]] = parent  # the parent itself: it takes its token below
         for candidate in kept:
-            seq = new_beams[id(candidate)]
+            seq = new_beams[candidate]
             seq.token_ids.append(candidate.token_id)
             seq.logprobs.append({candidate.token_id: candidate.logprob})
             seq.cum_logprob = candidate.cum_logprob
-        request.group.seqs[:] = [new_beams[id(candidate)] for candidate in kept]  # best first
+        request.group.seqs[:] = [new_beams[candidate] for candidate in kept]  # best first
 
     def _fork(self, request: BeamSearchRequest, parent: Sequence) -> Sequence:
         """A running copy of parent sharing its blocks (BlockTable.fork)."""

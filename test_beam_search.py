@@ -10,6 +10,7 @@ import torch
 import model_runner
 from conftest import (GREEDY, assert_no_leaks, fixture_llm, http, server_in_process, tiny,
                       token_ids)
+from beam_search import get_beam_search_score
 from nanoserve import LLM, BeamSearchParams
 from paged_cache import BlockPool, BlockTable
 from sampling import SamplingParams
@@ -127,6 +128,23 @@ def test_beams_equal_a_reference_beam_search_with_grouped_query_attention(tmp_pa
         ids = llm.engine.tokenizer.encode(prompt)
         assert_same_search(sequences, reference_beam_search(llm.engine.model, ids, 4, 6))
     assert_no_leaks(llm.engine)
+
+
+def test_end_of_text_finishes_a_hypothesis_scored_as_vllm_scores_it():
+    llm = tiny()
+    engine = llm.engine
+    first = token_ids(llm.generate(["Hello"], GREEDY))[0][0]
+    engine.eos_token_ids[:] = [first]  # the greedy first token ends a hypothesis at once
+    output, = llm.beam_search(["Hello"], BeamSearchParams(beam_width=3, max_tokens=6))
+    prompt_ids = engine.tokenizer.encode("Hello")
+    best = output.sequences[0]
+    assert (best.finish_reason, best.tokens, best.text) == ("stop", prompt_ids + [first], "Hello")
+    assert [s.finish_reason for s in output.sequences[1:]] == ["length", "length"]
+    assert all(first not in s.tokens[len(prompt_ids):] for s in output.sequences[1:])
+    scores = [get_beam_search_score(s.tokens, s.cum_logprob, first) for s in output.sequences]
+    assert scores == sorted(scores, reverse=True)
+    assert scores[0] == best.cum_logprob / len(prompt_ids)  # the length leaves its eos out
+    assert_no_leaks(engine)
 
 
 # ----------------------------------------------------------------------------- copy-on-write
