@@ -33,7 +33,10 @@ torch._scaled_mm multiplies in 8 bits, applying both scales to its fp32 sums. Th
 tests check: int8 weight errors within s / 2; fp8's within 2^-4 |w| + half the subnormal
 step (2^-10 s); their products with x within the sums of those times |x|. checkpoint.py
 quantizes a checkpoint's weights one tensor at a time as they load; the embedding and the LM
-head are no Linear of these, and stay in the model's dtype (README: why).
+head are no Linear of these, and stay in the model's dtype: the embedding is a lookup (a row a
+token, no GEMM to speed up), and the LM head's logits decide every sampled token, a
+vocabulary-wide softmax whose near-ties a 2^-4 error would flip, where a projection's error is
+averaged over the layers after it.
 
 A tensor-parallel projection holds its rank's share of the output (its parts' rows, so each
 LoRA slice shards with them) or of the input, and all-reduces: RowParallel below, the cut in
