@@ -1,6 +1,6 @@
 """The engine's guarantees (nanoserve.py), one test each: exactness whatever the batch, chunking,
 preemption or attention backend; streaming outputs; bad input refused; n samples; failures
-and aborts. Run every test file: python -m pytest -q
+and aborts. Run every test file: python -m pytest -q -n 2 --dist loadfile
 """
 import ast
 import asyncio
