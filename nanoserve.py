@@ -25,6 +25,11 @@ the next step's drafts, and update() appends a verified run of tokens one at a t
 LoRA adapters (lora.py) are a few hooks here: add_request acquires a request's adapter, a
 finished sequence releases it, and execute() puts the running ones in device slots.
 
+Disaggregated prefill and decode (kv_connector.py) is a hook here and two in the scheduler:
+execute() has the KV connector copy the admitted sequences' loaded K/V into their blocks
+before the forward (start_load_kv), and update() has a producer save each prompt computed
+(save_kv); the scheduler asks it at admission how many prompt tokens it holds.
+
 Left out: beam search, tensor parallelism, multi-modal inputs.
 """
 import dataclasses
