@@ -6,9 +6,9 @@ builds the Engine and hands it to one front end: --prompt serves every prompt as
 and streams its text (--trace draws the steps after); piped lines are submitted as they arrive
 and printed whole, in order (--jsonl: a JSON object a line); at a terminal, a REPL; --serve
 starts the HTTP server (server.py); --disagg-proxy builds no engine and runs the proxy of
-disaggregated prefill and decode (disagg_proxy.py). With a checkpoint that has a chat template, a --prompt, a
-piped line and a REPL line are the user's turn through it (the REPL: one conversation), unless
---ignore-chat-template; a --jsonl "prompt" is a completion's, always raw. --trace-html writes
+disaggregated prefill and decode (disagg_proxy.py). With a checkpoint that has a chat
+template, a --prompt, a piped line and a REPL line are the user's turn through it (the REPL:
+one conversation), unless --ignore-chat-template; a --jsonl "prompt" is a completion's, always raw. --trace-html writes
 the watch page (watch.py) replaying the run of --prompt or piped input. An error is one
 "error: ..." line, never a traceback.
 """

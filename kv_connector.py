@@ -14,7 +14,7 @@ Mooncake's transfer engine); the hooks are the same, so another transport could 
     kv_transfer_config = {"kv_connector": "ExampleConnector", "kv_role": "kv_producer",
                           "kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}
 
-The hooks, vLLM's names (KVConnectorBase_V1), where the engine calls them:
+The hooks, with the names of vLLM's connector base class, where the engine calls them:
 
     scheduler side   get_num_new_matched_tokens(seq, num_computed_tokens)  admission: how many
                        more prompt tokens the folder holds, past the prefix cache's hit
@@ -24,7 +24,7 @@ The hooks, vLLM's names (KVConnectorBase_V1), where the engine calls them:
     worker side      start_load_kv()   before the step's forward: copy into those blocks
                      save_kv(seq)      after the step that finished seq's prompt: its full
                                        blocks to the folder (vLLM saves layer by layer during
-                                       the forward, save_kv_layer; here all at once)
+                                       the forward; here all at once)
 
 Example, block_size 16, a 40-token prompt. The producer (the proxy sent it max_tokens 1)
 computes 40 tokens and writes blocks 0 and 1 (tokens 0-31; 32-39 fill no block). The consumer

@@ -10,7 +10,10 @@ holds: its full blocks were registered there, so unless evicted meanwhile it tak
 on readmission and resumes from them. This is vLLM v1's rule, after Orca and Sarathi. Under
 --preemption-mode swap or auto a preempted sequence may instead be swapped out: its blocks'
 K/V copied to host memory (swap.py), its progress kept, and copied back into fresh blocks
-when it is readmitted; SchedulerOutput lists the copies for the engine to make.
+when it is readmitted; SchedulerOutput lists the copies for the engine to make. With a KV
+connector (kv_connector.py, disaggregated prefill), an admitted sequence starts past the
+blocks the connector holds too, after its prefix-cache hit: a hit that came from outside,
+loaded into fresh blocks before the step's forward.
 
 In this file, in order: Sequence (one sample of a request), BeamGroup (a beam-search request's
 live beams, which are admitted and preempted together), SchedulerOutput (what a step runs

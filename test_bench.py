@@ -389,9 +389,9 @@ def test_bench_disagg_compares_one_instance_with_a_prefill_and_a_decode_instance
     and through two; the decode instance loaded the prompts the prefill instance saved, and
     each run with long prompts is set against its own run without."""
     found, printed = run_single(tmp_path, ["--disagg", "--prompt-len", "16", "--disagg-rate",
-                                           "16", "--disagg-duration", "0.5",
+                                           "16", "--disagg-duration", "0.25",
                                            "--disagg-long-len", "120", "--disagg-long-every",
-                                           "0.25", "--disagg-short-output", "6"])
+                                           "0.125", "--disagg-short-output", "6"])
     rows = found["disagg"]["rows"]
     assert [(row["run"], row["threads"]) for row in rows] == [
         ("one instance, short requests alone", "1 x 2"),

@@ -317,6 +317,16 @@ def test_vllms_earlier_connector_name_and_json_text_are_accepted(tmp_path):
     assert isinstance(config, KVTransferConfig) and config.is_producer and config.is_consumer
 
 
+def test_the_command_line_takes_kv_transfer_config_as_json(capsys, tmp_path):
+    config = json.dumps(kv_config(tmp_path, "kv_producer"))
+    status, _, err = nanoserve_main(capsys, "--preset", "tiny", "--kv-transfer-config", config,
+                                    "--prompt", LONG, "--max-tokens", "1")
+    assert status == 0 and len(entries(tmp_path)) == len(LONG) // 16
+    status, _, err = nanoserve_main(capsys, "--preset", "tiny", "--kv-transfer-config",
+                                    '{"kv_connector": "ExampleConnector"}', "--prompt", "x")
+    assert status == 2 and err == "error: kv_transfer_config needs kv_role\n"
+
+
 def test_the_command_line_refuses_proxy_flags_without_the_proxy(capsys):
     status, _, err = nanoserve_main(capsys, "--preset", "tiny", "--decode", "http://a:1")
     assert status == 2 and err == "error: --prefill and --decode are the instances of " \
