@@ -1956,7 +1956,7 @@ HOST_VOCAB = 50257  # GPT-2's vocabulary: the stub's logits and its tokenizer's 
 HOST_PREFILL_TOKENS = 16384  # the stubbed engine's token budget: its prompts in a few steps
 HOST_MAX_TOKENS = 512  # more than the prefill's steps and the timed ones: no sequence ends
 HOST_PHASES = ("schedule", "inputs", "sampling_tensors", "penalties", "penalty_rows", "sample",
-               "invalid_rows", "count_sampled", "update", "record")
+               "invalid_logits", "count_sampled", "update", "record")
 
 
 def stub_tokenizer(vocab_size: int) -> Tokenizer:
@@ -2024,8 +2024,8 @@ def stub_sample(stub: StubModel, logits: torch.Tensor, tensors, generator) -> to
     return stub.greedy_token_ids[:len(logits)]
 
 
-def stub_invalid_rows(logits: torch.Tensor) -> torch.Tensor:
-    """invalid_rows()'s result on the stub's logits (finite), without a pass over them."""
+def stub_invalid_logits(logits: torch.Tensor) -> torch.Tensor:
+    """invalid_logits()'s result on the stub's logits (finite), without a pass over them."""
     return torch.zeros(len(logits), dtype=torch.bool, device=logits.device)
 
 
@@ -2039,7 +2039,7 @@ def phase_timers(engine: Engine, device: str):
                "penalties": (engine.model_runner.input_batch, "penalties"),
                "penalty_rows": (engine.model_runner.input_batch, "penalty_rows"),
                "sample": (model_runner, "sample"),
-               "invalid_rows": (model_runner, "invalid_rows"),
+               "invalid_logits": (model_runner, "invalid_logits"),
                "count_sampled": (engine.model_runner.input_batch, "count_sampled"),
                "update": (engine, "update"),
                "record": (engine, "record")}
@@ -2079,7 +2079,7 @@ def host_step(cfg: BenchConfig, batch: int, context: int, penalty: bool, stream:
             start = synced_clock(cfg.device)
             engine.step()
             step = dict(spent, step=synced_clock(cfg.device) - start)
-            step["device"] = (step["sample"] + step["invalid_rows"] + step["penalty_rows"]
+            step["device"] = (step["sample"] + step["invalid_logits"] + step["penalty_rows"]
                               + step["count_sampled"])
             step["host"] = step["step"] - step["device"]
             by_step.append(step)
@@ -2102,7 +2102,7 @@ def warm_host_ms(engine: Engine, device: str, steps: int) -> float:
     given = partial(stub_sample, engine.model)
     times = []
     with mock.patch.object(model_runner, "sample", given), \
-            mock.patch.object(model_runner, "invalid_rows", stub_invalid_rows):
+            mock.patch.object(model_runner, "invalid_logits", stub_invalid_logits):
         for _ in range(steps):
             start = synced_clock(device)
             engine.step()
@@ -2795,9 +2795,9 @@ def quantization_table(found: dict) -> str:
 
 def host_table(rows: list[dict]) -> str:
     keys = ("batch context repetition_penalty stream schedule_ms inputs_ms sampling_tensors_ms "
-            "penalties_ms penalty_rows_ms invalid_rows_ms count_sampled_ms update_ms record_ms "
+            "penalties_ms penalty_rows_ms invalid_logits_ms count_sampled_ms update_ms record_ms "
             "host_ms device_ms host_warm_ms")
-    return table("Host work per decode step, ms (medians; device: sample(), invalid_rows(), "
+    return table("Host work per decode step, ms (medians; device: sample(), invalid_logits(), "
                  "penalty_rows (the "
                  "penalty state's gathers, within penalties) and count_sampled; host_warm: "
                  "the step with sample() handed its result, no (batch, vocab) pass evicting "

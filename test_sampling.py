@@ -206,7 +206,7 @@ def test_greedy_rows_beside_sampled_rows_take_their_argmax():
     assert tokens[1::2].tolist() != argmax[1::2].tolist()  # hot: the sampled rows draw
 
 
-def test_invalid_rows_are_those_with_a_nan_or_inf_logit():
+def test_invalid_logits_are_rows_with_a_nan_or_inf():
     """NaN or +inf (an fp16 overflow) anywhere in a row: that row alone; -inf is a token ruled
     out, not an error."""
     logits = random_logits(5, seed=4)
