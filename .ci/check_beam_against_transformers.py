@@ -11,8 +11,9 @@ no hypothesis finishes early on either side (ignore_eos, as transformers has it:
 generation_config's eos_token_id set to None). Both then return the W live beams after
 MAX_TOKENS steps, ordered by their log-probability (every length is the same, so the length
 they divide by does not reorder them). Prints each W's sequences side by side; exits 1 if any
-token or the order differs (fp32 on the CPU throughout). Not run here: this machine has no
-transformers.
+token or the order differs (fp32 on the CPU throughout). Run 2026-12-02 with transformers
+5.24.0 in a separate virtual environment: the shipped model and SmolLM2-135M-Instruct, every
+W the same (BENCHMARKS.md, section 17).
 """
 import os
 import sys
