@@ -45,7 +45,6 @@ In this file: KVTransferConfig and parse_kv_transfer_config, the entry format (w
 read_entry), ExampleConnector. Left out: asynchronous and layer-by-layer transfer, saving
 decoded tokens, transfer between machines.
 """
-import dataclasses
 import hashlib
 import json
 import math
@@ -57,6 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from options import json_fields
 from paged_cache import hash_block
 
 CONNECTORS = ("ExampleConnector", "SharedStorageConnector")  # vLLM's names, new and old
@@ -123,18 +123,7 @@ def parse_kv_transfer_config(value) -> KVTransferConfig | None:
     KVTransferConfig or None; ValueError naming the field for anything else."""
     if value is None or isinstance(value, KVTransferConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"kv_transfer_config is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"kv_transfer_config must be a JSON object, got {value!r}")
-    known = {f.name for f in dataclasses.fields(KVTransferConfig)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ValueError(f"kv_transfer_config: unknown key {unknown[0]!r}; known: "
-                         f"{', '.join(sorted(known))}")
+    value = json_fields("kv_transfer_config", value, KVTransferConfig)
     for name in ("kv_connector", "kv_role"):
         if name not in value:
             raise ValueError(f"kv_transfer_config needs {name}")

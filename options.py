@@ -8,6 +8,7 @@ fields its flags. check_int and check_float are the checks themselves, for value
 dataclass too.
 """
 import dataclasses
+import json
 import math
 from dataclasses import field
 
@@ -60,3 +61,22 @@ def check_fields(config) -> None:
             check_float(f.name, value, meta["low"], meta["high"], meta["open_low"])
         elif type(value) is not kind:
             raise ValueError(f"{f.name} must be a {kind.__name__}, got {value!r}")
+
+
+def json_fields(name: str, value, config_class) -> dict:
+    """A nested config's fields as the API or the command line give them, a dict or its JSON
+    text (vLLM's speculative_config, kv_transfer_config) -> that dict, checked to be a JSON
+    object of config_class's fields; ValueError naming `name` otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
+    known = {f.name for f in dataclasses.fields(config_class)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{name}: unknown key {unknown[0]!r}; known: "
+                         f"{', '.join(sorted(known))}")
+    return value

@@ -49,12 +49,11 @@ emitted tokens). The scheduler (scheduler.py) schedules drafts; the engine's upd
 appends the emitted tokens one at a time, checking stops after each.
 """
 import dataclasses
-import json
 from dataclasses import dataclass
 
 import torch
 
-from options import check_int
+from options import check_int, json_fields
 from sampling import Penalties, SamplingTensors, adjust_logits, draw, sampling_probs, upload
 
 METHODS = ("ngram", "draft_model")
@@ -132,18 +131,7 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
     SpeculativeConfig or None; ValueError naming the field for anything else."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"speculative_config is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-    known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ValueError(f"speculative_config: unknown key {unknown[0]!r}; known: "
-                         f"{', '.join(sorted(known))}")
+    value = json_fields("speculative_config", value, SpeculativeConfig)
     if "num_speculative_tokens" not in value:
         raise ValueError("speculative_config needs num_speculative_tokens")
     return SpeculativeConfig(**value)
