@@ -1482,10 +1482,19 @@ DISAGG_THREADS = 2      # the cores each configuration has in all: one instance 
                         # or a prefill and a decode instance of one each
 
 
-def disagg_workload(cfg: BenchConfig, with_long: bool) -> tuple[list, list, list, list[bool]]:
-    """Arrival times, prompts, output lengths and which are long: short requests arriving
-    every 1 / --disagg-rate seconds for --disagg-duration seconds, and (with_long) a long
-    prompt every --disagg-long-every seconds from the first such interval on; by arrival."""
+@dataclass
+class DisaggWorkload:
+    """--disagg's requests, by arrival, a list entry each."""
+    arrivals: list[float]    # seconds from the start
+    prompts: list[list[int]]
+    lengths: list[int]       # output tokens
+    is_long: list[bool]      # a long prompt (else a short decoding request)
+
+
+def disagg_workload(cfg: BenchConfig, with_long: bool) -> DisaggWorkload:
+    """Short requests arriving every 1 / --disagg-rate seconds for --disagg-duration seconds,
+    and (with_long) a long prompt every --disagg-long-every seconds from the first such
+    interval on; by arrival."""
     rng = np.random.default_rng(cfg.seed)
     requests = []
     for k in range(int(cfg.disagg_duration * cfg.disagg_rate)):
@@ -1495,8 +1504,10 @@ def disagg_workload(cfg: BenchConfig, with_long: bool) -> tuple[list, list, list
         prompt = rng.integers(0, 256, cfg.disagg_long_len).tolist()
         requests.append(((k + 0.5) * cfg.disagg_long_every, prompt, DISAGG_LONG_OUTPUT, True))
     requests.sort(key=arrival_time)
-    arrivals, prompts, lengths, long = (list(column) for column in zip(*requests))
-    return arrivals, prompts, lengths, long
+    return DisaggWorkload(arrivals=[request[0] for request in requests],
+                          prompts=[request[1] for request in requests],
+                          lengths=[request[2] for request in requests],
+                          is_long=[request[3] for request in requests])
 
 
 def arrival_time(request: tuple) -> float:
@@ -1518,21 +1529,24 @@ class Stopwatch:
             self.seconds += time.perf_counter() - start
 
 
-def disagg_one_instance(cfg: BenchConfig, workload: tuple) -> list:
+def disagg_one_instance(cfg: BenchConfig, workload: DisaggWorkload) -> list:
     """The workload on one instance of DISAGG_THREADS threads, chunked prefill: token times."""
-    arrivals, prompts, lengths, _ = workload
     torch.set_num_threads(DISAGG_THREADS)
-    engine = make_engine(cfg, "fcfs", max(lengths))
-    return run_online_engine(cfg, "fcfs", arrivals, prompts, lengths, engine=engine)
+    engine = make_engine(cfg, "fcfs", max(workload.lengths))
+    return run_online_engine(cfg, "fcfs", workload.arrivals, workload.prompts,
+                             workload.lengths, engine=engine)
 
 
-def disagg_two_instances(cfg: BenchConfig, workload: tuple, folder: str) -> tuple[list, dict]:
+def disagg_two_instances(cfg: BenchConfig, workload: DisaggWorkload, folder: str
+                         ) -> tuple[list, dict]:
     """The workload through a prefill instance (kv_producer, max_tokens 1, as the proxy asks)
     and then a decode instance (kv_consumer), one thread each, each on its own clock: the
     prefill instance's run first (nothing it does waits for the decode one), then the decode
     instance's with each request arriving when its prefill finished (its K/V saved). Token
     times (the decode instance's: a client streams from it), and the transfer's cost."""
-    arrivals, prompts, lengths, _ = workload
+    arrivals = workload.arrivals
+    prompts = workload.prompts
+    lengths = workload.lengths
     torch.set_num_threads(DISAGG_THREADS // 2)
     extra = {"shared_storage_path": folder}
     prefill = make_engine(cfg, "fcfs", 1, kv_transfer_config={
@@ -1561,11 +1575,12 @@ def disagg_two_instances(cfg: BenchConfig, workload: tuple, folder: str) -> tupl
                        loaded_tokens=loaded, load_failures=decode.stats.num_kv_load_failures)
 
 
-def disagg_figures(name: str, threads: str, workload: tuple, times: list) -> dict:
+def disagg_figures(name: str, threads: str, workload: DisaggWorkload, times: list) -> dict:
     """A run's row: the short requests' ITL and TPOT, the long ones' TTFT, the throughput."""
-    arrivals, _, lengths, long = workload
-    short = [i for i in range(len(times)) if not long[i]]
-    longs = [i for i in range(len(times)) if long[i]]
+    arrivals = workload.arrivals
+    lengths = workload.lengths
+    short = [i for i in range(len(times)) if not workload.is_long[i]]
+    longs = [i for i in range(len(times)) if workload.is_long[i]]
     figures = latency_figures([arrivals[i] for i in short], [times[i] for i in short],
                               [lengths[i] for i in short])
     row = dict(run=name, threads=threads, itl_p50_ms=figures["itl"]["p50"] * 1e3,
