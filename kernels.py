@@ -40,6 +40,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():  # CPU tensors need Triton's interpreter, set before import
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -722,6 +723,78 @@ def lora_expand_ref(shrunk: torch.Tensor, lora_b: torch.Tensor, token_slots: tor
     merged projection's output), lora_b (L, O, R); base tokens' rows are left untouched."""
     for slot, rows in slot_groups(token_slots):
         y.index_add_(0, rows, shrunk[rows] @ lora_b[slot].T)
+
+
+def lora_segments(token_slots: list[int]) -> list[tuple[int, int, int]]:
+    """(slot, start, end) for each run of consecutive tokens of one adapter, base tokens (-1)
+    left out: [2, 2, -1, 0, 0] -> [(2, 0, 2), (0, 3, 5)]. These are Punica's SGMV segments:
+    the model runner orders a step's sequences by adapter (lora.LoRAManager.batch_order), so
+    each adapter's decodes are one run and its prefills another, and the CPU runs a GEMM pair
+    a run (sgmv_shrink, sgmv_expand) with no gather or scatter. Made on the host, once a
+    step, from the list the slots were uploaded from."""
+    segments = []
+    start = 0
+    for end in range(1, len(token_slots) + 1):
+        if end < len(token_slots) and token_slots[end] == token_slots[start]:
+            continue
+        if token_slots[start] >= 0:
+            segments.append((token_slots[start], start, end))
+        start = end
+    return segments
+
+
+def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor,
+                segments: list[tuple[int, int, int]]) -> torch.Tensor:
+    """lora_shrink_ref's result on the CPU, its tokens given as lora_segments' runs: one GEMM
+    a run, on x's rows in place. x (N, I), lora_a (L, R, I) -> (N, R), zero for base tokens."""
+    out = x.new_zeros(x.shape[0], lora_a.shape[1])
+    for slot, start, end in segments:
+        torch.mm(x[start:end], lora_a[slot].T, out=out[start:end])
+    return out
+
+
+def sgmv_expand(shrunk: torch.Tensor, lora_b: torch.Tensor,
+                segments: list[tuple[int, int, int]], y: torch.Tensor) -> None:
+    """lora_expand_ref's result on the CPU: y[run] += shrunk[run] B[slot]^T, one GEMM a run,
+    added in place (y may be a merged projection's slice)."""
+    for slot, start, end in segments:
+        y[start:end] += shrunk[start:end] @ lora_b[slot].T
+
+
+def lora_padded_rows(token_slots: list[int]) -> torch.Tensor | None:
+    """(S, P) the tokens of each slot up to the highest of the step, S of them, padded to P,
+    the most one slot has, with N (x's zero row, which add_lora_padded appends): [0, 1, 0, -1]
+    -> [[0, 2], [1, 4]]. None when that padding more than doubles the adapters' tokens (a
+    long prefill beside a few decodes), where a GEMM pair a run (sgmv_shrink) does less."""
+    num_slots = max(token_slots) + 1
+    tokens_of = [[] for _ in range(num_slots)]
+    for token, slot in enumerate(token_slots):
+        if slot >= 0:
+            tokens_of[slot].append(token)
+    num_lora_tokens = sum(len(tokens) for tokens in tokens_of)
+    rows = max(len(tokens) for tokens in tokens_of)
+    if num_slots * rows > 2 * num_lora_tokens:
+        return None
+    zero_row = len(token_slots)
+    return torch.tensor([tokens + [zero_row] * (rows - len(tokens)) for tokens in tokens_of])
+
+
+def add_lora_padded(y: torch.Tensor, x: torch.Tensor, lora_as: list[torch.Tensor],
+                    lora_bs: list[torch.Tensor], padded_rows: torch.Tensor) -> None:
+    """Every part's LoRA term at once on the CPU, as two batched GEMMs a part over the slots
+    (lora_padded_rows' layout) instead of a GEMM pair a run: a decode batch spread over 16
+    adapters has 16 runs a part, and on a CPU a small GEMM's call costs more than its math.
+    y (N, sum O) += x's rows through their slots' A then B, the parts side by side as the
+    merged projection's output; lora_as[p] (L, R, I), lora_bs[p] (L, O, R) (O: part p's rows); the
+    first S slots are read. Equals lora_expand_ref(lora_shrink_ref(...)) for each part."""
+    num_slots, rows = padded_rows.shape
+    flat_rows = padded_rows.flatten()
+    x_padded = F.pad(x, (0, 0, 0, 1)).index_select(0, flat_rows).view(num_slots, rows, -1)
+    terms = [torch.bmm(torch.bmm(x_padded, lora_a[:num_slots].mT), lora_b[:num_slots].mT)
+             for lora_a, lora_b in zip(lora_as, lora_bs)]  # each (S, P, O)
+    term = torch.cat(terms, dim=2).flatten(0, 1)  # (S * P, sum O)
+    is_token = flat_rows < x.shape[0]
+    y.index_add_(0, flat_rows[is_token], term[is_token])
 
 
 @triton.jit

@@ -51,8 +51,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cuda_runtime
-from kernels import (FP8_DTYPE, FP8_MAX, lora_expand, lora_expand_ref, lora_shrink,
-                     lora_shrink_ref)
+from kernels import (FP8_DTYPE, FP8_MAX, add_lora_padded, lora_expand, lora_expand_ref,
+                     lora_padded_rows, lora_segments, lora_shrink, lora_shrink_ref, sgmv_expand,
+                     sgmv_shrink)
 
 QUANTIZATION_METHODS = ("int8", "fp8")  # vLLM's quantization= names this module serves
 INT8_MAX = 127                          # symmetric: -127..127, -128 unused
@@ -152,6 +153,22 @@ class LoRAMapping:
     adapters (vLLM's punica wrapper's metadata): set by the model runner before a forward."""
     token_slots: torch.Tensor | None = None  # (N,) int64, -1: the base model; None: no token
                                              # of the step has an adapter (no LoRA term at all)
+    # the CPU's layouts of the same slots (kernels.py), made once a step on the host: runs of
+    # one adapter's tokens (lora_segments), and the tokens of each slot padded to one length
+    # (lora_padded_rows; None where padding would double the work); None: not made
+    segments: list[tuple[int, int, int]] | None = None
+    padded_rows: torch.Tensor | None = None  # (S, P)
+
+    def set(self, token_slots: torch.Tensor | None, host_slots: list[int] | None = None) -> None:
+        """The step's slots; with host_slots (the list they were uploaded from; given on a CPU
+        only) the CPU's layouts of them too."""
+        self.token_slots = token_slots
+        self.segments = None
+        self.padded_rows = None
+        if host_slots is None:
+            return
+        self.segments = lora_segments(host_slots)
+        self.padded_rows = lora_padded_rows(host_slots)
 
 
 class Linear(nn.Linear):
@@ -205,14 +222,19 @@ class Linear(nn.Linear):
     def add_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (N, sum O) += each part's x A[slot]^T B[slot]^T, slot the token's (none: -1), for
         all adapters of the step at once: a shrink to rank R, an expand into the part's slice."""
-        slots = self.lora_mapping.token_slots
-        shrink, expand = lora_shrink_ref, lora_expand_ref
-        if cuda_runtime.is_cuda(x.device):
+        mapping = self.lora_mapping
+        shrink, expand, tokens = lora_shrink_ref, lora_expand_ref, mapping.token_slots
+        if mapping.padded_rows is not None:  # the CPU, many short runs: batched over the slots
+            add_lora_padded(y, x, self.lora_a, self.lora_b, mapping.padded_rows)
+            return y
+        if cuda_runtime.is_cuda(x.device):  # a program a token (BGMV): graph-safe
             shrink, expand = lora_shrink, lora_expand
+        elif mapping.segments is not None:  # the CPU, long runs: a GEMM pair a run (SGMV)
+            shrink, expand, tokens = sgmv_shrink, sgmv_expand, mapping.segments
         start = 0
         for lora_a, lora_b in zip(self.lora_a, self.lora_b):
             end = start + lora_b.shape[1]
-            expand(shrink(x, lora_a, slots), lora_b, slots, y[:, start:end])  # (N, R) -> slice
+            expand(shrink(x, lora_a, tokens), lora_b, tokens, y[:, start:end])  # (N, R) -> slice
             start = end
         return y
 

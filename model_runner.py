@@ -67,6 +67,7 @@ class Batch:
     sample_drafts: list[list[int]] | None = None
     lora_slots: torch.Tensor | None = None  # (N,) int64 each token's LoRA slot, -1 none; None:
                                             # no adapter in the step (lora.py)
+    lora_host_slots: list[int] | None = None  # the same on the host (a CPU's LoRA layouts)
 
 
 @dataclass
@@ -337,7 +338,7 @@ class ModelRunner:
         """The model over the static buffers' first `size` rows, into buffers.hidden."""
         b = self.buffers
         if self.lora_manager is not None:  # a graph reads the slots from the static buffer
-            self.lora_manager.mapping.token_slots = b.lora_slots[:size]
+            self.lora_manager.mapping.set(b.lora_slots[:size])
         hidden = self.model(b.input_ids[:size], b.positions[:size], b.metadata(size),
                             self.k_caches, self.v_caches, self.attention)  # (size, C)
         if b.hidden is None:
@@ -368,7 +369,7 @@ class ModelRunner:
         size = self._graph_size(batch)
         if size is None:
             if self.lora_manager is not None:
-                self.lora_manager.mapping.token_slots = batch.lora_slots
+                self.lora_manager.mapping.set(batch.lora_slots, batch.lora_host_slots)
             return self.model(batch.input_ids, batch.positions, batch.attn_metadata,
                               self.k_caches, self.v_caches, self.attention)
         num_seqs = len(batch.input_ids)
@@ -576,13 +577,19 @@ class ModelRunner:
         Only the blocks a table gained go up; the tables stay on the device, in the input
         batch (input_batch.py), and the slots are read from them there: a step costs what is
         new in it, not its sequences' blocks."""
-        decodes_first = sorted(num_scheduled_tokens.items(), key=has_many_new_tokens)
+        batch_order = has_many_new_tokens
+        if self.lora_manager is not None:  # and each adapter's sequences together
+            batch_order = self.lora_manager.batch_order
+        decodes_first = sorted(num_scheduled_tokens.items(), key=batch_order)
         spec_decode_tokens = spec_decode_tokens or {}
         ints, sample_seqs, prompt_seqs = self._flatten_inputs(decodes_first, spec_decode_tokens)
+        lora_host_slots = None
         if self.lora_manager is not None:  # each token's adapter slot, if any has one
             lora_slots = self.lora_manager.token_slots(decodes_first)
             if lora_slots is not None:
                 ints["lora_slots"] = lora_slots
+            if lora_slots is not None and not cuda_runtime.is_cuda(self.device):
+                lora_host_slots = lora_slots
         sample_drafts = None
         if spec_decode_tokens:
             sample_drafts = [spec_decode_tokens.get(seq, []) for seq in sample_seqs]
@@ -606,7 +613,7 @@ class ModelRunner:
                      prompt_logits_indices=tensors["prompt_logits_indices"],
                      prompt_targets=tensors["prompt_targets"], prompt_seqs=prompt_seqs,
                      is_decode=max_query_len == 1, sample_drafts=sample_drafts,
-                     lora_slots=tensors.get("lora_slots"))
+                     lora_slots=tensors.get("lora_slots"), lora_host_slots=lora_host_slots)
 
     def _flatten_inputs(self, scheduled: list[tuple[Sequence, int]],
                         spec_decode_tokens: dict[Sequence, list[int]]

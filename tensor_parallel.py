@@ -73,6 +73,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import cuda_runtime
 from checkpoint import (DEFAULT_MODEL, DTYPES, checkpoint_path, config_from_hf, load_model,
                         read_json)
 from kernels import AttentionMetadata, select_attention
@@ -578,10 +579,13 @@ class Worker:
         if k_caches is None or k_caches.shape[1] != num_blocks:
             k_caches, v_caches = self.caches(num_blocks)
         if self.lora_mapping is not None:
-            self.lora_mapping.token_slots = None
+            self.lora_mapping.set(None)
             if "lora_slots" in step:
-                self.lora_mapping.token_slots = torch.from_numpy(step["lora_slots"]).to(
-                    self.device)
+                host_slots = step["lora_slots"].tolist()
+                token_slots = torch.from_numpy(step["lora_slots"]).to(self.device)
+                if cuda_runtime.is_cuda(self.device):
+                    host_slots = None  # the Triton kernels read the slots on the device
+                self.lora_mapping.set(token_slots, host_slots)
         self.model(input_ids, positions, meta, k_caches, v_caches, self.attention)
 
 

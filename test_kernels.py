@@ -830,3 +830,43 @@ def test_lora_reference_runs_one_gemm_per_adapter_slot_of_the_step():
     groups = kernels.slot_groups(torch.tensor(LORA_SLOTS))
     assert [(slot, rows.tolist()) for slot, rows in groups] == [
         (0, [6, 10, 11]), (1, [7, 9]), (2, [0, 1, 2, 3, 4]), (3, [12])]
+
+
+def test_lora_segments_are_the_runs_of_one_adapters_tokens():
+    assert kernels.lora_segments(LORA_SLOTS) == [
+        (2, 0, 5), (0, 6, 7), (1, 7, 8), (1, 9, 10), (0, 10, 12), (3, 12, 13)]
+    assert kernels.lora_segments([-1, -1]) == []
+
+
+def test_lora_padded_rows_pad_each_slot_to_the_longest_unless_that_doubles_the_work():
+    assert kernels.lora_padded_rows([0, 1, 0, -1]).tolist() == [[0, 2], [1, 4]]
+    assert kernels.lora_padded_rows([1, 1, 1, 0, 0, 0]).tolist() == [[3, 4, 5], [0, 1, 2]]
+    assert kernels.lora_padded_rows([0] * 5 + [3]) is None  # 4 slots x 5 rows for 6 tokens
+
+
+def test_lora_cpu_layouts_give_the_references_terms():
+    """sgmv_shrink/sgmv_expand over runs, and add_lora_padded over every part at once, into a
+    merged projection's output (two parts side by side), equal the reference's per part."""
+    torch.manual_seed(0)
+    num_tokens, in_features, out_sizes, num_slots, rank = len(LORA_SLOTS), 24, (6, 10), 5, 4
+    x = torch.randn(num_tokens, in_features)
+    lora_as = [torch.randn(num_slots, rank, in_features) for _ in out_sizes]
+    lora_bs = [torch.randn(num_slots, rows, rank) for rows in out_sizes]
+    slots = torch.tensor(LORA_SLOTS)
+    y = torch.randn(num_tokens, sum(out_sizes))
+    expected, by_runs, padded = y.clone(), y.clone(), y.clone()
+    segments = kernels.lora_segments(LORA_SLOTS)
+    start = 0
+    for lora_a, lora_b in zip(lora_as, lora_bs):
+        end = start + lora_b.shape[1]
+        kernels.lora_expand_ref(kernels.lora_shrink_ref(x, lora_a, slots), lora_b, slots,
+                                expected[:, start:end])
+        kernels.sgmv_expand(kernels.sgmv_shrink(x, lora_a, segments), lora_b, segments,
+                            by_runs[:, start:end])
+        start = end
+    kernels.add_lora_padded(padded, x, lora_as, lora_bs, kernels.lora_padded_rows(LORA_SLOTS))
+    torch.testing.assert_close(by_runs, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(padded, expected, atol=1e-5, rtol=1e-5)
+    base_rows = slots < 0
+    assert torch.equal(padded[base_rows], y[base_rows])
+    assert torch.equal(by_runs[base_rows], y[base_rows])

@@ -18,6 +18,7 @@ import watch
 from conftest import (HERE, assert_no_leaks, http, run_to_end, server_thread, start_server, stop,
                       tiny, token_ids)
 from display import render_trace
+from linear import LoRAMapping
 from lora import LoRARequest, save_random_lora
 from nanoserve import EngineConfig, LLM
 from sampling import SamplingParams
@@ -502,3 +503,49 @@ def test_adapters_with_ngram_speculation_and_n_samples_equal_them_without(tmp_pa
                           lora_request=requests[:1])[0] for i in range(2)]
     assert [c.token_ids for c in both.outputs] == [a.outputs[0].token_ids for a in alone]
     assert_no_leaks(llm.engine)
+
+
+def test_a_step_orders_its_sequences_by_adapter_so_each_adapters_decodes_are_one_run(
+        tmp_path, monkeypatch):
+    requests = [adapter(tmp_path, "tiny", name, seed=i, lora_id=i + 1)
+                for i, name in enumerate("ab")] + [None]
+    llm = lora_llm(max_loras=2)
+    runs = []
+    set_slots = LoRAMapping.set
+
+    def recorded(mapping, token_slots, host_slots=None):
+        set_slots(mapping, token_slots, host_slots)
+        if token_slots is not None and len(token_slots) == 6:  # the six sequences' decodes
+            runs.append([slot for slot, _, _ in mapping.segments])
+    monkeypatch.setattr(LoRAMapping, "set", recorded)
+    llm.generate(PROMPTS[:2] * 3, GREEDY, lora_request=requests * 2)  # a, b, base, a, b, base
+    assert runs and all(sorted(slots) == [0, 1] for slots in runs)
+
+
+def test_the_cpus_lora_layouts_give_the_references_outputs(tmp_path, monkeypatch):
+    """Padded over the slots (a mixed decode batch), a GEMM pair a run (a long prefill beside
+    a decode), and the reference's gather a slot: the same tokens and log-probabilities."""
+    requests = [adapter(tmp_path, "tiny", name, seed=i, lora_id=i + 1)
+                for i, name in enumerate("abc")]
+    prompts = ["x" * 300, "Hi", "Yo"]  # their prefills: 3 slots x 300 rows for 304 tokens
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+    calls = []
+
+    def counted(name, kernel):
+        def run(*args):
+            calls.append(name)
+            return kernel(*args)
+        return run
+    monkeypatch.setattr(linear, "add_lora_padded", counted("padded", kernels.add_lora_padded))
+    monkeypatch.setattr(linear, "sgmv_shrink", counted("runs", kernels.sgmv_shrink))
+    got = lora_llm(max_loras=3).generate(prompts, params, lora_request=requests)
+    assert {"padded", "runs"} <= set(calls)
+    set_slots = LoRAMapping.set
+
+    def without_host_slots(mapping, token_slots, host_slots=None):  # the reference's path
+        set_slots(mapping, token_slots)
+    monkeypatch.setattr(LoRAMapping, "set", without_host_slots)
+    calls.clear()
+    expected = lora_llm(max_loras=3).generate(prompts, params, lora_request=requests)
+    assert calls == []
+    assert_same_outputs(got, expected)
