@@ -6,8 +6,11 @@ one beam, its prompt. At each step every live beam's top 2 x beam_width next tok
 log-probability (the log-softmax of its logits, divided by the temperature unless that is 0),
 are candidates scored by the beam's cumulative log-probability plus the token's; the best
 beam_width of them are the next step's beams. A candidate ending in end-of-text (unless
-ignore_eos) is a finished hypothesis instead; at max_tokens the live beams finish too, and the
-best beam_width hypotheses by get_beam_search_score are the request's sequences, best first.
+ignore_eos), or whose text completes one of the stop strings, is a finished hypothesis instead
+(its text cut at the stop string unless include_stop_str_in_output: SamplingParams' rule, by
+the engine's Detokenizer, which each beam keeps and each candidate forks); at max_tokens the
+live beams finish too, and the best beam_width hypotheses by get_beam_search_score are the
+request's sequences, best first.
 
 The beams advance in the engine's steps beside every other request (nanoserve.py hooks this in
 at three places: add_beam_request, update, and abort): each beam is a Sequence of the
@@ -47,8 +50,8 @@ order (test_beam_search.py checks it against a reference written after transform
 
 In this file, in order: BeamSearchParams, BeamSearchSequence and BeamSearchOutput (vLLM's
 output), get_beam_search_score, BeamSearchRequest (one request's search), BeamSearch (the
-engine's hooks). Left out: stop strings (vLLM's BeamSearchParams has none), LoRA, speculative
-decoding, streaming.
+engine's hooks). Left out: LoRA, speculative decoding, streaming, min_tokens and stop token
+ids (vLLM's BeamSearchParams has neither, nor stop strings, which this takes).
 """
 import dataclasses
 import math
@@ -58,7 +61,9 @@ import torch
 
 from model_runner import ModelOutput, ModelRunner, to_host
 from options import check_fields, option
+from sampling import parse_stop
 from scheduler import BeamGroup, Scheduler, Sequence, SequenceStatus
+from tokenizer import Detokenizer
 
 MAX_BEAM_WIDTH = 128  # beams of one request at most (as sampling's MAX_N)
 
@@ -75,9 +80,13 @@ class BeamSearchParams:
                                 low=0)
     length_penalty: float = option(1.0, "a hypothesis scores cum_logprob / len ** this",
                                    low=-math.inf)
-    include_stop_str_in_output: bool = option(False, "keep a final end-of-text's text")
+    stop: list[str] | None = option(None, "a hypothesis ends at any of these strings (a "
+                                    "string, or strings: SamplingParams' stop)", type=list)
+    include_stop_str_in_output: bool = option(False, "keep the stop string, or a final "
+                                              "end-of-text's text")
 
     def __post_init__(self):
+        self.stop = parse_stop(self.stop)
         check_fields(self)
 
 
@@ -87,8 +96,9 @@ class BeamSearchSequence:
     tokens: list[int]
     logprobs: list[dict[int, float]]  # per output token: {its id: its log-probability}
     cum_logprob: float = 0.0
-    text: str | None = None
-    finish_reason: str | None = None  # "stop" (end-of-text) or "length" (max_tokens)
+    text: str | None = None  # in the search: the output's alone, set where a stop string cut it
+    finish_reason: str | None = None  # "stop" (end-of-text, a stop string) or "length"
+    stop_reason: str | None = None    # the stop string that ended it
 
 
 @dataclass
@@ -139,6 +149,7 @@ class Candidate:
     beam: Sequence
     token_id: int
     logprob: float
+    detokenizer: Detokenizer | None = None  # beam's text with the token's (with stop strings)
 
 
 def candidate_order(candidate: Candidate) -> float:
@@ -207,8 +218,9 @@ class BeamSearch:
 
     def _advance(self, request: BeamSearchRequest) -> bool:
         """One step of the search (vLLM's rule): every candidate of every live beam, best
-        first; one ending in end-of-text (unless ignore_eos) is a finished hypothesis, the
-        best beam_width of the others the next beams. Whether the request finished."""
+        first; one ending in end-of-text (unless ignore_eos) or a stop string is a finished
+        hypothesis, the best beam_width of the others the next beams. Whether the request
+        finished."""
         params = request.params
         candidates = []
         for seq in request.group.seqs:
@@ -220,6 +232,13 @@ class BeamSearch:
         for candidate in candidates:
             if candidate.token_id in self.eos_token_ids and not params.ignore_eos:
                 request.finished.append(self._hypothesis(candidate.beam, candidate, "stop"))
+                continue
+            stop = self._stop_string(candidate)
+            if stop is not None:
+                hypothesis = self._hypothesis(candidate.beam, candidate, "stop")
+                hypothesis.stop_reason = stop
+                hypothesis.text = candidate.detokenizer.new_text(finished=True)  # cut at stop
+                request.finished.append(hypothesis)
             elif len(kept) < params.beam_width:
                 kept.append(candidate)
         self._rearrange(request, kept)
@@ -230,6 +249,16 @@ class BeamSearch:
             request.finished.append(self._hypothesis(seq, None, "length"))
         self.release(request)
         return True
+
+    @staticmethod
+    def _stop_string(candidate: Candidate) -> str | None:
+        """The stop string that the candidate's token completes in its beam's text, if any
+        (the engine's Detokenizer, forked: the candidate's text, kept for it); None without
+        stop strings."""
+        if candidate.beam.detokenizer is None:
+            return None
+        candidate.detokenizer = candidate.beam.detokenizer.fork()
+        return candidate.detokenizer.append(candidate.token_id)
 
     def _rearrange(self, request: BeamSearchRequest, kept: list[Candidate]) -> None:
         """Make the kept candidates the live beams: a beam kept by none finishes (its blocks
@@ -251,6 +280,7 @@ class BeamSearch:
             seq.token_ids.append(candidate.token_id)
             seq.logprobs.append({candidate.token_id: candidate.logprob})
             seq.cum_logprob = candidate.cum_logprob
+            seq.detokenizer = candidate.detokenizer
         request.group.seqs[:] = [new_beams[candidate] for candidate in kept]  # best first
 
     def _fork(self, request: BeamSearchRequest, parent: Sequence) -> Sequence:
