@@ -53,9 +53,10 @@ output), get_beam_search_score, BeamSearchRequest (one request's search), BeamSe
 engine's hooks). Left out: LoRA, speculative decoding, streaming, min_tokens and stop token
 ids (vLLM's BeamSearchParams has neither, nor stop strings, which this takes).
 """
-import dataclasses
+import copy
 import math
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 import torch
 
@@ -152,11 +153,6 @@ class Candidate:
     detokenizer: Detokenizer | None = None  # beam's text with the token's (with stop strings)
 
 
-def candidate_order(candidate: Candidate) -> float:
-    """Best first: the beams of a step are one length, so the score orders them as this."""
-    return -candidate.cum_logprob
-
-
 class BeamSearch:
     """The engine's beam-search requests, and the hooks that advance them."""
 
@@ -222,14 +218,18 @@ class BeamSearch:
         hypothesis, the best beam_width of the others the next beams. Whether the request
         finished."""
         params = request.params
-        candidates = []
+        scored = []  # (cum_logprob, beam, token id, logprob): a Candidate only once looked at
         for seq in request.group.seqs:
             values, ids = request.candidates.pop(seq)
-            candidates += [Candidate(seq.cum_logprob + value, seq, token_id, value)
-                           for value, token_id in zip(values, ids)]
-        candidates.sort(key=candidate_order)  # stable: ties keep beam, then rank order
+            cum_logprob = seq.cum_logprob
+            scored += [(cum_logprob + value, seq, token_id, value)
+                       for value, token_id in zip(values, ids)]
+        scored.sort(key=itemgetter(0), reverse=True)  # stable: ties keep beam, then rank order
+        # without end-of-text or stop strings only the best beam_width can matter
+        only_kept = params.ignore_eos and not params.stop
         kept = []
-        for candidate in candidates:
+        for entry in scored:
+            candidate = Candidate(*entry)
             if candidate.token_id in self.eos_token_ids and not params.ignore_eos:
                 request.finished.append(self._hypothesis(candidate.beam, candidate, "stop"))
                 continue
@@ -241,6 +241,8 @@ class BeamSearch:
                 request.finished.append(hypothesis)
             elif len(kept) < params.beam_width:
                 kept.append(candidate)
+            if only_kept and len(kept) == params.beam_width:
+                break
         self._rearrange(request, kept)
         live = request.group.seqs
         if live and live[0].num_output_tokens < params.max_tokens:
@@ -287,11 +289,14 @@ class BeamSearch:
         """A running copy of parent sharing its blocks (BlockTable.fork)."""
         request.num_forks += 1
         self.num_forks += 1
-        child = dataclasses.replace(
-            parent, seq_id=f"{request.num_forks}_{request.request_id}",
-            block_table=parent.block_table.fork(), logprobs=list(parent.logprobs),
-            host_block_ids=[], spec_token_ids=[], queue_entry=None)
-        child.token_ids = list(parent.token_ids)  # replace() starts it from the prompt
+        child = copy.copy(parent)  # not dataclasses.replace: its __init__ copies the prompt
+        child.seq_id = f"{request.num_forks}_{request.request_id}"
+        child.block_table = parent.block_table.fork()
+        child.token_ids = list(parent.token_ids)
+        child.logprobs = list(parent.logprobs)
+        child.host_block_ids = []
+        child.spec_token_ids = []
+        child.queue_entry = None
         self.scheduler.fork(parent, child)
         return child
 
