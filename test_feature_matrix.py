@@ -9,7 +9,8 @@ tokens are the plain engine's too; nothing is held afterwards.
 Beam search is a request of the batch wherever it runs: without speculation, which meets every
 level of every other factor in the pairwise set. With speculation the engine refuses it, and
 the refusal and its message are what is checked; the refusals outside the factors (policy
-static, tensor parallelism, structured output and LoRA over HTTP) are checked at the end.
+static, tensor parallelism, structured output over HTTP) are checked at the end, LoRA's over
+HTTP in test_lora.py.
 
 CI runs a pairwise set (all_pairs: every two levels of any two factors meet in some
 configuration); NANOSERVE_FULL_MATRIX=1 runs the whole product. Each configuration is served
