@@ -164,9 +164,8 @@ def copy_blocks(k_caches: torch.Tensor, v_caches: torch.Tensor,
     if not pairs:
         return
     index = torch.tensor(pairs, dtype=torch.int64).T.to(k_caches.device)  # (2, n)
-    # index_copy_, not k_caches[:, to] = k_caches[:, from]: a third faster on a CPU
-    k_caches.index_copy_(1, index[1], k_caches.index_select(1, index[0]))  # (n_layer, n, ...)
-    v_caches.index_copy_(1, index[1], v_caches.index_select(1, index[0]))
+    k_caches[:, index[1]] = k_caches[:, index[0]]  # (n_layer, n, BS, Hkv, D)
+    v_caches[:, index[1]] = v_caches[:, index[0]]
 
 
 def swap_space_blocks(swap_space_gib: float, block_size: int, kv_bytes_per_token: int) -> int:
