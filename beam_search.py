@@ -6,8 +6,11 @@ one beam, its prompt. At each step every live beam's top 2 x beam_width next tok
 log-probability (the log-softmax of its logits, divided by the temperature unless that is 0),
 are candidates scored by the beam's cumulative log-probability plus the token's; the best
 beam_width of them are the next step's beams. A candidate ending in end-of-text (unless
-ignore_eos) is a finished hypothesis instead; at max_tokens the live beams finish too, and the
-best beam_width hypotheses by get_beam_search_score are the request's sequences, best first.
+ignore_eos), or whose text completes one of the stop strings, is a finished hypothesis instead
+(its text cut at the stop string unless include_stop_str_in_output: SamplingParams' rule, by
+the engine's Detokenizer, which each beam keeps and each candidate forks); at max_tokens the
+live beams finish too, and the best beam_width hypotheses by get_beam_search_score are the
+request's sequences, best first.
 
 The beams advance in the engine's steps beside every other request (nanoserve.py hooks this in
 at three places: add_beam_request, update, and abort): each beam is a Sequence of the
@@ -47,18 +50,21 @@ order (test_beam_search.py checks it against a reference written after transform
 
 In this file, in order: BeamSearchParams, BeamSearchSequence and BeamSearchOutput (vLLM's
 output), get_beam_search_score, BeamSearchRequest (one request's search), BeamSearch (the
-engine's hooks). Left out: stop strings (vLLM's BeamSearchParams has none), LoRA, speculative
-decoding, streaming.
+engine's hooks). Left out: LoRA, speculative decoding, streaming, min_tokens and stop token
+ids (vLLM's BeamSearchParams has neither, nor stop strings, which this takes).
 """
-import dataclasses
+import copy
 import math
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 import torch
 
 from model_runner import ModelOutput, ModelRunner, to_host
 from options import check_fields, option
+from sampling import parse_stop
 from scheduler import BeamGroup, Scheduler, Sequence, SequenceStatus
+from tokenizer import Detokenizer
 
 MAX_BEAM_WIDTH = 128  # beams of one request at most (as sampling's MAX_N)
 
@@ -75,9 +81,13 @@ class BeamSearchParams:
                                 low=0)
     length_penalty: float = option(1.0, "a hypothesis scores cum_logprob / len ** this",
                                    low=-math.inf)
-    include_stop_str_in_output: bool = option(False, "keep a final end-of-text's text")
+    stop: list[str] | None = option(None, "a hypothesis ends at any of these strings (a "
+                                    "string, or strings: SamplingParams' stop)", type=list)
+    include_stop_str_in_output: bool = option(False, "keep the stop string, or a final "
+                                              "end-of-text's text")
 
     def __post_init__(self):
+        self.stop = parse_stop(self.stop)
         check_fields(self)
 
 
@@ -87,8 +97,9 @@ class BeamSearchSequence:
     tokens: list[int]
     logprobs: list[dict[int, float]]  # per output token: {its id: its log-probability}
     cum_logprob: float = 0.0
-    text: str | None = None
-    finish_reason: str | None = None  # "stop" (end-of-text) or "length" (max_tokens)
+    text: str | None = None  # in the search: the output's alone, set where a stop string cut it
+    finish_reason: str | None = None  # "stop" (end-of-text, a stop string) or "length"
+    stop_reason: str | None = None    # the stop string that ended it
 
 
 @dataclass
@@ -139,11 +150,7 @@ class Candidate:
     beam: Sequence
     token_id: int
     logprob: float
-
-
-def candidate_order(candidate: Candidate) -> float:
-    """Best first: the beams of a step are one length, so the score orders them as this."""
-    return -candidate.cum_logprob
+    detokenizer: Detokenizer | None = None  # beam's text with the token's (with stop strings)
 
 
 class BeamSearch:
@@ -207,21 +214,35 @@ class BeamSearch:
 
     def _advance(self, request: BeamSearchRequest) -> bool:
         """One step of the search (vLLM's rule): every candidate of every live beam, best
-        first; one ending in end-of-text (unless ignore_eos) is a finished hypothesis, the
-        best beam_width of the others the next beams. Whether the request finished."""
+        first; one ending in end-of-text (unless ignore_eos) or a stop string is a finished
+        hypothesis, the best beam_width of the others the next beams. Whether the request
+        finished."""
         params = request.params
-        candidates = []
+        scored = []  # (cum_logprob, beam, token id, logprob): a Candidate only once looked at
         for seq in request.group.seqs:
             values, ids = request.candidates.pop(seq)
-            candidates += [Candidate(seq.cum_logprob + value, seq, token_id, value)
-                           for value, token_id in zip(values, ids)]
-        candidates.sort(key=candidate_order)  # stable: ties keep beam, then rank order
+            cum_logprob = seq.cum_logprob
+            scored += [(cum_logprob + value, seq, token_id, value)
+                       for value, token_id in zip(values, ids)]
+        scored.sort(key=itemgetter(0), reverse=True)  # stable: ties keep beam, then rank order
+        # without end-of-text or stop strings only the best beam_width can matter
+        only_kept = params.ignore_eos and not params.stop
         kept = []
-        for candidate in candidates:
+        for entry in scored:
+            candidate = Candidate(*entry)
             if candidate.token_id in self.eos_token_ids and not params.ignore_eos:
                 request.finished.append(self._hypothesis(candidate.beam, candidate, "stop"))
+                continue
+            stop = self._stop_string(candidate)
+            if stop is not None:
+                hypothesis = self._hypothesis(candidate.beam, candidate, "stop")
+                hypothesis.stop_reason = stop
+                hypothesis.text = candidate.detokenizer.new_text(finished=True)  # cut at stop
+                request.finished.append(hypothesis)
             elif len(kept) < params.beam_width:
                 kept.append(candidate)
+            if only_kept and len(kept) == params.beam_width:
+                break
         self._rearrange(request, kept)
         live = request.group.seqs
         if live and live[0].num_output_tokens < params.max_tokens:
@@ -230,6 +251,16 @@ class BeamSearch:
             request.finished.append(self._hypothesis(seq, None, "length"))
         self.release(request)
         return True
+
+    @staticmethod
+    def _stop_string(candidate: Candidate) -> str | None:
+        """The stop string that the candidate's token completes in its beam's text, if any
+        (the engine's Detokenizer, forked: the candidate's text, kept for it); None without
+        stop strings."""
+        if candidate.beam.detokenizer is None:
+            return None
+        candidate.detokenizer = candidate.beam.detokenizer.fork()
+        return candidate.detokenizer.append(candidate.token_id)
 
     def _rearrange(self, request: BeamSearchRequest, kept: list[Candidate]) -> None:
         """Make the kept candidates the live beams: a beam kept by none finishes (its blocks
@@ -251,17 +282,21 @@ class BeamSearch:
             seq.token_ids.append(candidate.token_id)
             seq.logprobs.append({candidate.token_id: candidate.logprob})
             seq.cum_logprob = candidate.cum_logprob
+            seq.detokenizer = candidate.detokenizer
         request.group.seqs[:] = [new_beams[candidate] for candidate in kept]  # best first
 
     def _fork(self, request: BeamSearchRequest, parent: Sequence) -> Sequence:
         """A running copy of parent sharing its blocks (BlockTable.fork)."""
         request.num_forks += 1
         self.num_forks += 1
-        child = dataclasses.replace(
-            parent, seq_id=f"{request.num_forks}_{request.request_id}",
-            block_table=parent.block_table.fork(), logprobs=list(parent.logprobs),
-            host_block_ids=[], spec_token_ids=[], queue_entry=None)
-        child.token_ids = list(parent.token_ids)  # replace() starts it from the prompt
+        child = copy.copy(parent)  # not dataclasses.replace: its __init__ copies the prompt
+        child.seq_id = f"{request.num_forks}_{request.request_id}"
+        child.block_table = parent.block_table.fork()
+        child.token_ids = list(parent.token_ids)
+        child.logprobs = list(parent.logprobs)
+        child.host_block_ids = []
+        child.spec_token_ids = []
+        child.queue_entry = None
         self.scheduler.fork(parent, child)
         return child
 

@@ -772,6 +772,9 @@ class Engine:
             group = BeamGroup(params.beam_width)
             seq = Sequence(request_id, text, token_ids, sampling, BlockTable(self.block_pool),
                            request_id=request_id, stream=False, priority=priority, beams=group)
+            if params.stop:  # its text, for the stop strings: each candidate forks it
+                seq.detokenizer = Detokenizer(self.tokenizer, params.stop,
+                                              params.include_stop_str_in_output)
             group.seqs.append(seq)
             self.requests[request_id] = group.seqs
             self.beam_search.add(BeamSearchRequest(request_id, text, token_ids, params, group))
@@ -807,10 +810,12 @@ class Engine:
                                  completions, finished=True)
         for rank, hypothesis in enumerate(request.best(self.beam_search.eos_token_id)):
             token_ids = hypothesis.tokens[len(request.prompt_token_ids):]
+            text = hypothesis.text  # a stop string's cut
+            if text is None:
+                text = self._beam_text(token_ids, request.params)
             completions.append(CompletionOutput(
-                rank, self._beam_text(token_ids, request.params), token_ids,
-                hypothesis.finish_reason, logprobs=hypothesis.logprobs,
-                cumulative_logprob=hypothesis.cum_logprob))
+                rank, text, token_ids, hypothesis.finish_reason, hypothesis.stop_reason,
+                logprobs=hypothesis.logprobs, cumulative_logprob=hypothesis.cum_logprob))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              completions, finished=True)
 
@@ -1177,7 +1182,7 @@ def as_beam_search_output(output: RequestOutput, tokenizer) -> BeamSearchOutput:
         prompt_text = tokenizer.decode(output.prompt_token_ids)
     return BeamSearchOutput([BeamSearchSequence(
         output.prompt_token_ids + c.token_ids, c.logprobs, c.cumulative_logprob,
-        prompt_text + c.text, c.finish_reason) for c in output.outputs])
+        prompt_text + c.text, c.finish_reason, c.stop_reason) for c in output.outputs])
 
 
 def accumulate(whole: dict[str, RequestOutput], delta: RequestOutput) -> None:

@@ -170,7 +170,7 @@ def parse_request(body: dict, engine: Engine, model_name: str, chat: bool,
 
 def beam_search_params(body: dict, fields: dict, options: dict) -> BeamSearchParams:
     """vLLM's use_beam_search on /v1/completions: n is the beam width (the choices, best
-    first), with max_tokens, ignore_eos, temperature (absent: 0), length_penalty and
+    first), with max_tokens, ignore_eos, temperature (absent: 0), length_penalty, stop and
     include_stop_str_in_output; the sampling fields do not apply. HTTPError 400 for a stream
     (refused, as vLLM refuses it), logprobs or echo, or a bad field."""
     for name, refused in (("stream", options["stream"]), ("logprobs", options["k"]),
@@ -183,6 +183,7 @@ def beam_search_params(body: dict, fields: dict, options: dict) -> BeamSearchPar
                   ignore_eos=fields.get("ignore_eos", False),
                   temperature=typed(body, "temperature", 0.0, int, float),
                   length_penalty=typed(body, "length_penalty", 1.0, int, float),
+                  stop=fields["stop"],
                   include_stop_str_in_output=fields.get("include_stop_str_in_output", False))
     try:
         return BeamSearchParams(**values)

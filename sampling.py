@@ -94,13 +94,6 @@ class SamplingParams:
 
     def __post_init__(self):
         self.stop = parse_stop(self.stop)
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS}")
-        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
-            raise ValueError(f"stop strings have at most {MAX_STOP_STRING_CHARS} characters, "
-                             f"got one of {max(map(len, self.stop))}")
         self.stop_token_ids = parse_token_ids("stop_token_ids", self.stop_token_ids)
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} token ids; at most "
@@ -123,9 +116,24 @@ class SamplingParams:
             or self.repetition_penalty != 1
 
 
-def parse_stop(value) -> list:
+def parse_stop(value) -> list[str]:
     """None, a string, or any iterable of them (read once here: a generator is used up) -> a
-    new list; ValueError for a map (its keys would pass for the strings) or a non-iterable."""
+    new list (SamplingParams' and BeamSearchParams' stop); ValueError for a map (its keys
+    would pass for the strings), a non-iterable, an empty or non-string item, or past the
+    caps."""
+    stop = stop_list(value)
+    if not all(isinstance(s, str) and s for s in stop):
+        raise ValueError(f"stop must be a list of non-empty strings, got {stop!r}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS}")
+    if any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
+        raise ValueError(f"stop strings have at most {MAX_STOP_STRING_CHARS} characters, "
+                         f"got one of {max(map(len, stop))}")
+    return stop
+
+
+def stop_list(value) -> list:
+    """parse_stop's value as a new list, its items unchecked."""
     if value is None:
         return []
     if isinstance(value, str):

@@ -67,10 +67,17 @@ def shipped() -> LLM:
 @pytest.mark.parametrize("name, value", [
     ("beam_width", 0), ("beam_width", True), ("beam_width", 2.0), ("max_tokens", 0),
     ("ignore_eos", 1), ("temperature", math.nan), ("temperature", -1.0),
-    ("length_penalty", math.inf), ("length_penalty", "1"), ("include_stop_str_in_output", None)])
+    ("length_penalty", math.inf), ("length_penalty", "1"), ("include_stop_str_in_output", None),
+    ("stop", [""]), ("stop", 5), ("stop", {"x": 1}), ("stop", ["x"] * 17), ("stop", ["x" * 65])])
 def test_bad_beam_search_param_is_rejected_by_name(name, value):
     with pytest.raises(ValueError, match=name):
         BeamSearchParams(**{name: value})
+
+
+def test_a_stop_string_is_a_string_or_strings():
+    assert BeamSearchParams(stop="and").stop == ["and"]
+    assert BeamSearchParams(stop=("and", "or")).stop == ["and", "or"]
+    assert BeamSearchParams().stop == []
 
 
 def test_a_beam_search_that_cannot_fit_is_refused_before_it_runs():
@@ -145,6 +152,33 @@ def test_end_of_text_finishes_a_hypothesis_scored_as_vllm_scores_it():
     assert scores == sorted(scores, reverse=True)
     assert scores[0] == best.cum_logprob / len(prompt_ids)  # the length leaves its eos out
     assert_no_leaks(engine)
+
+
+STOP_PROMPT = "Hello there, my lord"  # its best beam of 8 tokens: ", and th"
+
+
+@pytest.mark.parametrize("include_stop_str_in_output", [False, True])
+def test_a_stop_string_finishes_a_hypothesis_cut_at_it(shipped, include_stop_str_in_output):
+    """The best beam without a stop string completes "and" at its 5th token: with it, that
+    prefix is a finished hypothesis, its score the same tokens' (the best of this search),
+    its text cut before "and" (after it, with include_stop_str_in_output)."""
+    params = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
+    plain = shipped.beam_search([STOP_PROMPT], params)[0].sequences[0]
+    assert plain.text.startswith(STOP_PROMPT + ", and")
+    num_tokens = len(shipped.engine.tokenizer.encode(STOP_PROMPT)) + 5
+    output, = shipped.beam_search([STOP_PROMPT], BeamSearchParams(
+        beam_width=3, max_tokens=8, ignore_eos=True, stop="and",
+        include_stop_str_in_output=include_stop_str_in_output))
+    best = output.sequences[0]
+    text = STOP_PROMPT + (", and" if include_stop_str_in_output else ", ")
+    assert (best.tokens, best.text, best.finish_reason, best.stop_reason) == \
+        (plain.tokens[:num_tokens], text, "stop", "and")
+    assert best.cum_logprob == pytest.approx(sum(lp for entry in plain.logprobs[:5]
+                                                 for lp in entry.values()))
+    for other in output.sequences[1:]:  # no stop string in them: they ran to max_tokens
+        assert "and" not in other.text[len(STOP_PROMPT):]
+        assert (other.finish_reason, other.stop_reason) == ("length", None)
+    assert_no_leaks(shipped.engine)
 
 
 # ----------------------------------------------------------------------------- copy-on-write
@@ -351,3 +385,20 @@ def test_http_use_beam_search_gives_n_choices_as_offline_beam_search():
     assert [(code, answer["error"]["param"]) for code, answer in refused] == \
         [(400, "stream"), (400, "n"), (400, "length_penalty")]
     assert_no_leaks(llm.engine)
+
+
+def test_http_use_beam_search_takes_stop_as_offline_beam_search(shipped):
+    expected, = shipped.beam_search([STOP_PROMPT], BeamSearchParams(
+        beam_width=3, max_tokens=8, ignore_eos=True, stop=["and"]))
+    body = dict(prompt=STOP_PROMPT, max_tokens=8, n=3, use_beam_search=True, ignore_eos=True,
+                stop="and")
+    with server_in_process(shipped.engine) as url:
+        status, got = http(url, "/v1/completions", body)
+        bad_status, bad = http(url, "/v1/completions", body | dict(stop=[""]))
+    assert status == 200
+    assert [(STOP_PROMPT + c["text"], c["finish_reason"], c["stop_reason"])
+            for c in got["choices"]] == \
+        [(s.text, s.finish_reason, s.stop_reason) for s in expected.sequences]
+    assert got["choices"][0]["stop_reason"] == "and"
+    assert (bad_status, bad["error"]["param"]) == (400, "stop")
+    assert_no_leaks(shipped.engine)

@@ -1,10 +1,16 @@
 """Where features meet: one batch of mixed requests (greedy, seeded, n = 2, penalties with
-logprobs, a stop string, min_tokens, a structured choice; mixed priorities) served under a
-generated set of engine configurations crossing speculation, policy, preemption mode, a tight
-KV cache, a small token budget, the prefix cache and quantization. In each: every request's
-tokens are its own alone under the same configuration; greedy tokens are the plain engine's
-(of the same quantization); with drafts (n-gram or a draft model) seeded tokens are the plain
-engine's too; nothing is held afterwards.
+logprobs, a stop string, min_tokens, a structured choice, a beam search; mixed priorities)
+served under a generated set of engine configurations crossing speculation, policy, preemption
+mode, a tight KV cache, a small token budget, the prefix cache and quantization. In each: every
+request's tokens are its own alone under the same configuration; greedy tokens (and beams) are
+the plain engine's (of the same quantization); with drafts (n-gram or a draft model) seeded
+tokens are the plain engine's too; nothing is held afterwards.
+
+Beam search is a request of the batch wherever it runs: without speculation, which meets every
+level of every other factor in the pairwise set. With speculation the engine refuses it, and
+the refusal and its message are what is checked; the refusals outside the factors (policy
+static, tensor parallelism, structured output over HTTP) are checked at the end, LoRA's over
+HTTP in test_lora.py.
 
 CI runs a pairwise set (all_pairs: every two levels of any two factors meet in some
 configuration); NANOSERVE_FULL_MATRIX=1 runs the whole product. Each configuration is served
@@ -19,8 +25,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from beam_search import BeamSearchParams
 from checkpoint import load_model, save_checkpoint
-from conftest import assert_no_leaks, tiny
+from conftest import assert_no_leaks, http, server_in_process, tiny
 from nanoserve import Engine, RequestOutput, accumulate
 from sampling import SamplingParams
 from structured_output import StructuredOutputsParams
@@ -47,6 +54,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}  # drafts while at most 4 sequences run (a CPU's default)
 ANY_BATCH = {"disable_by_batch_size": 1024}
 CHOICES = ["Montague", "Capulet", "a plague"]  # each well within max_tokens
+SPEC_REFUSED = "beam search does not run with speculative decoding"
 HAS_LLGUIDANCE = importlib.util.find_spec("llguidance") is not None
 
 
@@ -111,7 +119,7 @@ SPECULATIVE_CONFIGS = [c for c in CONFIGS if c["spec"] != "none"]
 class Request:
     name: str          # its request id
     prompt: str
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams
     priority: int
 
     @property
@@ -138,6 +146,9 @@ def mixed_requests() -> list[Request]:
         Request("min_tokens", PROMPTS[4], params(temperature=0, min_tokens=8,
                                                  logit_bias={256: 8.0}, ignore_eos=False), 2),
     ]
+    # two beams of 8 tokens on an 11-token prompt: 10 blocks unshared, within a tight cache's 16
+    requests.append(Request("beam_search", PROMPTS[1], BeamSearchParams(
+        beam_width=2, max_tokens=8, ignore_eos=True), 1))
     if HAS_LLGUIDANCE:
         requests.append(Request("choice", PROMPTS[5], params(
             temperature=1.0, seed=6, ignore_eos=False,
@@ -167,24 +178,31 @@ class Served:
     batch: dict[str, RequestOutput]
     alone: dict[str, RequestOutput]
     held: list[str]             # assert_no_leaks' failures after the batch and after alone
+    refused: dict[str, str]     # the requests the engine refused (by name): the message
     num_fallbacks: int          # steps whose batch failed and ran one sequence at a time
     num_preemptions: int
     num_swapped_out: int
     num_accepted_tokens: int
     num_cached_tokens: int
     num_prefill_chunks: int     # prefill steps of a sequence past its first
+    num_forks: int              # beams forked (beam search)
     dtypes: tuple               # the first projection's weight and the KV cache's
 
 
-def serve(engine: Engine, requests: list[Request], chunks: list[int] | None = None
-          ) -> dict[str, RequestOutput]:
+def serve(engine: Engine, requests: list[Request], chunks: list[int] | None = None,
+          refused: dict[str, str] | None = None) -> dict[str, RequestOutput]:
     """Serve requests as one batch to the end: each one's whole output, by name. chunks, if
-    given, gets the number of prefill steps a sequence took past its first."""
+    given, gets the number of prefill steps a sequence took past its first; refused, if given,
+    the message of each request the engine refuses (else the ValueError is raised)."""
     whole = {}
     counts = collections.Counter()
     for request in requests:
-        engine.add_request(request.prompt, request.params, request.name, stream=False,
-                           priority=request.priority)
+        try:
+            add(engine, request)
+        except ValueError as e:
+            if refused is None:
+                raise
+            refused[request.name] = str(e)
     while engine.has_unfinished():
         for delta in engine.step():
             accumulate(whole, delta)
@@ -193,6 +211,14 @@ def serve(engine: Engine, requests: list[Request], chunks: list[int] | None = No
     if chunks is not None:
         chunks.append(sum(counts.values()) - len(counts))
     return whole
+
+
+def add(engine: Engine, request: Request) -> None:
+    if isinstance(request.params, BeamSearchParams):
+        engine.add_beam_request(request.prompt, request.params, request.name, request.priority)
+        return
+    engine.add_request(request.prompt, request.params, request.name, stream=False,
+                       priority=request.priority)
 
 
 def what_is_held(engine: Engine) -> list[str]:
@@ -206,19 +232,27 @@ def what_is_held(engine: Engine) -> list[str]:
 
 
 def served_under(config: dict[str, str], requests: list[Request], draft_path: str) -> Served:
-    """The batch on a fresh engine of config, then each request alone on the same engine."""
+    """The batch on a fresh engine of config, then each request alone on the same engine
+    (those it did not refuse)."""
     engine = tiny(**engine_args(config, draft_path)).engine
     chunks = []
-    batch = serve(engine, requests, chunks)
+    refused = {}
+    batch = serve(engine, requests, chunks, refused)
     held = what_is_held(engine)
-    alone = {r.name: serve(engine, [r], chunks)[r.name] for r in requests}
+    alone = {r.name: serve(engine, [r], chunks)[r.name] for r in requests
+             if r.name not in refused}
     held += what_is_held(engine)
-    return Served(batch, alone, held, engine.stats.num_fallbacks,
+    return Served(batch, alone, held, refused, engine.stats.num_fallbacks,
                   engine.scheduler.num_preemptions,
                   engine.scheduler.num_swapped_out, engine.stats.spec_decode_num_accepted_tokens,
-                  engine.stats.num_cached_tokens, sum(chunks),
+                  engine.stats.num_cached_tokens, sum(chunks), engine.beam_search.num_forks,
                   (engine.model.model.layers[0].mlp.down_proj.weight.dtype,
                    engine.model_runner.k_caches.dtype))
+
+
+def served_requests(run: Served, requests: list[Request]) -> list[Request]:
+    """The requests the engine took (test_beam_search_runs_except_with_... checks which)."""
+    return [request for request in requests if request.name not in run.refused]
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -299,7 +333,7 @@ def test_the_stop_string_and_min_tokens_end_the_plain_engines_outputs(plain):
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_each_request_equals_itself_alone(config, served, requests):
     run = served(config)
-    for request in requests:
+    for request in served_requests(run, requests):
         assert samples(run.batch[request.name]) == samples(run.alone[request.name]), \
             request.name
         assert [c.finish_reason for c in run.batch[request.name].outputs] == \
@@ -322,7 +356,7 @@ def test_logprobs_equal_those_alone(config, served, requests):
 def test_greedy_tokens_equal_the_plain_engines(config, served, requests, plains):
     run = served(config)
     plain = plains[config["quant"]]
-    for request in requests:
+    for request in served_requests(run, requests):
         if request.is_greedy:
             assert samples(run.batch[request.name]) == samples(plain[request.name]), \
                 request.name
@@ -335,10 +369,19 @@ def test_seeded_tokens_with_drafts_equal_the_plain_engines(config, served, reque
     (issue 46): the drafts are invisible, alone or in the batch."""
     run = served(config)
     plain = plains[config["quant"]]
-    for request in requests:
+    for request in served_requests(run, requests):
         if not request.is_greedy:
             assert samples(run.batch[request.name]) == samples(plain[request.name]), \
                 request.name
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+def test_beam_search_runs_except_with_speculation_which_refuses_it(config, served):
+    """Refused by name where it cannot run (the other requests still run), never skipped."""
+    run = served(config)
+    expected = {} if config["spec"] == "none" else {"beam_search": SPEC_REFUSED}
+    assert run.refused == expected
+    assert ("beam_search" in run.batch) == (config["spec"] == "none")
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
@@ -377,6 +420,32 @@ def test_each_factor_does_what_it_is_there_for(config, served):
     assert (run.num_prefill_chunks > 0) == (config["budget"] == "small_budget")
     assert (run.num_accepted_tokens > 0) == (config["spec"] != "none")
     assert (run.num_cached_tokens > 0) == (config["prefix"] == "prefix_cache")
+    assert (run.num_forks > 0) == (config["spec"] == "none")  # its beams forked
     weight_dtype, kv_dtype = run.dtypes
     assert (weight_dtype == torch.int8) == (config["quant"] == "int8")
     assert (kv_dtype == torch.float8_e4m3fn) == (config["quant"] == "fp8_kv")
+
+
+# ----------------------------------------------------------------------------- refused beams
+
+@pytest.mark.parametrize("engine_changes, message", [
+    (dict(policy="static"), "beam search does not run under policy static"),
+    (dict(tensor_parallel_size=2), "beam search with tensor_parallel_size > 1"),
+], ids=["static", "tensor_parallel"])
+def test_beam_search_is_refused_by_name_where_it_cannot_run(engine_changes, message):
+    engine = tiny(**engine_changes).engine
+    with pytest.raises(ValueError, match=message):
+        engine.add_beam_request("Hello", BeamSearchParams(beam_width=2, max_tokens=4))
+    assert not engine.has_unfinished()
+    assert_no_leaks(engine)
+
+
+def test_use_beam_search_is_refused_with_structured_output():
+    engine = tiny().engine
+    body = dict(prompt="Hello", max_tokens=4, n=2, use_beam_search=True,
+                structured_outputs={"choice": CHOICES})
+    with server_in_process(engine) as url:
+        status, answer = http(url, "/v1/completions", body)
+    assert (status, answer["error"]["param"]) == (400, "structured_outputs")
+    assert answer["error"]["message"] == "use_beam_search does not take structured_outputs"
+    assert_no_leaks(engine)

@@ -383,6 +383,17 @@ def test_the_model_field_picks_the_adapter_and_an_unknown_model_is_a_404(tmp_pat
         assert status == 404 and body["error"]["message"] == "The model `c` does not exist."
 
 
+def test_use_beam_search_with_an_adapter_is_refused_by_name(tmp_path):
+    a = adapter(tmp_path, "tiny", "a")
+    engine = lora_llm().engine
+    body = dict(prompt=PROMPTS[0], max_tokens=4, n=2, use_beam_search=True, model="a")
+    with server_thread(engine, ServerConfig(port=0, lora_modules=(f"a={a.lora_path}",))) as server:
+        status, answer = http(server.url, "/v1/completions", body)
+    assert status == 400
+    assert answer["error"]["message"] == "use_beam_search does not run with a LoRA adapter"
+    assert_no_leaks(engine)
+
+
 def test_v1_models_lists_each_adapter_with_the_base_model_as_parent(tmp_path):
     a = adapter(tmp_path, "tiny", "a")
     config = ServerConfig(port=0, lora_modules=(f"sql={a.lora_path}",))

@@ -234,6 +234,24 @@ def test_detokenizer_holds_back_a_possible_stop_string_and_split_utf8():
     assert "".join(pieces) + detok.new_text(finished=True) == "us in th\u00e9 the x"
 
 
+def test_a_forked_detokenizer_goes_on_alone_from_the_same_text_and_split_utf8():
+    """Beam search tries each candidate token on a fork of its beam's text: the fork carries
+    the text and an unfinished character's bytes, and neither copy sees the other's tokens."""
+    enc = byte_tokenizer()
+    detok = Detokenizer(enc, ["the end"])
+    first, second = "th\u00e9".encode()[-2:]
+    for byte in b"the ":
+        detok.append(enc.token_id(bytes([byte])))
+    detok.append(enc.token_id(bytes([first])))  # half of "\u00e9"
+    fork = detok.fork()
+    assert fork.append(enc.token_id(bytes([second]))) is None
+    for byte in b"end":
+        assert detok.append(enc.token_id(bytes([byte]))) is None  # "the \ufffdend": no stop
+    assert fork.new_text(finished=True) == "the \u00e9"
+    detok.flush()
+    assert detok.new_text(finished=True) == "the \ufffdend"
+
+
 def test_detokenizer_adds_a_token_to_a_short_string_not_to_all_the_text():
     """A token's text is added to the newest characters only (at most RECENT_CHARS past the
     stop strings' overlap), however long the text grows unreturned, as a request that does

@@ -445,6 +445,15 @@ class Detokenizer:
             self._settle()
         return found
 
+    def fork(self) -> "Detokenizer":
+        """A copy that goes on on its own (beam search: a beam's text, tried with each of its
+        candidate tokens)."""
+        copy = Detokenizer(self.tokenizer, self.stop, self.include_stop)
+        copy.decoder.setstate(self.decoder.getstate())  # an unfinished character's bytes
+        copy.settled = list(self.settled)
+        copy.recent = self.recent
+        return copy
+
     def _find_stop(self, search_from: int) -> str | None:
         """The stop string that recent holds from search_from on, recent cut at it; None if
         none. One token can complete several: the earliest in the text wins, whatever the
