@@ -193,6 +193,9 @@ class ModelRunner:
         self.input_batch: InputBatch | None = None  # made by prepare(), once max_model_len is
         self.buffers: DecodeBuffers | None = None   # known; with graphs or use_padded_decode
         self.graphs: dict[int, object] = {}         # batch size -> its replay (or eager run)
+        # rank 0's handle on the tensor-parallel workers (set by it): they capture and replay
+        # their graphs as these are (tensor_parallel.TensorParallel.capturing, replaying)
+        self.tensor_parallel = None
 
     def _check_chunk_fits_the_grid(self, group_size: int) -> None:
         """ValueError at the start, not at a long prompt's step, if a chunk of the token budget
@@ -323,6 +326,13 @@ class ModelRunner:
         width = self.input_batch.block_tables.shape[1]
         self.buffers = DecodeBuffers.make(sizes[-1], width, self.device)
         self._fill_padding(0)
+        if self.tensor_parallel is None:
+            self._make_graphs(sizes, capture)
+            return
+        with self.tensor_parallel.capturing(self.buffers, sizes, capture):
+            self._make_graphs(sizes, capture)
+
+    def _make_graphs(self, sizes: list[int], capture: bool) -> None:
         if not capture:
             self.graphs = {size: partial(self._run_decode, size) for size in sizes}
             return
@@ -386,7 +396,11 @@ class ModelRunner:
         b.block_tables[:num_seqs, :width].copy_(meta.block_tables)
         b.block_tables[:num_seqs, width:] = 0  # a table's unused columns: never read
         self._fill_padding(num_seqs)
-        self.graphs[size]()
+        if self.tensor_parallel is None:
+            self.graphs[size]()
+            return b.hidden[:num_seqs]
+        with self.tensor_parallel.replaying(b, size):  # the workers replay theirs
+            self.graphs[size]()
         return b.hidden[:num_seqs]
 
     # --- a step -------------------------------------------------------------------------
