@@ -18,7 +18,9 @@ size up, its padding entries writing their K/V to the null block (the last of th
 no sequence owns) and attending to it alone. Block tables are always the whole width
 max_model_len needs, so the kernels' shapes are the graph's. Prefills and mixed steps run
 eagerly; the logits and sampling run outside the graph (their shapes vary with the
-requests' parameters). `enforce_eager` (vLLM's flag) turns graphs off. The padded path also
+requests' parameters). `enforce_eager` (vLLM's flag) turns graphs off. Under tensor
+parallelism every rank captures and replays its own, rank 0 telling the workers each size
+(tensor_parallel.TensorParallel.replaying). The padded path also
 runs eagerly on a CPU (use_padded_decode, for the tests): its tokens are the unpadded path's.
 """
 import itertools

@@ -5,9 +5,12 @@ Rank 0 is the engine's own process: the scheduler, the block pool, sampling and 
 else run there once, unchanged. Ranks 1..N-1 are worker processes (start_workers) that hold
 only their slices of the weights and of the KV cache and run only the model: each step,
 rank 0's model, as it is called, sends its inputs (token ids, positions, the attention
-metadata) down a pipe to every worker (TensorParallel.send_step), and all N run the same forward in
-lockstep, meeting at each all-reduce. A worker's forward output is thrown away: the hidden
-states after the last all-reduce are the same on every rank, and rank 0 alone makes logits.
+metadata) down a pipe to every worker (TensorParallel.send_step), and all N run the same
+forward in lockstep, meeting at each all-reduce. A worker's forward output is thrown away.
+The logits are made the same way: each call of rank 0's LM head, whatever its rows (the
+sampling positions, prompt log-probabilities a chunk at a time, a verify's drafts, the
+profile's), tells the workers the rows' shape (send_logits), broadcasts the rows, and
+gathers every rank's slice of the vocabulary (VocabParallelLMHead).
 
 The cut (Shard), for one layer of the shipped GPT-2 (C = 192, 6 heads of D = 32, MLP 768,
 vocabulary 257) at N = 2, rank r of 2, N tokens in the step:
@@ -22,10 +25,14 @@ vocabulary 257) at N = 2, rank r of 2, N tokens in the step:
     up_proj        (768, 192) -> rows 384r..384r+383 (384, 192): column-parallel, GELU per rank
     down_proj      (192, 768) -> columns 384r..384r+383 (192, 384): row-parallel, all-reduce
     norms, positions  whole on every rank (C numbers each)
-    lm_head        on rank 0 only, whole (its vocabulary rows: no gather of logits)
+    lm_head        (257, 192), tied: the embedding's slice, (129, 192) and (128, 192); for R
+                   rows, a broadcast of (R, 192) from rank 0, each rank's logits (R, 129)
+                   (rank 1's padded with a zero column), gathered on rank 0: (R, 257)
 
-So a layer costs two all-reduces of (N, C) fp32 activations, 2 x N x 768 bytes here, and a
-step one more for the embedding. Llama's gate_proj and up_proj are cut as up_proj is (each
+So a layer costs two all-reduces of (N, C) fp32 activations, 2 x N x 768 bytes here, a step
+one more for the embedding, and its logits a broadcast of R x C values (C / V of the
+logits' bytes; it spares the workers keeping their hidden states and being told which rows)
+and a gather of R x V fp32 logits. Llama's gate_proj and up_proj are cut as up_proj is (each
 part its rows, then stacked); K/V heads that do not divide by N are replicated when N is a
 multiple of them (vLLM's way: rank r holds K/V head r // (N / Hkv)), else refused.
 
@@ -57,8 +64,17 @@ it puts in a slot to the workers, and each step's token slots with its inputs.
 Swapping: each rank has a swap space for its heads; rank 0 sends each copy out or in to the
 workers before its own.
 
-Left out: a vocab-parallel LM head (rank 0 holds it whole), CUDA graphs under N > 1
-(enforce_eager required).
+CUDA graphs: a replayed graph runs no Python, so no hook of ours tells the workers. Rank 0's
+model runner tells them instead (capturing, replaying): when it makes its decode graphs,
+each worker captures its own for the same sizes, in the same order (largest first), over
+static buffers filled as rank 0's, so each capture's warm-up meets rank 0's all-reduces; before
+each replay, rank 0 sends the padded size and the buffers' rows, and every rank replays its
+graph of that size: the same shapes, the same all-reduces. Rank 0's forwards on its padded
+path send nothing. A CPU worker told to capture (rank 0 on the tests' fake_cuda) runs each
+size eagerly instead, as a capture's warm-up does. Untried on GPUs: none lent has two.
+
+Left out: vLLM's custom all-reduce (faster than NCCL's at a decode's sizes); CommStats counts
+no collective a replayed graph runs.
 """
 import contextlib
 import dataclasses
