@@ -1,8 +1,10 @@
 """Tensor parallelism (tensor_parallel.py) on the CPU: N = 2 ranks (gloo) give N = 1's greedy
 tokens, and its log-probabilities within float32 rounding (the all-reduce sums the partial
 products in another order), for GPT-2 (the shipped model: biases, a tied head, an odd
-vocabulary), Llama with K/V heads split and replicated; under preemption and the prefix
-cache; a killed worker ends the engine; no worker outlives its engine; bad sizes refused.
+vocabulary), Llama with K/V heads split and replicated; the LM head cut by vocabulary, its
+logits gathered for every caller (sampling, prompt log-probabilities, drafts); decode graphs
+on every rank (fake_cuda); under preemption and the prefix cache; a killed worker ends the
+engine; no worker outlives its engine; bad sizes refused.
 These tests start processes (forked: a fraction of a second each): few engines, few tokens."""
 import contextlib
 import multiprocessing
@@ -143,7 +145,8 @@ def test_cuda_graphs_at_two_ranks_match_one(fake_cuda):
 @pytest.mark.parametrize("name", ["llama3-tied", "llama-untied"])
 def test_grouped_query_llama_at_two_ranks_matches_one(name, tmp_path):
     """llama3-tied: 4 query heads on 2 K/V heads, one K/V head a rank (split); llama-untied:
-    4 on 1, which both ranks hold (replicated, as vLLM does), and an untied head."""
+    4 on 1, which both ranks hold (replicated, as vLLM does), and an untied head, cut by its
+    257 rows (129 and 128) apart from the embedding."""
     prompts = PROMPTS[:3]
     one = fixture_llm(name, tmp_path).generate(prompts, PARAMS)
     two = fixture_llm(name, tmp_path, tensor_parallel_size=2)
