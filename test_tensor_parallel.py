@@ -92,13 +92,10 @@ def test_swapped_preemption_at_two_ranks():
 
 def test_each_rank_holds_its_vocabulary_rows_of_the_lm_head(shipped_tp):
     """GPT-2's tied head at N = 2: rank 0 holds 129 of the 257 rows, the embedding's own slice
-    (one tensor), not the whole head; the logits it samples from are all 257 (gathered)."""
+    (one tensor), not the whole head (the logits' equality with N = 1's: the test above)."""
     model = shipped_tp.engine.model
     assert model.lm_head.weight.shape == (129, 192)
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    params = SamplingParams(max_tokens=1, temperature=0, logprobs=0)
-    out = shipped_tp.generate(["Hi"], params)[0].outputs[0]
-    assert list(out.logprobs[0].values())[0] < 0  # a log-softmax over every row's logit
 
 
 def test_prompt_logprobs_and_drafts_at_two_ranks_match_one(monkeypatch):
