@@ -335,6 +335,7 @@ class ModelRunner:
             self._make_graphs(sizes, capture)
 
     def _make_graphs(self, sizes: list[int], capture: bool) -> None:
+        """self.graphs: each size's captured graph (capture), or its eager padded run."""
         if not capture:
             self.graphs = {size: partial(self._run_decode, size) for size in sizes}
             return
