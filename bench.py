@@ -2848,8 +2848,8 @@ SINGLE_MEASUREMENTS = ("lm_head", "host_overhead", "detokenizer", "step_gemms", 
 
 def tensor_parallel_sweep(cfg: BenchConfig) -> list[dict]:
     """Each batch at each tensor_parallel_size: `batch` random prompts prefilled, then
-    tp_steps decode steps timed; the all-reduces and the channel from rank 0's counters
-    (tensor_parallel.CommStats). Greedy: every size must give N = 1's tokens (checked)."""
+    tp_steps decode steps timed; the all-reduces, the LM head's broadcast and gather, and the
+    channel from rank 0's counters (tensor_parallel.CommStats). Greedy: every size must give N = 1's tokens (checked)."""
     rows = []
     for batch in cfg.tp_batches:
         first = None  # N = 1's tokens
@@ -2889,6 +2889,9 @@ def tensor_parallel_run(cfg: BenchConfig, size: int, batch: int) -> tuple[dict, 
                all_reduce_kib_a_step=stats.all_reduce_bytes / steps / 1024,
                all_reduce_ms_a_step=stats.all_reduce_seconds * 1e3 / steps,
                all_reduce_share=stats.all_reduce_seconds * 1e3 / steps / step_ms,
+               logits_gathers_a_step=stats.num_gathers / steps,
+               logits_kib_a_step=stats.gather_bytes / steps / 1024,
+               logits_ms_a_step=stats.gather_seconds * 1e3 / steps,
                channel_ms_a_step=stats.channel_seconds * 1e3 / steps,
                tokens_per_s=batch * 1e3 / step_ms)
     return row, [outputs[i] for i in sorted(outputs, key=int)]
@@ -2899,7 +2902,7 @@ def tensor_parallel_table(rows: list[dict]) -> str:
                  "all-reduces (rank 0's wait included) and the step channel (rank 0's send)",
                  rows, "tensor_parallel_size batch step_ms tokens_per_s all_reduces_a_step "
                  "all_reduce_kib_a_step all_reduce_ms_a_step all_reduce_share "
-                 "channel_ms_a_step same_tokens")
+                 "logits_kib_a_step logits_ms_a_step channel_ms_a_step same_tokens")
 
 
 def run_single_measurement(cfg: BenchConfig) -> bool:

@@ -18,7 +18,9 @@ size up, its padding entries writing their K/V to the null block (the last of th
 no sequence owns) and attending to it alone. Block tables are always the whole width
 max_model_len needs, so the kernels' shapes are the graph's. Prefills and mixed steps run
 eagerly; the logits and sampling run outside the graph (their shapes vary with the
-requests' parameters). `enforce_eager` (vLLM's flag) turns graphs off. The padded path also
+requests' parameters). `enforce_eager` (vLLM's flag) turns graphs off. Under tensor
+parallelism every rank captures and replays its own, rank 0 telling the workers each size
+(tensor_parallel.TensorParallel.replaying). The padded path also
 runs eagerly on a CPU (use_padded_decode, for the tests): its tokens are the unpadded path's.
 """
 import itertools
@@ -194,6 +196,9 @@ class ModelRunner:
         self.input_batch: InputBatch | None = None  # made by prepare(), once max_model_len is
         self.buffers: DecodeBuffers | None = None   # known; with graphs or use_padded_decode
         self.graphs: dict[int, object] = {}         # batch size -> its replay (or eager run)
+        # rank 0's handle on the tensor-parallel workers (set by it): they capture and replay
+        # their graphs as these are (tensor_parallel.TensorParallel.capturing, replaying)
+        self.tensor_parallel = None
 
     def _check_chunk_fits_the_grid(self, group_size: int) -> None:
         """ValueError at the start, not at a long prompt's step, if a chunk of the token budget
@@ -324,6 +329,14 @@ class ModelRunner:
         width = self.input_batch.block_tables.shape[1]
         self.buffers = DecodeBuffers.make(sizes[-1], width, self.device)
         self._fill_padding(0)
+        if self.tensor_parallel is None:
+            self._make_graphs(sizes, capture)
+            return
+        with self.tensor_parallel.capturing(self.buffers, sizes, capture):
+            self._make_graphs(sizes, capture)
+
+    def _make_graphs(self, sizes: list[int], capture: bool) -> None:
+        """self.graphs: each size's captured graph (capture), or its eager padded run."""
         if not capture:
             self.graphs = {size: partial(self._run_decode, size) for size in sizes}
             return
@@ -387,7 +400,11 @@ class ModelRunner:
         b.block_tables[:num_seqs, :width].copy_(meta.block_tables)
         b.block_tables[:num_seqs, width:] = 0  # a table's unused columns: never read
         self._fill_padding(num_seqs)
-        self.graphs[size]()
+        if self.tensor_parallel is None:
+            self.graphs[size]()
+            return b.hidden[:num_seqs]
+        with self.tensor_parallel.replaying(b, size):  # the workers replay theirs
+            self.graphs[size]()
         return b.hidden[:num_seqs]
 
     # --- a step -------------------------------------------------------------------------

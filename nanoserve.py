@@ -201,9 +201,6 @@ class EngineConfig:
         if device_type == "cuda" and size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs (one a rank); "
                              f"this machine has {torch.cuda.device_count()}")
-        if device_type == "cuda" and not self.enforce_eager:
-            raise ValueError("tensor_parallel_size > 1 on CUDA needs enforce_eager: decode "
-                             "graphs would not replay the workers' steps")
         if self.kv_transfer_config is not None:
             raise ValueError("kv_transfer_config with tensor_parallel_size > 1: the connector "
                              "saves and loads rank 0's K/V heads only")

@@ -5,9 +5,12 @@ Rank 0 is the engine's own process: the scheduler, the block pool, sampling and 
 else run there once, unchanged. Ranks 1..N-1 are worker processes (start_workers) that hold
 only their slices of the weights and of the KV cache and run only the model: each step,
 rank 0's model, as it is called, sends its inputs (token ids, positions, the attention
-metadata) down a pipe to every worker (TensorParallel.send_step), and all N run the same forward in
-lockstep, meeting at each all-reduce. A worker's forward output is thrown away: the hidden
-states after the last all-reduce are the same on every rank, and rank 0 alone makes logits.
+metadata) down a pipe to every worker (TensorParallel.send_step), and all N run the same
+forward in lockstep, meeting at each all-reduce. A worker's forward output is thrown away.
+The logits are made the same way: each call of rank 0's LM head, whatever its rows (the
+sampling positions, prompt log-probabilities a chunk at a time, a verify's drafts, the
+profile's), tells the workers the rows' shape (send_logits), broadcasts the rows, and
+gathers every rank's slice of the vocabulary (VocabParallelLMHead).
 
 The cut (Shard), for one layer of the shipped GPT-2 (C = 192, 6 heads of D = 32, MLP 768,
 vocabulary 257) at N = 2, rank r of 2, N tokens in the step:
@@ -22,10 +25,14 @@ vocabulary 257) at N = 2, rank r of 2, N tokens in the step:
     up_proj        (768, 192) -> rows 384r..384r+383 (384, 192): column-parallel, GELU per rank
     down_proj      (192, 768) -> columns 384r..384r+383 (192, 384): row-parallel, all-reduce
     norms, positions  whole on every rank (C numbers each)
-    lm_head        on rank 0 only, whole (its vocabulary rows: no gather of logits)
+    lm_head        (257, 192), tied: the embedding's slice, (129, 192) and (128, 192); for R
+                   rows, a broadcast of (R, 192) from rank 0, each rank's logits (R, 129)
+                   (rank 1's padded with a zero column), gathered on rank 0: (R, 257)
 
-So a layer costs two all-reduces of (N, C) fp32 activations, 2 x N x 768 bytes here, and a
-step one more for the embedding. Llama's gate_proj and up_proj are cut as up_proj is (each
+So a layer costs two all-reduces of (N, C) fp32 activations, 2 x N x 768 bytes here, a step
+one more for the embedding, and its logits a broadcast of R x C values (C / V of the
+logits' bytes; it spares the workers keeping their hidden states and being told which rows)
+and a gather of R x V fp32 logits. Llama's gate_proj and up_proj are cut as up_proj is (each
 part its rows, then stacked); K/V heads that do not divide by N are replicated when N is a
 multiple of them (vLLM's way: rank r holds K/V head r // (N / Hkv)), else refused.
 
@@ -57,9 +64,19 @@ it puts in a slot to the workers, and each step's token slots with its inputs.
 Swapping: each rank has a swap space for its heads; rank 0 sends each copy out or in to the
 workers before its own.
 
-Left out: a vocab-parallel LM head (rank 0 holds it whole), CUDA graphs under N > 1
-(enforce_eager required).
+CUDA graphs: a replayed graph runs no Python, so no hook of ours tells the workers. Rank 0's
+model runner tells them instead (capturing, replaying): when it makes its decode graphs,
+each worker captures its own for the same sizes, in the same order (largest first), over
+static buffers filled as rank 0's, so each capture's warm-up meets rank 0's all-reduces; before
+each replay, rank 0 sends the padded size and the buffers' rows, and every rank replays its
+graph of that size: the same shapes, the same all-reduces. Rank 0's forwards on its padded
+path send nothing. A CPU worker told to capture (rank 0 on the tests' fake_cuda) runs each
+size eagerly instead, as a capture's warm-up does. Untried on GPUs: none lent has two.
+
+Left out: vLLM's custom all-reduce (faster than NCCL's at a decode's sizes); CommStats counts
+no collective a replayed graph runs.
 """
+import contextlib
 import dataclasses
 import datetime
 import multiprocessing
@@ -67,6 +84,7 @@ import os
 import time
 import weakref
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -78,7 +96,8 @@ from checkpoint import (DEFAULT_MODEL, DTYPES, checkpoint_path, config_from_hf, 
                         read_json)
 from kernels import AttentionMetadata, select_attention
 from linear import LoRAMapping, Linear, projections, row_parallel
-from model import GPT, PRESETS, GPTConfig
+from model import GPT, PRESETS, GPTConfig, LMHead
+from model_runner import DecodeBuffers
 from paged_cache import kv_cache_torch_dtype
 from swap import SwapSpace
 
@@ -102,6 +121,9 @@ class CommStats:
     num_all_reduces: int = 0
     all_reduce_bytes: int = 0
     all_reduce_seconds: float = 0.0
+    num_gathers: int = 0           # the LM head's (each after a broadcast of its rows)
+    gather_bytes: int = 0          # the rows broadcast, and the logits gathered (all ranks')
+    gather_seconds: float = 0.0
     num_steps: int = 0             # forwards sent down the channel
     channel_seconds: float = 0.0   # rank 0's time packing and sending them
 
@@ -154,10 +176,8 @@ class Shard:
                                    intermediate_size=full.intermediate_size // self.world_size)
 
     def vocab_rows(self, vocab_size: int) -> tuple[int, int]:
-        """(start, rows) of the rank's embedding rows: ceil(V / N) a rank, the last fewer."""
-        per_rank = -(-vocab_size // self.world_size)
-        start = min(vocab_size, self.rank * per_rank)
-        return start, min(per_rank, vocab_size - start)
+        """(start, rows) of the rank's embedding and LM head rows (vocab_rows)."""
+        return vocab_rows(vocab_size, self.world_size, self.rank)
 
     def kv_head_start(self, n_kv_head: int) -> int:
         """The first K/V head the rank holds: split (Hkv / N each) or replicated (N / Hkv
@@ -166,10 +186,9 @@ class Shard:
             return self.rank * (n_kv_head // self.world_size)
         return self.rank // (self.world_size // n_kv_head)
 
-    def narrow(self, full: GPTConfig, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+    def narrow(self, full: GPTConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The rank's slice of one tensor of the state dict (Hugging Face's names, q/k/v and
-        gate/up apart): a view of the (memory-mapped) tensor, copied only when placed. None:
-        the rank holds none of it (the LM head, off rank 0)."""
+        gate/up apart): a view of the (memory-mapped) tensor, copied only when placed."""
         module, _, param = name.rpartition(".")
         projection = module.rpartition(".")[2]
         local = self.config(full)
@@ -187,19 +206,16 @@ class Shard:
             return tensor.narrow(1, self.rank * columns, columns)
         if projection in ("o_proj", "down_proj"):  # the bias: added once, after the sum
             return tensor if self.rank == 0 else torch.zeros_like(tensor)
-        if name == "model.embed_tokens.weight":
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
             return tensor.narrow(0, *self.vocab_rows(full.vocab_size))
-        if name == "lm_head.weight" and self.rank > 0:
-            return None
         return tensor
 
     def build(self, full: GPTConfig, tensors: dict[str, torch.Tensor], device: str,
               dtype: torch.dtype) -> GPT:
         """The rank's model from the whole state dict's tensors (views, Hugging Face's names):
         built on the meta device in the rank's shapes, each slice copied once to device in
-        dtype; o_proj and down_proj all-reduce their outputs, the embedding is
-        vocab-parallel; rank 0 keeps the whole LM head (tied: the embedding's rows, of which
-        its own embedding slice is a view)."""
+        dtype; o_proj and down_proj all-reduce their outputs, the embedding and the LM head
+        are vocab-parallel (tied: the LM head's rows are the embedding's slice, one tensor)."""
         local = self.config(full)
         with torch.device("meta"):
             model = GPT(local)
@@ -209,22 +225,19 @@ class Shard:
             view = tensors.pop(name).detach()
             if name == "lm_head.weight" and full.tie_word_embeddings:
                 continue  # the embedding's, placed with it
-            if name == "model.embed_tokens.weight" and self.rank == 0 and full.tie_word_embeddings:
-                placed["lm_head.weight"] = view.to(device, dtype).contiguous()
-                placed[name] = placed["lm_head.weight"].narrow(0, start, rows)
-                continue
             module, _, param = name.rpartition(".")
             if module.endswith(("o_proj", "down_proj")) and param == "weight":
                 self.row_amax[module] = view.abs().amax(dim=1).float()
-            piece = self.narrow(full, name, view)
-            if piece is not None:
-                placed[name] = piece.to(device, dtype).contiguous()
-        with torch.device("meta"):  # its weight comes next, as every other
+            placed[name] = self.narrow(full, name, view).to(device, dtype).contiguous()
+        if full.tie_word_embeddings:
+            placed["lm_head.weight"] = placed["model.embed_tokens.weight"]
+        with torch.device("meta"):  # their weights come next, as every other
             model.model["embed_tokens"] = VocabParallelEmbedding(start, rows, full.n_embd,
                                                                  self.comm.all_reduce)
-        if self.rank > 0:
-            model.lm_head = None  # workers make no logits
+            model.lm_head = VocabParallelLMHead(full.vocab_size, full.n_embd, self.comm)
         model.load_state_dict(placed, assign=True)
+        if full.tie_word_embeddings:  # one parameter, as GPT() ties them
+            model.lm_head.weight = model.model.embed_tokens.weight
         for layer in model.model.layers:
             row_parallel(layer.self_attn.o_proj, self.comm.all_reduce)
             row_parallel(layer.mlp.down_proj, self.comm.all_reduce)
@@ -288,6 +301,41 @@ class VocabParallelEmbedding(nn.Module):
         return self.all_reduce(x.masked_fill(outside[..., None], 0))
 
 
+class VocabParallelLMHead(LMHead):
+    """The LM head cut by vocabulary rows as the embedding is (vLLM's ParallelLMHead), on every
+    rank: rank 0's hidden rows (n, C) go to every rank (a broadcast: n x C values, a fraction
+    C / V of the logits' bytes), each rank makes the logits of its rows (n, ceil(V / N)), the
+    last rank's padded with zeros to that width, and rank 0 gathers them, side by side, the
+    padding dropped: (n, V) fp32 there, None on a worker. Rank 0's caller is any (the
+    sampling positions, prompt log-probabilities in chunks, a verify's, the profile's): the
+    workers are told only the rows' shape (TensorParallel.send_logits)."""
+
+    def __init__(self, vocab_size: int, embedding_dim: int, comm: "Communicator"):
+        start, rows = vocab_rows(vocab_size, comm.world_size, comm.rank)
+        super().__init__(embedding_dim, rows, bias=False)
+        self.comm = comm
+        self.width = -(-vocab_size // comm.world_size)  # each rank's logits, padded
+        self.rank_rows = [vocab_rows(vocab_size, comm.world_size, rank)[1]
+                          for rank in range(comm.world_size)]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # (n, C) -> (n, V) fp32
+        hidden = self.comm.broadcast(hidden.contiguous())
+        local = super().forward(hidden)  # (n, rows)
+        if local.shape[1] < self.width:
+            local = F.pad(local, (0, self.width - local.shape[1]))
+        parts = self.comm.gather(local)
+        if parts is None:
+            return None
+        return torch.cat([part[:, :rows] for part, rows in zip(parts, self.rank_rows)], dim=1)
+
+
+def vocab_rows(vocab_size: int, world_size: int, rank: int) -> tuple[int, int]:
+    """(start, rows) of a rank's vocabulary rows: ceil(V / N) a rank, the last fewer."""
+    per_rank = -(-vocab_size // world_size)
+    start = min(vocab_size, rank * per_rank)
+    return start, min(per_rank, vocab_size - start)
+
+
 class Communicator:
     """A rank's process group and its all-reduce, counted (CommStats). The group is set once
     joined (rank 0 loads its weights while the workers start)."""
@@ -301,18 +349,47 @@ class Communicator:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """tensor summed over the ranks, in place (contiguous), returned."""
+        seconds = self._run("an all-reduce", self.group.allreduce, [tensor])
+        stats = self.stats
+        stats.num_all_reduces += 1
+        stats.all_reduce_bytes += nbytes(tensor)
+        stats.all_reduce_seconds += seconds
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's tensor, into tensor (contiguous, its shape) on every rank, returned."""
+        seconds = self._run("a broadcast", self.group.broadcast, tensor, 0)
+        self.stats.gather_bytes += nbytes(tensor)
+        self.stats.gather_seconds += seconds
+        return tensor
+
+    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's tensor (contiguous, one shape) on rank 0, in rank order; None on the
+        others."""
+        parts = []
+        if self.rank == 0:
+            parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        seconds = self._run("a gather", self.group.gather, parts, tensor, 0)
+        stats = self.stats
+        stats.num_gathers += 1
+        stats.gather_bytes += nbytes(tensor) * len(parts)
+        stats.gather_seconds += seconds
+        return parts or None
+
+    def _run(self, what: str, op, *args) -> float:
+        """One collective op run to its end: its seconds; WorkerDiedError if it failed."""
         start = time.perf_counter()
         try:
-            self.group.allreduce([tensor]).wait()
+            op(*args).wait()
         except RuntimeError as e:  # gloo: a peer closed its connection, or the op timed out
             if self.workers is not None:
                 find_dead_worker(self.workers)
-            raise WorkerDiedError(f"an all-reduce failed: {str(e).splitlines()[0]}") from e
-        stats = self.stats
-        stats.num_all_reduces += 1
-        stats.all_reduce_bytes += tensor.numel() * tensor.element_size()
-        stats.all_reduce_seconds += time.perf_counter() - start
-        return tensor
+            raise WorkerDiedError(f"{what} failed: {str(e).splitlines()[0]}") from e
+        return time.perf_counter() - start
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def join_group(store: dist.TCPStore, rank: int, world_size: int, device: str):
@@ -337,6 +414,16 @@ def pack_step(input_ids, positions, meta: AttentionMetadata, k_caches) -> dict:
     step = {name: t.cpu().numpy() for name, t in tensors.items()}
     return step | dict(max_query_len=meta.max_query_len, num_decodes=meta.num_decodes,
                        num_blocks=k_caches.shape[1])
+
+
+DECODE_BUFFERS = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens",
+                  "lora_slots")
+
+
+def buffer_rows(buffers: DecodeBuffers, size: int) -> dict:
+    """The static buffers' first `size` rows as host arrays, by name (a padded decode step's
+    inputs: DecodeBuffers)."""
+    return {name: getattr(buffers, name)[:size].cpu().numpy() for name in DECODE_BUFFERS}
 
 
 def unpack_step(step: dict, device: str) -> tuple:
@@ -364,6 +451,7 @@ class TensorParallel:
         self.device = config.device
         self.lora_mapping: LoRAMapping | None = None  # rank 0's adapters' slots a token
         self.in_step = False  # a forward was sent and rank 0's has not returned
+        self.padded = False  # rank 0 runs its padded decode path: its forwards send nothing
         self.processes, self.pipes = start_workers(config)
         self.comm.workers = self.processes  # (not a method of ours: no cycle, so collecting
                                             # the engine stops the workers at once)
@@ -381,6 +469,8 @@ class TensorParallel:
         self.comm.group = join_group(store, 0, self.world_size, self.device)
         model.register_forward_pre_hook(self.send_step)
         model.register_forward_hook(self.step_done)
+        model.lm_head.register_forward_pre_hook(self.send_logits)
+        model.lm_head.register_forward_hook(self.step_done)
 
     def prepare(self, model_runner) -> None:
         """Once rank 0's model runner is built: each worker allocates its KV cache, as many
@@ -388,6 +478,7 @@ class TensorParallel:
         goes to the workers too, and rank 0 reads adapters against the whole model's shapes
         (a meta model: no memory), its slots holding its slices (LoRAShard)."""
         self._send(("allocate", model_runner.k_caches.shape[1]))
+        model_runner.tensor_parallel = self  # its graphs' captures and replays (no cycle)
         swap_space = model_runner.swap_space
         if swap_space is not None:  # as many host blocks a worker, its heads only
             self._send(("swap_space", swap_space.num_blocks))
@@ -433,13 +524,10 @@ class TensorParallel:
 
     def send_step(self, _model, args) -> None:
         """The forward pre-hook: model(input_ids, positions, meta, k_caches, ...)'s inputs to
-        every worker, which runs the same forward."""
-        self.check_alive()
-        if self.in_step:  # rank 0's last forward raised; the workers wait in its all-reduces
-            stop_workers(self.processes, self.pipes, wait=False)
-            raise TensorParallelError("rank 0's last forward failed part-way, leaving the "
-                                      "workers out of step; the engine must be restarted")
-        self.in_step = True
+        every worker, which runs the same forward (unless it replays a graph: replaying)."""
+        if self.padded:
+            return
+        self._start_step()
         start = time.perf_counter()
         step = pack_step(*args[:4])
         if self.lora_mapping is not None and self.lora_mapping.token_slots is not None:
@@ -448,8 +536,50 @@ class TensorParallel:
         self.comm.stats.num_steps += 1
         self.comm.stats.channel_seconds += time.perf_counter() - start
 
-    def step_done(self, _model, _args, _output) -> None:
-        """The forward hook: rank 0's forward returned, so every all-reduce was met."""
+    def send_logits(self, _lm_head, args) -> None:
+        """The LM head's forward pre-hook: the shape and dtype of the hidden rows rank 0 makes
+        logits of, to every worker, which joins the head's broadcast and gather."""
+        self._start_step()
+        hidden = args[0]
+        self._send(("logits", (tuple(hidden.shape), hidden.dtype)))
+
+    def capturing(self, buffers: DecodeBuffers, sizes: list[int], capture: bool):
+        """Around rank 0's use_padded_decode making its graphs (capture) or eager padded runs
+        of each size: each worker makes its own, from rank 0's static buffers (their padding
+        rows), in the same order, so the capture's warm-up runs meet in their all-reduces."""
+        return self._padded(("graphs", (sizes, capture, buffer_rows(buffers, sizes[-1]))))
+
+    def replaying(self, buffers: DecodeBuffers, size: int):
+        """Around rank 0's replay of its graph of `size`: each worker replays its own, its
+        static buffers' first `size` rows made rank 0's first (a graph runs no hook of ours)."""
+        return self._padded(("decode", (size, buffer_rows(buffers, size))))
+
+    @contextlib.contextmanager
+    def _padded(self, message):
+        """The workers told `message`, then rank 0's padded decode path runs, its forwards
+        sending nothing (on a CPU, fake_cuda's replays run them eagerly)."""
+        self._start_step()
+        self._send(message)
+        self.padded = True
+        try:
+            yield
+        finally:
+            self.padded = False
+        self.in_step = False
+
+    def _start_step(self) -> None:
+        """Before rank 0 runs something with the workers: they live, and rank 0's last one
+        ended."""
+        self.check_alive()
+        if self.in_step:  # rank 0's last forward raised; the workers wait in its collectives
+            stop_workers(self.processes, self.pipes, wait=False)
+            raise TensorParallelError("rank 0's last forward failed part-way, leaving the "
+                                      "workers out of step; the engine must be restarted")
+        self.in_step = True
+
+    def step_done(self, _module, _args, _output) -> None:
+        """The model's or the LM head's forward hook: rank 0's returned, so every collective
+        was met."""
         self.in_step = False
 
     def _send(self, message) -> None:
@@ -534,6 +664,8 @@ class Worker:
         self.attention = select_attention(config.attention, device)
         self.k_caches = None
         self.v_caches = None
+        self.buffers: DecodeBuffers | None = None  # rank 0's padded decode path, if it has one
+        self.graphs: dict[int, object] = {}        # batch size -> its replay (or eager run)
         self.swap_space: SwapSpace | None = None  # with preemption_mode swap or auto
         self.lora_mapping: LoRAMapping | None = None
         if config.enable_lora:  # slots as rank 0's, in this rank's shapes
@@ -588,6 +720,52 @@ class Worker:
                 self.lora_mapping.set(token_slots, host_slots)
         self.model(input_ids, positions, meta, k_caches, v_caches, self.attention)
 
+    def make_graphs(self, sizes: list[int], capture: bool, rows: dict) -> None:
+        """Rank 0's use_padded_decode on this rank: static buffers filled as rank 0's (rows),
+        and for each size a run of the model over their first rows, captured in a CUDA graph
+        (capture, on CUDA: largest first, sharing a pool, as rank 0's) or run eagerly. A CPU
+        rank told to capture (rank 0 on conftest's fake_cuda) runs each size once, as a
+        capture's warm-up does: every all-reduce of rank 0's warm-ups is met."""
+        width = rows["block_tables"].shape[1]
+        self.buffers = DecodeBuffers.make(sizes[-1], width, self.device)
+        self.fill_buffers(rows)
+        self.graphs = {size: partial(self.run_decode, size) for size in sizes}
+        if not capture:
+            return
+        pool = None
+        for size in reversed(sizes):
+            if cuda_runtime.is_cuda(self.device):
+                self.graphs[size], pool = cuda_runtime.capture_graph(self.graphs[size], pool)
+            else:
+                self.graphs[size]()
+        if cuda_runtime.is_cuda(self.device):
+            cuda_runtime.synchronize(self.device)
+
+    def fill_buffers(self, rows: dict) -> None:
+        """Rank 0's static buffers' first rows (buffer_rows), into this rank's."""
+        for name, values in rows.items():
+            getattr(self.buffers, name)[:len(values)].copy_(torch.from_numpy(values))
+
+    def replay(self, size: int, rows: dict) -> None:
+        """Rank 0's replay of its graph of `size`: this rank's, over rank 0's inputs."""
+        self.fill_buffers(rows)
+        self.graphs[size]()
+
+    @torch.inference_mode()
+    def run_decode(self, size: int) -> None:
+        """The model over the static buffers' first `size` rows (ModelRunner._run_decode's)."""
+        b = self.buffers
+        if self.lora_mapping is not None:
+            self.lora_mapping.token_slots = b.lora_slots[:size]
+        self.model(b.input_ids[:size], b.positions[:size], b.metadata(size), self.k_caches,
+                   self.v_caches, self.attention)
+
+    @torch.inference_mode()
+    def logits(self, shape: tuple, dtype: torch.dtype) -> None:
+        """Rank 0's LM head call on rows of `shape`: they come by its broadcast, and this
+        rank's logits go to its gather (VocabParallelLMHead)."""
+        self.model.compute_logits(torch.empty(shape, dtype=dtype, device=self.device))
+
 
 def worker_main(config, rank: int, pipe) -> None:
     """A worker's life: load its shard, join the group at the port rank 0 sends, then run what
@@ -628,5 +806,11 @@ def worker_main(config, rank: int, pipe) -> None:
             worker.swap(*payload)
         elif kind == "lora":
             worker.load_lora(*payload)
+        elif kind == "logits":
+            worker.logits(*payload)
+        elif kind == "graphs":
+            worker.make_graphs(*payload)
+        elif kind == "decode":
+            worker.replay(*payload)
         else:
             worker.forward(payload)

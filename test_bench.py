@@ -826,7 +826,8 @@ def test_bench_beam_search_compares_blocks_with_independent_sequences_and_times_
 def test_bench_tensor_parallel_counts_each_steps_all_reduces(tmp_path):
     """--tensor-parallel, CI's quick form on the tiny preset (4 layers, C = 256): N = 1 has no
     all-reduce; N = 2 has the embedding's and two a layer, 9 a decode step, each a token's C
-    fp32 values (1 KiB) a sequence; both give the same tokens."""
+    fp32 values (1 KiB) a sequence, and one gather of logits, after the broadcast of the 2
+    rows (2 KiB): 2 ranks' 2 x 129 fp32 logits (rank 1's 128 padded); the same tokens."""
     out = tmp_path / "tp.json"
     with contextlib.redirect_stdout(io.StringIO()) as printed:
         bench.main(["--tensor-parallel", "--tp-batches", "2", "--tp-steps", "2",
@@ -834,6 +835,8 @@ def test_bench_tensor_parallel_counts_each_steps_all_reduces(tmp_path):
     rows = json.loads(out.read_text())["tensor_parallel"]
     assert [(r["tensor_parallel_size"], r["all_reduces_a_step"], r["all_reduce_kib_a_step"])
             for r in rows] == [(1, 0, 0), (2, 9, 18)]
+    assert [(r["logits_gathers_a_step"], r["logits_kib_a_step"]) for r in rows] == \
+        [(0, 0), (1, 2 + 2 * 2 * 129 * 4 / 1024)]
     assert all(r["same_tokens"] and r["step_ms"] > 0 for r in rows)
     assert rows[1]["channel_ms_a_step"] > 0
     assert "tensor parallelism" in printed.getvalue()

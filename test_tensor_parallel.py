@@ -1,8 +1,10 @@
 """Tensor parallelism (tensor_parallel.py) on the CPU: N = 2 ranks (gloo) give N = 1's greedy
 tokens, and its log-probabilities within float32 rounding (the all-reduce sums the partial
 products in another order), for GPT-2 (the shipped model: biases, a tied head, an odd
-vocabulary), Llama with K/V heads split and replicated; under preemption and the prefix
-cache; a killed worker ends the engine; no worker outlives its engine; bad sizes refused.
+vocabulary), Llama with K/V heads split and replicated; the LM head cut by vocabulary, its
+logits gathered for every caller (sampling, prompt log-probabilities, drafts); decode graphs
+on every rank (fake_cuda); under preemption and the prefix cache; a killed worker ends the
+engine; no worker outlives its engine; bad sizes refused.
 These tests start processes (forked: a fraction of a second each): few engines, few tokens."""
 import contextlib
 import multiprocessing
@@ -12,6 +14,7 @@ import time
 
 import pytest
 
+import model_runner
 from conftest import (GREEDY, PROMPTS, assert_no_leaks, fixture_llm, http, start_server, stop,
                       tiny, token_ids)
 from lora import LoRARequest, save_random_lora
@@ -23,6 +26,7 @@ from tensor_parallel import check_tensor_parallel
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
 SHIPPED = dict(device="cpu", dtype="float32", kv_cache_tokens=1024)
 LOGPROB_TOLERANCE = 1e-4  # float32 sums of 2 partial products against 1 whole one
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
 
 
 def assert_same_outputs(one: list, two: list) -> None:
@@ -86,10 +90,60 @@ def test_swapped_preemption_at_two_ranks():
         llm.close()
 
 
+def test_each_rank_holds_its_vocabulary_rows_of_the_lm_head(shipped_tp):
+    """GPT-2's tied head at N = 2: rank 0 holds 129 of the 257 rows, the embedding's own slice
+    (one tensor), not the whole head (the logits' equality with N = 1's: the test above)."""
+    model = shipped_tp.engine.model
+    assert model.lm_head.weight.shape == (129, 192)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_prompt_logprobs_and_drafts_at_two_ranks_match_one(monkeypatch):
+    """The LM head's other callers, each gathered on every rank: prompt log-probabilities made
+    a few positions at a time (PROMPT_LOGPROBS_CHUNK, rank 0's alone) and n-gram drafts
+    verified at every sampling position; the tiny preset's 257 rows, the last rank's padded."""
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_CHUNK", 3)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=2)
+    prompts = ["ROMEO: " * 3, "0123456789" * 2]
+    ngram = dict(speculative_config=NGRAM)
+    expected = tiny(**ngram).generate(prompts, params)
+    two = tiny(tensor_parallel_size=2, **ngram)
+    try:
+        got = two.generate(prompts, params)
+        assert two.engine.stats.spec_decode_num_accepted_tokens > 0
+    finally:
+        two.close()
+    assert_same_outputs(expected, got)
+    for a, b in zip(expected, got):
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert list(x) == list(y)
+            assert list(y.values()) == pytest.approx(list(x.values()), abs=LOGPROB_TOLERANCE)
+
+
+def test_cuda_graphs_at_two_ranks_match_one(fake_cuda):
+    """Rank 0 on "CUDA" (conftest's fake_cuda) captures decode graphs of 1, 2, 4 and 8; the
+    worker (a CPU process) makes its padded runs of the same sizes, and each decode step
+    replays on both, rank 0 sending the padded size and rows instead of a forward: N = 1's
+    tokens."""
+    prompts = PROMPTS[:5]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    expected = token_ids(tiny(max_num_seqs=8).generate(prompts, greedy))
+    two = tiny(tensor_parallel_size=2, max_num_seqs=8)
+    try:
+        assert sorted(two.engine.model_runner.graphs) == [1, 2, 4, 8]
+        assert token_ids(two.generate(prompts, greedy)) == expected
+        assert two.engine.tensor_parallel.comm.stats.num_steps == 1  # the prefill alone
+        assert_no_leaks(two.engine)
+    finally:
+        two.close()
+
+
 @pytest.mark.parametrize("name", ["llama3-tied", "llama-untied"])
 def test_grouped_query_llama_at_two_ranks_matches_one(name, tmp_path):
     """llama3-tied: 4 query heads on 2 K/V heads, one K/V head a rank (split); llama-untied:
-    4 on 1, which both ranks hold (replicated, as vLLM does), and an untied head."""
+    4 on 1, which both ranks hold (replicated, as vLLM does), and an untied head, cut by its
+    257 rows (129 and 128) apart from the embedding."""
     prompts = PROMPTS[:3]
     one = fixture_llm(name, tmp_path).generate(prompts, PARAMS)
     two = fixture_llm(name, tmp_path, tensor_parallel_size=2)

@@ -9,7 +9,7 @@ How to run, from the repository root (the tests that run the CUDA path with fake
 whole suite reaches no more of it):
     python -m coverage run -m pytest -q -p no:cacheprovider test_model_runner.py \
         test_model.py test_structured_output.py test_kernels.py test_swap.py \
-        test_nanoserve.py -k "cuda or grid or device or sms"
+        test_nanoserve.py test_tensor_parallel.py -k "cuda or grid or device or sms"
     python -m coverage json -o /tmp/coverage.json
     python .ci/cuda_lines.py /tmp/coverage.json
 """
@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the engine's modules (bench.py's CUDA branches are .ci/gpu's, run on a GPU alone)
 MODULES = ("nanoserve", "scheduler", "input_batch", "paged_cache", "model", "kernels",
            "model_runner", "sampling", "spec_decode", "draft_proposer", "structured_output",
-           "swap", "checkpoint")
+           "swap", "checkpoint", "tensor_parallel")
 RUNTIME = "cuda_runtime"  # its function bodies are the CUDA runtime's calls, every line
 
 
