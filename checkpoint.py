@@ -260,15 +260,20 @@ FP8_WEIGHTS = {"type": ("float",), "num_bits": (8,), "strategy": ("channel", "te
 FP8_INPUT_ACTIVATIONS = {"type": ("float",), "num_bits": (8,), "strategy": ("token",),
                          "symmetric": (True, None), "dynamic": (True,), "group_size": (None,),
                          "block_structure": (None,), "actorder": (None,)}
+# its FP8 KV cache scheme (kv_cache_scheme): static, a scale a layer for K and one for V,
+# stored as model.layers.N.self_attn.k_scale and v_scale (vLLM's names)
+FP8_KV_CACHE = {"type": ("float",), "num_bits": (8,), "strategy": ("tensor",),
+                "symmetric": (True, None), "dynamic": (False,), "group_size": (None,),
+                "block_structure": (None,), "actorder": (None,)}
 
 
 def checkpoint_quantization(qc, path: str) -> dict | None:
     """config.json's quantization_config -> None (none) or {"ignore": [module names or re:
-    patterns]} for a compressed-tensors FP8 checkpoint (format float-quantized, weights F8_E4M3
-    with a scale per channel or per tensor, activations dynamic per token or none): the only
-    quantized format served. Any other (GPTQ, AWQ, bitsandbytes, block-wise FP8, static
-    activation scales, an FP8 KV cache scheme) is refused by name, never served as full
-    precision."""
+    patterns], "kv_cache_scales": whether it gives them} for a compressed-tensors FP8
+    checkpoint (format float-quantized, weights F8_E4M3 with a scale per channel or per tensor,
+    activations dynamic per token or none, and optionally an FP8 KV cache's static per-layer
+    scales): the only quantized format served. Any other (GPTQ, AWQ, bitsandbytes, block-wise
+    FP8, static activation scales) is refused by name, never served as full precision."""
     if qc is None:
         return None
     where = f"{path}: config.json quantization_config"
@@ -286,8 +291,9 @@ def checkpoint_quantization(qc, path: str) -> dict | None:
     if qc.get("format") != "float-quantized":
         raise ValueError(f"{where}: compressed-tensors format {qc.get('format')!r} is not "
                          "served; only float-quantized (FP8 weights)")
-    if qc.get("kv_cache_scheme") is not None:
-        raise ValueError(f"{where}: kv_cache_scheme is not served (use kv_cache_dtype)")
+    kv_cache_scheme = qc.get("kv_cache_scheme")
+    if kv_cache_scheme is not None:
+        check_scheme("kv_cache_scheme", kv_cache_scheme, FP8_KV_CACHE, where)
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ValueError(f"{where} has no config_groups")
@@ -296,7 +302,7 @@ def checkpoint_quantization(qc, path: str) -> dict | None:
     ignore = qc.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(entry, str) for entry in ignore):
         raise ValueError(f"{where}: ignore must be a list of module names")
-    return {"ignore": ignore}
+    return {"ignore": ignore, "kv_cache_scales": kv_cache_scheme is not None}
 
 
 def check_fp8_group(group, where: str) -> None:
@@ -313,15 +319,21 @@ def check_fp8_group(group, where: str) -> None:
         schemes.append(("input_activations", group["input_activations"],
                         FP8_INPUT_ACTIVATIONS))
     for part, scheme, served in schemes:
-        if not isinstance(scheme, dict):
-            raise ValueError(f"{where}: {part} must be an object")
-        for field_name, values in served.items():
-            value = scheme.get(field_name)
-            if value not in values:
-                what = "block-wise FP8" if value == "block" or field_name == "block_structure" \
-                    else "another scheme"
-                raise ValueError(f"{where}: {part} {field_name} {value!r} is not served ({what};"
-                                 f" only {' or '.join(map(repr, values))})")
+        check_scheme(part, scheme, served, where)
+
+
+def check_scheme(part: str, scheme, served: dict, where: str) -> None:
+    """A compressed-tensors quantization scheme (weights, input activations, the KV cache's)
+    against the values served for each field; ValueError naming the first that differs."""
+    if not isinstance(scheme, dict):
+        raise ValueError(f"{where}: {part} must be an object")
+    for field_name, values in served.items():
+        value = scheme.get(field_name)
+        if value not in values:
+            what = "block-wise FP8" if value == "block" or field_name == "block_structure" \
+                else "another scheme"
+            raise ValueError(f"{where}: {part} {field_name} {value!r} is not served ({what};"
+                             f" only {' or '.join(map(repr, values))})")
 
 
 def served_quantization(asked: str | None, stored: dict | None, path: str) -> str | None:
@@ -360,6 +372,28 @@ def quantized_linears(model: GPT, stored: dict | None, path: str) -> list:
             raise ValueError(f"{path}: quantization_config ignores some of {linear.parts} but "
                              "not all: they are one GEMM here")
     return [linear for linear, kinds in by_linear.items() if kinds == {False}]
+
+
+def pop_kv_cache_scales(tensors: dict, num_layers: int, path: str) -> list[tuple[float, float]]:
+    """Each layer's (k_scale, v_scale) of a compressed-tensors FP8 KV cache scheme, taken out
+    of tensors (they are no parameter: Attention's floats): one positive finite number each,
+    per tensor, as llm-compressor calibrates them (max |K| / 448 over its calibration data)."""
+    scales = []
+    for layer in range(num_layers):
+        pair = []
+        for name in ("k_scale", "v_scale"):
+            key = f"model.layers.{layer}.self_attn.{name}"
+            if key not in tensors:
+                raise ValueError(f"{path}: checkpoint is missing tensor {key} (quantization_config"
+                                 " has a kv_cache_scheme)")
+            scale = tensors.pop(key)
+            value = float(scale.float().reshape(-1)[0]) if scale.numel() == 1 else None
+            if value is None or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{path}: tensor {key} must be one positive finite scale, got "
+                                 f"shape {tuple(scale.shape)}")
+            pair.append(value)
+        scales.append(tuple(pair))
+    return scales
 
 
 def compressed_tensors_state(tensors: dict, model: GPT, stored: dict, path: str) -> dict:
@@ -515,10 +549,13 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: str =
     if hf["model_type"] == "gpt2" and stored is not None:
         raise ValueError(f"{path}: compressed-tensors FP8 is served for the Llama family only "
                          "(GPT-2's fused c_attn would need its own scales)")
+    kv_cache_scales = []  # each layer's (k_scale, v_scale), if the checkpoint gives them
     if hf["model_type"] == "gpt2":
         tensors = from_gpt2_state(checked_state(gpt2_tensors(tensors),
                                                 to_gpt2_state(model.state_dict()), path))
     elif stored is not None:  # its projections' tensors are q and weight_scale already
+        if stored["kv_cache_scales"]:
+            kv_cache_scales = pop_kv_cache_scales(tensors, config.n_layer, path)
         tensors = compressed_tensors_state(tensors, model, stored, path)
     else:
         tensors = checked_llama_state(tensors, model, path)
@@ -566,6 +603,9 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: str =
     model.load_state_dict(placed, assign=True)
     if model.config.tie_word_embeddings:  # one parameter, as GPT() ties them
         model.lm_head.weight = model.model.embed_tokens.weight
+    for layer, (k_scale, v_scale) in zip(model.model.layers, kv_cache_scales):
+        layer.self_attn.k_scale = k_scale  # an FP8 cache stores K / k_scale, V / v_scale
+        layer.self_attn.v_scale = v_scale
     return model.to(device)  # the buffers: RoPE's frequencies, on the CPU until now
 
 
@@ -962,13 +1002,15 @@ def save_checkpoint(model: GPT, path: str, dtype=torch.float16) -> None:
 
 
 def save_compressed_tensors_fp8(source: str, path: str, strategy: str = "channel",
-                                ignore: tuple = ("lm_head",)) -> None:
+                                ignore: tuple = ("lm_head",),
+                                kv_cache_scales: list[tuple[float, float]] | None = None) -> None:
     """The Llama-family checkpoint directory `source` written to `path` as llm-compressor
     writes a model in its FP8 dynamic scheme (compressed-tensors, format float-quantized): each projection
     of the layers F8_E4M3 with its weight_scale, fp32, per output channel (O, 1) as
     quantize_weight makes it, or per tensor (1,) (strategy "tensor": one max|W| / 448 for the
     whole matrix); input activations dynamic per token; every other tensor as it was, and
-    `ignore` in config.json (what llm-compressor leaves out: the LM head). The tests' FP8
+    `ignore` in config.json (what llm-compressor leaves out: the LM head); kv_cache_scales,
+    each layer's (k_scale, v_scale), written with an FP8 kv_cache_scheme. The tests' FP8
     fixture is made by .ci/fixtures/make_fp8_fixture.py with it."""
     hf = read_json(os.path.join(source, "config.json"))
     with torch.device("meta"):
@@ -989,9 +1031,15 @@ def save_compressed_tensors_fp8(source: str, path: str, strategy: str = "channel
         tensors[f"{module}.weight_scale"] = scale
     scheme = dict(num_bits=8, type="float", symmetric=True, group_size=None, actorder=None,
                   block_structure=None, observer_kwargs={})
+    kv_cache_scheme = None
+    if kv_cache_scales is not None:
+        kv_cache_scheme = scheme | dict(strategy="tensor", dynamic=False, observer="minmax")
+        for layer, (k_scale, v_scale) in enumerate(kv_cache_scales):
+            tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k_scale)
+            tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v_scale)
     hf["quantization_config"] = dict(
         quant_method="compressed-tensors", format="float-quantized",
-        quantization_status="compressed", kv_cache_scheme=None, ignore=list(ignore),
+        quantization_status="compressed", kv_cache_scheme=kv_cache_scheme, ignore=list(ignore),
         config_groups=dict(group_0=dict(
             targets=["Linear"], output_activations=None,
             weights=scheme | dict(strategy=strategy, dynamic=False, observer="minmax"),

@@ -320,7 +320,7 @@ class Attention(nn.Module):
         self.q_norm = None
         self.k_norm = None
         # an FP8 KV cache stores K / k_scale and V / v_scale (vLLM's _k_scale, _v_scale: 1.0
-        # unless a checkpoint gives them; none served here does)
+        # unless a checkpoint gives them: compressed-tensors' kv_cache_scheme, checkpoint.py)
         self.k_scale = 1.0
         self.v_scale = 1.0
         # values clipped to +-448 as they were stored (an FP8 cache; made on the CPU, whatever

@@ -6,6 +6,7 @@ FP8 KV cache read by every attention path as the reference reads it (kernels.py)
 tokens of a 16-bit cache in the same memory.
 """
 import json
+import math
 import os
 import shutil
 
@@ -266,6 +267,49 @@ def test_per_tensor_scales_load_as_each_parts_scale(tmp_path):
     assert len({q[0].item(), k[0].item(), v[0].item()}) == 3
 
 
+def test_a_checkpoints_kv_cache_scales_are_those_an_fp8_cache_stores_with(tmp_path):
+    """compressed-tensors' kv_cache_scheme: each layer's k_scale and v_scale, as stored, divide
+    what the FP8 cache stores: the same tokens and log-probabilities as the same scales set by
+    hand, and values clipped that scale 1.0 keeps."""
+    path = tmp_path / "kv-scales"
+    scales = [(2 ** -9, 2 ** -10), (2 ** -8, 3 * 2 ** -10)]  # fp32-exact; |K| > 448 * scale clips
+    checkpoint.save_compressed_tensors_fp8(os.path.join(MODEL_FIXTURES, "llama3-tied"),
+                                           str(path), kv_cache_scales=scales)
+    write_byte_tokenizer(path)
+    stored = LLM(model=str(path), device="cpu", dtype="float32", kv_cache_tokens=256,
+                 kv_cache_dtype="fp8")
+    layers = stored.engine.model.model.layers
+    assert [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in layers] == scales
+    by_hand = fixture_llm("llama3-tied-fp8", tmp_path / "by-hand", kv_cache_dtype="fp8")
+    unscaled = fixture_llm("llama3-tied-fp8", tmp_path / "unscaled", kv_cache_dtype="fp8")
+    for layer, (k_scale, v_scale) in zip(by_hand.engine.model.model.layers, scales):
+        layer.self_attn.k_scale, layer.self_attn.v_scale = k_scale, v_scale
+    got = stored.generate(["abc"], GREEDY)
+    expected = by_hand.generate(["abc"], GREEDY)
+    assert token_ids(got) == token_ids(expected)
+    assert got[0].outputs[0].logprobs == expected[0].outputs[0].logprobs
+    unscaled.generate(["abc"], GREEDY)
+    assert stored.engine.num_kv_clipped > 0 == unscaled.engine.num_kv_clipped
+
+
+@pytest.mark.parametrize("scale, message", [
+    (None, "missing tensor model.layers.1.self_attn.v_scale"),
+    (-1.0, "v_scale must be one positive finite scale"),
+    (math.nan, "v_scale must be one positive finite scale")])
+def test_a_kv_cache_scale_missing_or_not_positive_is_refused_naming_it(tmp_path, scale, message):
+    path = tmp_path / "kv-scales"
+    checkpoint.save_compressed_tensors_fp8(os.path.join(MODEL_FIXTURES, "llama3-tied"),
+                                           str(path), kv_cache_scales=[(1.0, 1.0), (1.0, 1.0)])
+    tensors = checkpoint.read_safetensors(str(path / "model.safetensors"))
+    tensors = {key: t.clone() for key, t in tensors.items()}
+    del tensors["model.layers.1.self_attn.v_scale"]
+    if scale is not None:
+        tensors["model.layers.1.self_attn.v_scale"] = torch.tensor(scale)
+    checkpoint.write_safetensors(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=message):
+        checkpoint.load_checkpoint(str(path))
+
+
 def fp8_config(**changes) -> dict:
     """The fixture's quantization_config, with changes (a key set to None is removed)."""
     with open(os.path.join(MODEL_FIXTURES, "llama3-tied-fp8", "config.json")) as f:
@@ -293,8 +337,12 @@ REFUSED = [
     pytest.param(fp8_config(config_groups=group(inputs=dict(dynamic=False, strategy="tensor"))),
                  "input_activations", id="static-activations"),
     pytest.param(fp8_config(format="pack-quantized"), "format 'pack-quantized'", id="int4"),
-    pytest.param(fp8_config(kv_cache_scheme=dict(num_bits=8, type="float")), "kv_cache_scheme",
-                 id="kv-cache-scheme"),
+    pytest.param(fp8_config(kv_cache_scheme=dict(num_bits=8, type="float", strategy="head",
+                                                 dynamic=False)),
+                 "kv_cache_scheme strategy 'head'", id="kv-cache-per-head"),
+    pytest.param(fp8_config(kv_cache_scheme=dict(num_bits=8, type="float", strategy="tensor",
+                                                 dynamic=True)),
+                 "kv_cache_scheme dynamic True", id="kv-cache-dynamic"),
 ]
 
 
