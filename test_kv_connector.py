@@ -286,8 +286,10 @@ def test_the_trace_and_the_watch_page_mark_loaded_tokens(tmp_path):
     engine = consumer(tmp_path).engine
     engine.step_records = []
     engine.add_request(LONG, GREEDY, request_id="r")
-    engine.step()
-    assert trace_mark("r", engine.step_records[0]) == "k"
+    engine.step()  # admitted: its blocks taken, its K/V read in the background
+    assert trace_mark("r", engine.step_records[0]) == "."
+    engine.step()  # nothing else to run: waits for them, copies them in, runs the rest
+    assert trace_mark("r", engine.step_records[1]) == "k"
     num_prompt_tokens = engine.seqs["r"].num_prompt_tokens
     assert watch.frame(engine)["running"][0]["loaded"] == 16 * ((num_prompt_tokens - 1) // 16)
     run_to_end(engine)
