@@ -351,8 +351,8 @@ class ExampleConnector:
 
     def _read_entries(self, keys: list[EntryKey]) -> LoadResult:
         """In the background thread: the checked K/V of these entries, as long as each is
-        still there (another instance may have trimmed it) and good; a bad one is counted and
-        ends the run. Touches nothing the steps use."""
+        still there (another instance may have trimmed it) and good; a bad or unreadable one
+        is counted and ends the run. Touches nothing the steps use."""
         start = time.perf_counter()
         result = LoadResult(entries=[], num_bytes=0, num_failures=0, seconds=0.0)
         for key in keys:
@@ -360,7 +360,7 @@ class ExampleConnector:
                 k, v, num_bytes = read_entry(self._path(key.block_hash), key)
             except FileNotFoundError:
                 break
-            except BadEntry:
+            except (BadEntry, OSError):  # bad, or unreadable: computed instead, and counted
                 result.num_failures += 1
                 break
             result.num_bytes += num_bytes

@@ -1041,10 +1041,14 @@ class Engine:
 
 def model_id(checkpoint, config: EngineConfig) -> str:
     """What a KV connector's entries name as their model, so another model's K/V of the same
-    shape are never loaded: the checkpoint's real path, or a preset and its seed."""
+    shape are never loaded: the checkpoint's real path, or a preset and its seed, and the
+    weights' quantization (int8 weights compute other K/V in the same dtype)."""
+    name = f"preset {config.preset} seed {config.seed}"
     if checkpoint.path is not None:
-        return os.path.realpath(checkpoint.path)
-    return f"preset {config.preset} seed {config.seed}"
+        name = os.path.realpath(checkpoint.path)
+    if config.quantization is None:
+        return name
+    return f"{name} quantization {config.quantization}"
 
 
 def lora_cache_salt(lora_request: LoRARequest | None) -> bytes:

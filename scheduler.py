@@ -615,6 +615,9 @@ class Scheduler:
             if num_loaded:
                 seq.num_computed_tokens += num_loaded
                 output.num_external_tokens[seq] = num_loaded
+                # in the prefix cache now, not after the step: a sample of its request
+                # admitted in this step takes them (their K/V are copied in before any read)
+                seq.block_table.cache_full_blocks(seq.token_ids, seq.num_computed_tokens)
 
     def _num_new_tokens(self, num_uncomputed: int, budget: int) -> int:
         """How many of a sequence's uncomputed tokens this step can take: all that the budget

@@ -12,12 +12,14 @@ import pytest
 
 from conftest import (GREEDY, PROMPTS, assert_no_leaks, http, nanoserve_main, parse_events,
                       run_to_end, server_in_process, tiny, token_ids)
+import kv_connector
 from disagg_proxy import DisaggProxy, ProxyConfig, prefill_body
 from display import trace_mark
 from kv_connector import (HEADER_LENGTH, MAGIC, SUFFIX, KVTransferConfig,
                           parse_kv_transfer_config)
 from nanoserve import EngineConfig
 from sampling import SamplingParams
+from scheduler import SequenceStatus
 import watch
 
 SEEDED = SamplingParams(max_tokens=20, temperature=1.0, seed=7, ignore_eos=True)
@@ -166,17 +168,41 @@ def test_a_bad_entry_is_recomputed_and_counted(tmp_path, damage):
     assert_no_leaks(engine)
 
 
+def test_an_entry_removed_after_the_match_is_computed(tmp_path, monkeypatch):
+    """Another instance trims the folder between the match and the read: the prompt's second
+    block is computed, not counted as a failure, and the output is exact."""
+    want = token_ids(tiny().generate([LONG], GREEDY))
+    produce(tmp_path, [LONG])
+    engine = consumer(tmp_path).engine
+    read = kv_connector.read_entry
+    second = []
+
+    def trimmed_first(path, key):
+        if key.parent_hash:  # the second block's entry onwards: gone
+            second.append(path)
+            os.remove(path)
+        return read(path, key)
+    monkeypatch.setattr(kv_connector, "read_entry", trimmed_first)
+    engine.add_request(LONG, GREEDY, request_id="0", stream=False)
+    deltas = run_to_end(engine)
+    assert second and deltas["0"][-1].outputs[0].token_ids == want[0]
+    assert engine.stats.num_kv_loaded_tokens == 16
+    assert engine.stats.num_kv_load_failures == 0
+    assert_no_leaks(engine)
+
+
 def new_waiting(engine, prompt_ids):
     """A sequence of prompt_ids as the engine would make it (for its entries' keys)."""
     return engine._sample_sequence("probe", 0, None, prompt_ids, GREEDY, False)
 
 
-@pytest.mark.parametrize("producer_args", [dict(dtype="bfloat16"), dict(seed=1)],
-                         ids=["other_dtype", "other_model"])
+@pytest.mark.parametrize("producer_args", [dict(dtype="bfloat16"), dict(seed=1),
+                                           dict(quantization="int8")],
+                         ids=["other_dtype", "other_model", "other_quantization"])
 def test_another_models_or_dtypes_entries_are_recomputed(tmp_path, producer_args,
                                                          greedy_alone):
-    """A producer in bfloat16, or with other weights, writes under the same block hashes: the
-    float32 consumer of other weights refuses every entry and computes."""
+    """A producer in bfloat16, with other weights or int8 ones, writes under the same block
+    hashes: the float32 consumer of other weights refuses every entry and computes."""
     produce(tmp_path, PROMPTS, **producer_args)
     llm = consumer(tmp_path)
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == greedy_alone
@@ -232,7 +258,11 @@ def test_n_samples_on_the_consumer_equal_one_instance(tmp_path):
     got = llm.generate(PROMPTS, params)
     assert [[c.token_ids for c in o.outputs] for o in got] == \
         [[c.token_ids for c in o.outputs] for o in want]
-    assert llm.engine.stats.num_kv_loaded_tokens > 0
+    # each prompt loaded once: its other samples wait for the first's load, then take its
+    # blocks from the prefix cache
+    tokenizer = llm.engine.tokenizer
+    assert llm.engine.stats.num_kv_loaded_tokens == sum(
+        16 * ((len(tokenizer.encode(prompt)) - 1) // 16) for prompt in PROMPTS)
     assert_no_leaks(llm.engine)
 
 
@@ -279,6 +309,65 @@ def test_ngram_speculation_on_the_consumer_keeps_outputs_exact(tmp_path, greedy_
     assert llm.engine.stats.spec_decode_num_drafts > 0
     assert llm.engine.stats.num_kv_loaded_tokens > 0
     assert_no_leaks(llm.engine)
+
+
+@pytest.fixture
+def held_reads(monkeypatch):
+    """The entries' reads wait until the test sets the event it yields (at most 5 s: on a
+    synchronous load, the step itself would wait)."""
+    release = threading.Event()
+    read = kv_connector.read_entry
+
+    def held(*args):
+        release.wait(5)
+        return read(*args)
+    monkeypatch.setattr(kv_connector, "read_entry", held)
+    yield release
+    release.set()
+
+
+def test_the_others_decode_while_a_load_is_read(tmp_path, held_reads):
+    """A long prompt's K/V are read in the background: the request waits for them, its
+    blocks taken (WAITING_FOR_REMOTE_KVS), while the running one samples a token every step;
+    then it runs from past them, and both answer as one instance does."""
+    want = token_ids(tiny().generate([PROMPTS[1], LONG], GREEDY))
+    produce(tmp_path, [LONG])
+    engine = consumer(tmp_path).engine
+    engine.add_request(PROMPTS[1], GREEDY, request_id="short", stream=False)
+    engine.step()
+    engine.add_request(LONG, GREEDY, request_id="long", stream=False)
+    for _ in range(3):
+        engine.step()
+        assert engine.last_step.sampled == ["short"]
+    long = engine.seqs["long"]
+    assert long.status == SequenceStatus.WAITING_FOR_REMOTE_KVS and long.block_table.block_ids
+    held_reads.set()
+    deltas = run_to_end(engine)
+    assert [deltas[name][-1].outputs[0].token_ids for name in ("short", "long")] == want
+    assert engine.stats.num_kv_loaded_tokens == 16 * ((len(long.prompt_token_ids) - 1) // 16)
+    assert_no_leaks(engine)
+
+
+def test_a_request_aborted_while_loading_frees_its_blocks(tmp_path, held_reads):
+    """Aborted while its K/V are read: its blocks are free at once (the reading thread writes
+    none), its load forgotten, and the engine serves on, exact."""
+    produce(tmp_path, [LONG])
+    engine = consumer(tmp_path).engine
+    engine.add_request(LONG, GREEDY, request_id="long")
+    engine.step()
+    assert engine.seqs["long"].status == SequenceStatus.WAITING_FOR_REMOTE_KVS
+    engine.abort("long")
+    (output,) = engine.step()
+    assert output.outputs[0].finish_reason == "abort"
+    assert_no_leaks(engine)
+    assert not engine.kv_connector.loads  # forgotten: never copied into freed blocks
+    held_reads.set()
+    want = token_ids(tiny().generate([LONG, PROMPTS[1]], GREEDY))
+    for name, prompt in (("again", LONG), ("short", PROMPTS[1])):
+        engine.add_request(prompt, GREEDY, request_id=name, stream=False)
+    deltas = run_to_end(engine)
+    assert [deltas[name][-1].outputs[0].token_ids for name in ("again", "short")] == want
+    assert_no_leaks(engine)
 
 
 def test_the_trace_and_the_watch_page_mark_loaded_tokens(tmp_path):
