@@ -370,6 +370,29 @@ def test_a_request_aborted_while_loading_frees_its_blocks(tmp_path, held_reads):
     assert_no_leaks(engine)
 
 
+def test_a_sequence_swapped_out_as_its_load_finishes_keeps_its_k_v(tmp_path, held_reads):
+    """12 blocks of 16: a short request (11 + 40 tokens) runs while a long prompt's 9 blocks
+    load. The load finishes in the step the short one needs its 4th block, none free: the
+    long one, the newest running, is swapped out in that step; its K/V are copied into its
+    blocks before the swap copies them out, and both answer as one instance does."""
+    want = token_ids(tiny().generate([PROMPTS[1], LONG], GREEDY))
+    produce(tmp_path, [LONG])
+    engine = consumer(tmp_path, kv_cache_tokens=192, preemption_mode="swap").engine
+    engine.add_request(PROMPTS[1], GREEDY, request_id="short", stream=False)
+    engine.add_request(LONG, GREEDY, request_id="long", stream=False)
+    short, long = engine.seqs["short"], engine.seqs["long"]
+    deltas = run_to_end(engine, steps=1)
+    while short.num_computed_tokens < 48:  # its next token needs a 4th block
+        run_to_end(engine, deltas, steps=1)
+    held_reads.set()
+    engine.kv_connector.loads[long].future.result()
+    run_to_end(engine, deltas, steps=1)
+    assert engine.last_step.swapped_out == ["long"]
+    run_to_end(engine, deltas)
+    assert [deltas[name][-1].outputs[0].token_ids for name in ("short", "long")] == want
+    assert_no_leaks(engine)
+
+
 def test_the_trace_and_the_watch_page_mark_loaded_tokens(tmp_path):
     produce(tmp_path, [LONG])
     engine = consumer(tmp_path).engine
