@@ -17,34 +17,52 @@ Mooncake's transfer engine); the hooks are the same, so another transport could 
 The hooks, with the names of vLLM's connector base class, where the engine calls them:
 
     scheduler side   get_num_new_matched_tokens(seq, num_computed_tokens)  admission: how many
-                       more prompt tokens the folder holds, past the prefix cache's hit
+                       more prompt tokens the folder holds entries for, past the prefix
+                       cache's hit, and load_async (always True here)
                      update_state_after_alloc(seq, block_ids, num_external_tokens)  the fresh
-                       blocks they go to
-                     request_finished(seq)  the sequence ended: forget what was kept for it
-    worker side      start_load_kv()   before the step's forward: copy into those blocks
+                       blocks they go to: a background thread starts reading them
+                     request_finished(seq)  the sequence ended: forget its match and its load
+    worker side      get_finished()    at each step's start: the loads read since, and how
+                                       many of their tokens arrived good
+                     start_load_kv()   first thing in the step: copy those into their blocks
                      save_kv(seq)      after the step that finished seq's prompt: its full
                                        blocks to the folder (vLLM saves layer by layer during
                                        the forward; here all at once)
 
+Loading is asynchronous, as in vLLM: a long prompt's entries take a while to read and check
+(on the tiny preset, 2,048 tokens are 16 MiB: about 8 ms to read, 13 to hash, 5 to parse and
+check the headers, 4 to make tensors, 7 to copy into the cache; BENCHMARKS.md section 18), and
+read inside a step they stalled every decode beside them. So the scheduler admits the request,
+takes its blocks and parks it (vLLM's WAITING_FOR_REMOTE_KVS, Scheduler.loading) while one
+background thread reads and checks its entries (file reads, hashing and torch's copies release
+the GIL); the others go on decoding. At a later step's start the scheduler sees the load
+finished (get_finished), the engine copies the K/V into the blocks before anything else writes
+or reads them (a swap out in that same step included), and the request runs from past them.
+A parked request is never preempted: its blocks were reserved at admission like a running
+sequence's, and it holds them only for one read; aborted, it frees them at once (the thread
+writes no cache block, and its read is dropped).
+
 Example, block_size 16, a 40-token prompt. The producer (the proxy sent it max_tokens 1)
 computes 40 tokens and writes blocks 0 and 1 (tokens 0-31; 32-39 fill no block). The consumer
-asks get_num_new_matched_tokens: 32; it admits the request with two fresh blocks, loads them,
-sets num_computed_tokens to 32 and computes tokens 32-39 (at least the last token is always
-computed: its logits give the first sample).
+asks get_num_new_matched_tokens: (32, True); it admits the request with two fresh blocks and
+parks it; a step or two later the blocks are read, copied in, num_computed_tokens becomes 32
+and the step computes tokens 32-39 (at least the last token is always computed: its logits
+give the first sample).
 
 Failure is never wrong output (vLLM's kv_load_failure_policy "recompute"): every entry is
 checked before it is used: its model, the tokens and parent hash it is for, its shapes, dtype
-and a SHA-256 of its bytes. A missing entry ends the match; a truncated, corrupted or foreign
-one ends it too and is counted (num_load_failures): the tokens from there are computed. vLLM
-learns of a failed load from the worker after scheduling; here, in one process, the entries
-are read and checked when the match is counted, so a failure only shortens it. An entry is
-written to a temporary name and renamed, so no reader sees half of one; the folder is bounded
-(max_entries, max_bytes in the extra config): the oldest entries go first.
+and a SHA-256 of its bytes. A missing entry ends the match; one trimmed away after the match,
+or truncated, corrupted, foreign or unreadable, ends the load there, and all but the trimmed
+are counted (num_load_failures): the tokens from there are computed, as vLLM does when the
+worker reports a failed block after scheduling. An entry is written to a temporary name and
+renamed, so no reader sees half of one; the folder is bounded (max_entries, max_bytes in the
+extra config): the oldest entries go first.
 
 In this file: KVTransferConfig and parse_kv_transfer_config, the entry format (write_entry,
-read_entry), ExampleConnector. Left out: asynchronous and layer-by-layer transfer, saving
-decoded tokens, transfer between machines.
+read_entry), ExampleConnector. Left out: layer-by-layer transfer, synchronous loads (vLLM's
+load_async False), saving decoded tokens, transfer between machines.
 """
+import functools
 import hashlib
 import json
 import math
@@ -145,8 +163,8 @@ class EntryKey:
     dtype: torch.dtype
     shape: tuple[int, ...]
 
-    @property
-    def block_hash(self) -> bytes:
+    @functools.cached_property
+    def block_hash(self) -> bytes:  # once: the file's name and the next block's parent
         return hash_block(self.parent_hash, self.token_ids)
 
     def header(self) -> dict:
@@ -302,16 +320,18 @@ class ExampleConnector:
         (its logits give the next sample), and whether they load asynchronously (vLLM's
         pair): always, when there are any. Only the entries' names are looked at here; they
         are read and checked in the background (update_state_after_alloc). (0, False) for a
-        producer alone. Looked up once a waiting sequence; one preempted and readmitted
-        looks again."""
+        producer alone. A match is kept until the sequence is admitted; one preempted and
+        readmitted looks again."""
         if not self.config.is_consumer:
             return 0, False
         looked_up = self.matched.get(seq)
         if looked_up is None or looked_up[0] != num_computed_tokens:
             looked_up = (num_computed_tokens, self._find_matching(seq, num_computed_tokens))
-            self.matched[seq] = looked_up
-        num_tokens = len(looked_up[1]) * self.block_size
-        return num_tokens, num_tokens > 0
+        if not looked_up[1]:  # nothing kept: an entry written meanwhile is found next time
+            self.matched.pop(seq, None)
+            return 0, False
+        self.matched[seq] = looked_up
+        return len(looked_up[1]) * self.block_size, True
 
     def update_state_after_alloc(self, seq, block_ids: list[int],
                                  num_external_tokens: int) -> None:
@@ -390,8 +410,8 @@ class ExampleConnector:
         matched tokens arrived good (whole blocks from the first: a missing or bad entry ends
         the run, and the tokens from there are computed). Their K/V are copied into their
         blocks at the next start_load_kv. wait: block until at least one has finished (the
-        engine has nothing else to do). vLLM's get_finished returns the ids, and
-        get_block_ids_with_load_errors the blocks that failed; in one process, one dict."""
+        engine has nothing else to do). vLLM's returns the ids, and another hook the blocks
+        whose load failed; in one process, one dict."""
         if wait and self.loads:
             futures.wait([load.future for load in self.loads.values()],
                          return_when=futures.FIRST_COMPLETED)

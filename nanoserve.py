@@ -33,10 +33,11 @@ copy-on-write block copies with its swaps. LLM.beam_search is vLLM's offline cal
 Tensor parallelism (tensor_parallel.py) is a few hooks here: with tensor_parallel_size > 1
 the workers start before the model loads, rank 0 loads its shard, and close() stops them.
 
-Disaggregated prefill and decode (kv_connector.py) is a hook here and two in the scheduler:
-execute() has the KV connector copy the admitted sequences' loaded K/V into their blocks
-before the forward (start_load_kv), and update() has a producer save each prompt computed
-(save_kv); the scheduler asks it at admission how many prompt tokens it holds.
+Disaggregated prefill and decode (kv_connector.py) is a hook here and three in the scheduler:
+execute() has the KV connector copy the K/V of the loads that finished into their blocks
+first thing (start_load_kv), and update() has a producer save each prompt computed
+(save_kv); the scheduler asks it at admission how many prompt tokens it holds, parks the
+request while a background thread reads them, and at each step's start which loads finished.
 
 Left out: multi-modal inputs.
 """

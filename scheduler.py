@@ -12,8 +12,9 @@ on readmission and resumes from them. This is vLLM v1's rule, after Orca and Sar
 K/V copied to host memory (swap.py), its progress kept, and copied back into fresh blocks
 when it is readmitted; SchedulerOutput lists the copies for the engine to make. With a KV
 connector (kv_connector.py, disaggregated prefill), an admitted sequence starts past the
-blocks the connector holds too, after its prefix-cache hit: a hit that came from outside,
-loaded into fresh blocks before the step's forward.
+blocks the connector holds too, after its prefix-cache hit: a hit that came from outside. It
+takes fresh blocks for them and waits out of both queues (WAITING_FOR_REMOTE_KVS, `loading`)
+while they are read in the background; once they are, it runs from past them.
 
 In this file, in order: Sequence (one sample of a request), BeamGroup (a beam-search request's
 live beams, which are admitted and preempted together), SchedulerOutput (what a step runs
