@@ -53,6 +53,12 @@ def greedy_alone() -> list[list[int]]:
     return token_ids(tiny().generate(PROMPTS, GREEDY))
 
 
+@pytest.fixture(scope="module")
+def short_and_long_alone() -> list[list[int]]:
+    """PROMPTS[1] and LONG, greedy, on one instance."""
+    return token_ids(tiny().generate([PROMPTS[1], LONG], GREEDY))
+
+
 # ----------------------------------------------------------------------------- exactness
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -326,11 +332,11 @@ def held_reads(monkeypatch):
     release.set()
 
 
-def test_the_others_decode_while_a_load_is_read(tmp_path, held_reads):
+def test_the_others_decode_while_a_load_is_read(tmp_path, held_reads,
+                                                short_and_long_alone):
     """A long prompt's K/V are read in the background: the request waits for them, its
     blocks taken (WAITING_FOR_REMOTE_KVS), while the running one samples a token every step;
     then it runs from past them, and both answer as one instance does."""
-    want = token_ids(tiny().generate([PROMPTS[1], LONG], GREEDY))
     produce(tmp_path, [LONG])
     engine = consumer(tmp_path).engine
     engine.add_request(PROMPTS[1], GREEDY, request_id="short", stream=False)
@@ -343,12 +349,14 @@ def test_the_others_decode_while_a_load_is_read(tmp_path, held_reads):
     assert long.status == SequenceStatus.WAITING_FOR_REMOTE_KVS and long.block_table.block_ids
     held_reads.set()
     deltas = run_to_end(engine)
-    assert [deltas[name][-1].outputs[0].token_ids for name in ("short", "long")] == want
+    assert [deltas[name][-1].outputs[0].token_ids for name in ("short", "long")] == \
+        short_and_long_alone
     assert engine.stats.num_kv_loaded_tokens == 16 * ((len(long.prompt_token_ids) - 1) // 16)
     assert_no_leaks(engine)
 
 
-def test_a_request_aborted_while_loading_frees_its_blocks(tmp_path, held_reads):
+def test_a_request_aborted_while_loading_frees_its_blocks(tmp_path, held_reads,
+                                                          short_and_long_alone):
     """Aborted while its K/V are read: its blocks are free at once (the reading thread writes
     none), its load forgotten, and the engine serves on, exact."""
     produce(tmp_path, [LONG])
@@ -362,20 +370,20 @@ def test_a_request_aborted_while_loading_frees_its_blocks(tmp_path, held_reads):
     assert_no_leaks(engine)
     assert not engine.kv_connector.loads  # forgotten: never copied into freed blocks
     held_reads.set()
-    want = token_ids(tiny().generate([LONG, PROMPTS[1]], GREEDY))
-    for name, prompt in (("again", LONG), ("short", PROMPTS[1])):
+    for name, prompt in (("short", PROMPTS[1]), ("again", LONG)):
         engine.add_request(prompt, GREEDY, request_id=name, stream=False)
     deltas = run_to_end(engine)
-    assert [deltas[name][-1].outputs[0].token_ids for name in ("again", "short")] == want
+    assert [deltas[name][-1].outputs[0].token_ids for name in ("short", "again")] == \
+        short_and_long_alone
     assert_no_leaks(engine)
 
 
-def test_a_sequence_swapped_out_as_its_load_finishes_keeps_its_k_v(tmp_path, held_reads):
+def test_a_sequence_swapped_out_as_its_load_finishes_keeps_its_k_v(tmp_path, held_reads,
+                                                                   short_and_long_alone):
     """12 blocks of 16: a short request (11 + 40 tokens) runs while a long prompt's 9 blocks
     load. The load finishes in the step the short one needs its 4th block, none free: the
     long one, the newest running, is swapped out in that step; its K/V are copied into its
     blocks before the swap copies them out, and both answer as one instance does."""
-    want = token_ids(tiny().generate([PROMPTS[1], LONG], GREEDY))
     produce(tmp_path, [LONG])
     engine = consumer(tmp_path, kv_cache_tokens=192, preemption_mode="swap").engine
     engine.add_request(PROMPTS[1], GREEDY, request_id="short", stream=False)
@@ -389,7 +397,8 @@ def test_a_sequence_swapped_out_as_its_load_finishes_keeps_its_k_v(tmp_path, hel
     run_to_end(engine, deltas, steps=1)
     assert engine.last_step.swapped_out == ["long"]
     run_to_end(engine, deltas)
-    assert [deltas[name][-1].outputs[0].token_ids for name in ("short", "long")] == want
+    assert [deltas[name][-1].outputs[0].token_ids for name in ("short", "long")] == \
+        short_and_long_alone
     assert_no_leaks(engine)
 
 
