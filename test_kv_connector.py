@@ -17,6 +17,7 @@ from disagg_proxy import DisaggProxy, ProxyConfig, prefill_body
 from display import trace_mark
 from kv_connector import (HEADER_LENGTH, MAGIC, SUFFIX, KVTransferConfig,
                           parse_kv_transfer_config)
+from lora import LoRARequest, save_random_lora
 from nanoserve import EngineConfig
 from sampling import SamplingParams
 from scheduler import SequenceStatus
@@ -400,6 +401,38 @@ def test_a_sequence_swapped_out_as_its_load_finishes_keeps_its_k_v(tmp_path, hel
     assert [deltas[name][-1].outputs[0].token_ids for name in ("short", "long")] == \
         short_and_long_alone
     assert_no_leaks(engine)
+
+
+def test_loading_requests_count_against_max_num_seqs(tmp_path, greedy_alone):
+    """Two sequence slots: a request loading its K/V holds one, so at most two run at once
+    when the loads finish."""
+    produce(tmp_path, PROMPTS)
+    llm = consumer(tmp_path, max_num_seqs=2)
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == greedy_alone
+    assert llm.engine.stats.peak_batch_size == 2
+    assert_no_leaks(llm.engine)
+
+
+def test_a_loading_request_holds_its_lora_adapters_slot(tmp_path):
+    """One adapter slot, two adapters' requests: while the first loads its K/V, the second is
+    passed over (else both would run in one step with one slot). Each loads its own entries
+    (the adapter salts the hash chain) and answers as one instance does."""
+    model = tiny().engine.model
+    adapters = []
+    for lora_id in (1, 2):
+        path = str(tmp_path / f"adapter{lora_id}")
+        save_random_lora(path, model, ["c_attn", "c_proj", "c_fc"], r=8, seed=lora_id)
+        adapters.append(LoRARequest(f"adapter{lora_id}", lora_id, path))
+    args = dict(enable_lora=True, max_loras=1)
+    want = tiny(**args).generate([LONG, LONG], GREEDY, lora_request=adapters)
+    producer = tiny(kv_transfer_config=kv_config(tmp_path / "kv", "kv_producer"), **args)
+    producer.generate([LONG, LONG], PREFILL, lora_request=adapters)
+    llm = consumer(tmp_path / "kv", **args)
+    assert token_ids(llm.generate([LONG, LONG], GREEDY, lora_request=adapters)) == \
+        token_ids(want)
+    num_prompt_tokens = len(llm.engine.tokenizer.encode(LONG))
+    assert llm.engine.stats.num_kv_loaded_tokens == 2 * 16 * ((num_prompt_tokens - 1) // 16)
+    assert_no_leaks(llm.engine)
 
 
 def test_the_trace_and_the_watch_page_mark_loaded_tokens(tmp_path):
