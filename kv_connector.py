@@ -86,6 +86,8 @@ EXTRA_KEYS = ("shared_storage_path", "max_entries", "max_bytes")
 MAGIC = b"NSKV1\n"                 # an entry's first bytes: the format and its version
 SUFFIX = ".kv"                     # an entry's file name: its block hash in hex, then this
 HEADER_LENGTH = struct.Struct("<Q")  # after the magic: the JSON header's length in bytes
+LOAD_WAIT_SECONDS = 0.1  # the longest an idle step waits for a load: the engine's lock is
+                         # held meanwhile (an abort waits), and a stuck read must not hang it
 
 
 @dataclass
@@ -410,11 +412,11 @@ class ExampleConnector:
         matched tokens arrived good (whole blocks from the first: a missing or bad entry ends
         the run, and the tokens from there are computed). Their K/V are copied into their
         blocks at the next start_load_kv. wait: block until at least one has finished (the
-        engine has nothing else to do). vLLM's returns the ids, and another hook the blocks
-        whose load failed; in one process, one dict."""
+        engine has nothing else to do), or LOAD_WAIT_SECONDS have passed. vLLM's returns the
+        ids, and another hook the blocks whose load failed; in one process, one dict."""
         if wait and self.loads:
             futures.wait([load.future for load in self.loads.values()],
-                         return_when=futures.FIRST_COMPLETED)
+                         timeout=LOAD_WAIT_SECONDS, return_when=futures.FIRST_COMPLETED)
         finished = {}
         for seq, load in list(self.loads.items()):
             if not load.future.done():

@@ -356,6 +356,20 @@ def test_the_others_decode_while_a_load_is_read(tmp_path, held_reads,
     assert_no_leaks(engine)
 
 
+def test_an_idle_step_waits_for_a_load_a_bounded_time(tmp_path, held_reads):
+    """With nothing else to run a step waits for the load, but not for a stuck one: it
+    returns (and lets an abort take the engine's lock) with the request still loading."""
+    produce(tmp_path, [LONG])
+    engine = consumer(tmp_path).engine
+    engine.add_request(LONG, GREEDY, request_id="long")
+    engine.step()
+    engine.step()
+    assert engine.seqs["long"].status == SequenceStatus.WAITING_FOR_REMOTE_KVS
+    held_reads.set()
+    run_to_end(engine)
+    assert_no_leaks(engine)
+
+
 def test_a_request_aborted_while_loading_frees_its_blocks(tmp_path, held_reads,
                                                           short_and_long_alone):
     """Aborted while its K/V are read: its blocks are free at once (the reading thread writes
