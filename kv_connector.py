@@ -17,34 +17,52 @@ Mooncake's transfer engine); the hooks are the same, so another transport could 
 The hooks, with the names of vLLM's connector base class, where the engine calls them:
 
     scheduler side   get_num_new_matched_tokens(seq, num_computed_tokens)  admission: how many
-                       more prompt tokens the folder holds, past the prefix cache's hit
+                       more prompt tokens the folder holds entries for, past the prefix
+                       cache's hit, and load_async (always True here)
                      update_state_after_alloc(seq, block_ids, num_external_tokens)  the fresh
-                       blocks they go to
-                     request_finished(seq)  the sequence ended: forget what was kept for it
-    worker side      start_load_kv()   before the step's forward: copy into those blocks
+                       blocks they go to: a background thread starts reading them
+                     request_finished(seq)  the sequence ended: forget its match and its load
+    worker side      get_finished()    at each step's start: the loads read since, and how
+                                       many of their tokens arrived good
+                     start_load_kv()   first thing in the step: copy those into their blocks
                      save_kv(seq)      after the step that finished seq's prompt: its full
                                        blocks to the folder (vLLM saves layer by layer during
                                        the forward; here all at once)
 
+Loading is asynchronous, as in vLLM: a long prompt's entries take a while to read and check
+(on the tiny preset, 2,048 tokens are 16 MiB: about 8 ms to read, 13 to hash, 5 to parse and
+check the headers, 4 to make tensors, 7 to copy into the cache; BENCHMARKS.md section 18), and
+read inside a step they stalled every decode beside them. So the scheduler admits the request,
+takes its blocks and parks it (vLLM's WAITING_FOR_REMOTE_KVS, Scheduler.loading) while one
+background thread reads and checks its entries (file reads, hashing and torch's copies release
+the GIL); the others go on decoding. At a later step's start the scheduler sees the load
+finished (get_finished), the engine copies the K/V into the blocks before anything else writes
+or reads them (a swap out in that same step included), and the request runs from past them.
+A parked request is never preempted: its blocks were reserved at admission like a running
+sequence's, and it holds them only for one read; aborted, it frees them at once (the thread
+writes no cache block, and its read is dropped).
+
 Example, block_size 16, a 40-token prompt. The producer (the proxy sent it max_tokens 1)
 computes 40 tokens and writes blocks 0 and 1 (tokens 0-31; 32-39 fill no block). The consumer
-asks get_num_new_matched_tokens: 32; it admits the request with two fresh blocks, loads them,
-sets num_computed_tokens to 32 and computes tokens 32-39 (at least the last token is always
-computed: its logits give the first sample).
+asks get_num_new_matched_tokens: (32, True); it admits the request with two fresh blocks and
+parks it; a step or two later the blocks are read, copied in, num_computed_tokens becomes 32
+and the step computes tokens 32-39 (at least the last token is always computed: its logits
+give the first sample).
 
 Failure is never wrong output (vLLM's kv_load_failure_policy "recompute"): every entry is
 checked before it is used: its model, the tokens and parent hash it is for, its shapes, dtype
-and a SHA-256 of its bytes. A missing entry ends the match; a truncated, corrupted or foreign
-one ends it too and is counted (num_load_failures): the tokens from there are computed. vLLM
-learns of a failed load from the worker after scheduling; here, in one process, the entries
-are read and checked when the match is counted, so a failure only shortens it. An entry is
-written to a temporary name and renamed, so no reader sees half of one; the folder is bounded
-(max_entries, max_bytes in the extra config): the oldest entries go first.
+and a SHA-256 of its bytes. A missing entry ends the match; one trimmed away after the match,
+or truncated, corrupted, foreign or unreadable, ends the load there, and all but the trimmed
+are counted (num_load_failures): the tokens from there are computed, as vLLM does when the
+worker reports a failed block after scheduling. An entry is written to a temporary name and
+renamed, so no reader sees half of one; the folder is bounded (max_entries, max_bytes in the
+extra config): the oldest entries go first.
 
 In this file: KVTransferConfig and parse_kv_transfer_config, the entry format (write_entry,
-read_entry), ExampleConnector. Left out: asynchronous and layer-by-layer transfer, saving
-decoded tokens, transfer between machines.
+read_entry), ExampleConnector. Left out: layer-by-layer transfer, synchronous loads (vLLM's
+load_async False), saving decoded tokens, transfer between machines.
 """
+import functools
 import hashlib
 import json
 import math
@@ -52,6 +70,8 @@ import os
 import struct
 import tempfile
 import time
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +86,8 @@ EXTRA_KEYS = ("shared_storage_path", "max_entries", "max_bytes")
 MAGIC = b"NSKV1\n"                 # an entry's first bytes: the format and its version
 SUFFIX = ".kv"                     # an entry's file name: its block hash in hex, then this
 HEADER_LENGTH = struct.Struct("<Q")  # after the magic: the JSON header's length in bytes
+LOAD_WAIT_SECONDS = 0.1  # the longest an idle step waits for a load: the engine's lock is
+                         # held meanwhile (an abort waits), and a stuck read must not hang it
 
 
 @dataclass
@@ -143,8 +165,8 @@ class EntryKey:
     dtype: torch.dtype
     shape: tuple[int, ...]
 
-    @property
-    def block_hash(self) -> bytes:
+    @functools.cached_property
+    def block_hash(self) -> bytes:  # once: the file's name and the next block's parent
         return hash_block(self.parent_hash, self.token_ids)
 
     def header(self) -> dict:
@@ -220,16 +242,35 @@ class KVTransferStats:
     """What the connector moved since it was last asked (take_stats): the engine's StepRecord
     carries it into EngineStats and /metrics."""
     num_load_bytes: int = 0      # entries read (checked), in bytes
-    load_seconds: float = 0.0    # reading, checking and copying them into the cache
+    load_seconds: float = 0.0    # reading and checking them (in the background), copying them
     num_load_failures: int = 0   # entries there but bad: the tokens from there recomputed
     num_saved_tokens: int = 0    # tokens whose K/V were written (producer)
     num_saved_bytes: int = 0
 
 
+@dataclass
+class LoadResult:
+    """What a background load read for one sequence: the checked K/V of its matched blocks
+    from the first on, as long as each was there and good (k, v: each a block's of every
+    layer), and what it cost."""
+    entries: list[tuple[torch.Tensor, torch.Tensor]]
+    num_bytes: int
+    num_failures: int
+    seconds: float
+
+
+@dataclass
+class PendingLoad:
+    """A sequence's load under way: the blocks its K/V go to and the background read."""
+    block_ids: list[int]
+    future: Future
+
+
 class ExampleConnector:
     """vLLM's ExampleConnector on one machine: the K/V of full blocks through a shared folder.
     One object holds both sides (vLLM splits them between the scheduler and the workers):
-    `matched` and `to_load` are the scheduler side's state, the cache tensors the worker's."""
+    `matched` is the scheduler side's state; `loads`, `to_load` and the cache tensors the
+    worker's."""
 
     def __init__(self, config: KVTransferConfig, model_id: str, block_size: int,
                  k_caches: torch.Tensor, v_caches: torch.Tensor):
@@ -242,11 +283,15 @@ class ExampleConnector:
         self.model_id = model_id
         self.block_size = block_size
         self.register_kv_caches(k_caches, v_caches)
-        # scheduler side: per waiting sequence, the checked K/V of the blocks matched past
-        # its cached prefix (looked up once, until admitted or finished), and, once admitted,
-        # the blocks they go to at the next start_load_kv
-        self.matched: dict = {}   # seq -> (num_computed_tokens looked up from, [(k, v)])
+        # scheduler side: per waiting sequence, the keys of the entries the folder holds past
+        # its cached prefix (looked up once, until admitted or finished)
+        self.matched: dict = {}   # seq -> (num_computed_tokens looked up from, [EntryKey])
+        # worker side: the admitted sequences' loads under way, read by one background thread
+        # (file reads, hashing and torch ops release the GIL, so the steps go on meanwhile);
+        # a finished one's copies wait in to_load for the next start_load_kv
+        self.loads: dict = {}     # seq -> PendingLoad
         self.to_load: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (block id, k, v)
+        self.executor: ThreadPoolExecutor | None = None  # started at the first load
         self.stats = KVTransferStats()
 
     def register_kv_caches(self, k_caches: torch.Tensor, v_caches: torch.Tensor) -> None:
@@ -261,55 +306,89 @@ class ExampleConnector:
         stats, self.stats = self.stats, KVTransferStats()
         return stats
 
+    def close(self) -> None:
+        """Stop the background thread once the loads under way are read (their results are
+        dropped); nothing is loaded after."""
+        if self.executor is not None:
+            self.executor.shutdown(wait=True, cancel_futures=True)
+            self.executor = None
+        self.loads.clear()
+
     # --- scheduler side ----------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, seq, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, seq, num_computed_tokens: int) -> tuple[int, bool]:
         """How many of seq's tokens past its first num_computed_tokens (the prefix cache's
-        hit, whole blocks) the folder holds, checked: whole blocks, never seq's last token
-        (its logits give the next sample). 0 for a producer alone. Read once a waiting
-        sequence; a sequence preempted and readmitted looks again."""
+        hit, whole blocks) the folder holds entries for, whole blocks, never seq's last token
+        (its logits give the next sample), and whether they load asynchronously (vLLM's
+        pair): always, when there are any. Only the entries' names are looked at here; they
+        are read and checked in the background (update_state_after_alloc). (0, False) for a
+        producer alone. A match is kept until the sequence is admitted; one preempted and
+        readmitted looks again."""
         if not self.config.is_consumer:
-            return 0
+            return 0, False
         looked_up = self.matched.get(seq)
         if looked_up is None or looked_up[0] != num_computed_tokens:
-            looked_up = (num_computed_tokens, self._read_matching(seq, num_computed_tokens))
-            self.matched[seq] = looked_up
-        return len(looked_up[1]) * self.block_size
+            looked_up = (num_computed_tokens, self._find_matching(seq, num_computed_tokens))
+        if not looked_up[1]:  # nothing kept: an entry written meanwhile is found next time
+            self.matched.pop(seq, None)
+            return 0, False
+        self.matched[seq] = looked_up
+        return len(looked_up[1]) * self.block_size, True
 
     def update_state_after_alloc(self, seq, block_ids: list[int],
                                  num_external_tokens: int) -> None:
-        """seq was admitted with num_external_tokens from the folder, into these fresh blocks
-        (one a matched block, in order): the next start_load_kv copies them in."""
-        _, entries = self.matched.pop(seq, (0, []))
-        num_blocks = num_external_tokens // self.block_size
-        for block_id, (k, v) in zip(block_ids, entries[:num_blocks]):
-            self.to_load.append((block_id, k, v))
+        """seq was admitted with num_external_tokens from the folder, these fresh blocks for
+        them (one a matched block, in order): their entries are read and checked in the
+        background from now on; get_finished says when."""
+        _, keys = self.matched.pop(seq, (0, []))
+        keys = keys[:num_external_tokens // self.block_size]
+        if not keys:
+            return
+        if self.executor is None:
+            self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv_load")
+        future = self.executor.submit(self._read_entries, keys)
+        self.loads[seq] = PendingLoad(block_ids[:len(keys)], future)
 
     def request_finished(self, seq) -> None:
-        """seq ended (finished, aborted, failed): what was matched for it is dropped."""
+        """seq ended (finished, aborted, failed): what was matched for it is dropped, and its
+        load, if under way, is forgotten (the thread writes no cache block, so the blocks
+        may be freed at once)."""
         self.matched.pop(seq, None)
+        load = self.loads.pop(seq, None)
+        if load is not None:
+            load.future.cancel()  # not started yet: never read; else read and dropped
 
-    def _read_matching(self, seq, num_computed_tokens: int) -> list:
-        """The checked K/V of seq's blocks from block num_computed_tokens // block_size on,
-        as long as each is in the folder and good; a bad one is counted and ends the run."""
-        start = time.perf_counter()
-        entries = []
-        token_ids = seq.token_ids
-        num_blocks = (len(token_ids) - 1) // self.block_size
+    def _find_matching(self, seq, num_computed_tokens: int) -> list[EntryKey]:
+        """The keys of seq's blocks from block num_computed_tokens // block_size on, as long
+        as each has an entry in the folder."""
+        keys = []
+        num_blocks = (len(seq.token_ids) - 1) // self.block_size
         for i, key in self._keys(seq, num_blocks):
             if i * self.block_size < num_computed_tokens:
                 continue
+            if not os.path.exists(self._path(key.block_hash)):
+                break
+            keys.append(key)
+        return keys
+
+    def _read_entries(self, keys: list[EntryKey]) -> LoadResult:
+        """In the background thread: the checked K/V of these entries, as long as each is
+        still there (another instance may have trimmed it) and good; a bad or unreadable one
+        is counted and ends the run. Touches nothing the steps use."""
+        start = time.perf_counter()
+        result = LoadResult(entries=[], num_bytes=0, num_failures=0, seconds=0.0)
+        for key in keys:
             try:
                 k, v, num_bytes = read_entry(self._path(key.block_hash), key)
             except FileNotFoundError:
                 break
-            except BadEntry:
-                self.stats.num_load_failures += 1
+            except (BadEntry, OSError):  # bad, or unreadable: computed instead, and counted
+                result.num_failures += 1
                 break
-            self.stats.num_load_bytes += num_bytes
-            entries.append((k, v))
-        self.stats.load_seconds += time.perf_counter() - start
-        return entries
+            result.num_bytes += num_bytes
+            result.entries.append((k, v))
+        result.seconds = time.perf_counter() - start
+        return result
 
     def _keys(self, seq, num_blocks: int):
         """(block index, its EntryKey) of seq's first num_blocks blocks, the
@@ -328,9 +407,34 @@ class ExampleConnector:
 
     # --- worker side ---------------------------------------------------------------------
 
+    def get_finished(self, wait: bool = False) -> dict:
+        """The sequences whose loads have finished since the last call -> how many of their
+        matched tokens arrived good (whole blocks from the first: a missing or bad entry ends
+        the run, and the tokens from there are computed). Their K/V are copied into their
+        blocks at the next start_load_kv. wait: block until at least one has finished (the
+        engine has nothing else to do), or LOAD_WAIT_SECONDS have passed. vLLM's returns the
+        ids, and another hook the blocks whose load failed; in one process, one dict."""
+        if wait and self.loads:
+            futures.wait([load.future for load in self.loads.values()],
+                         timeout=LOAD_WAIT_SECONDS, return_when=futures.FIRST_COMPLETED)
+        finished = {}
+        for seq, load in list(self.loads.items()):
+            if not load.future.done():
+                continue
+            del self.loads[seq]
+            result = load.future.result()
+            for block_id, (k, v) in zip(load.block_ids, result.entries):
+                self.to_load.append((block_id, k, v))
+            self.stats.num_load_bytes += result.num_bytes
+            self.stats.num_load_failures += result.num_failures
+            self.stats.load_seconds += result.seconds
+            finished[seq] = len(result.entries) * self.block_size
+        return finished
+
     def start_load_kv(self) -> None:
-        """Before the step's forward: copy each admitted sequence's matched K/V into its
-        fresh blocks (slots block_id * block_size ... + block_size - 1 of every layer)."""
+        """At the step's start, before anything else writes the cache: copy the K/V of each
+        finished load into its blocks (slots block_id * block_size ... + block_size - 1 of
+        every layer)."""
         if not self.to_load:
             return
         start = time.perf_counter()

@@ -33,10 +33,11 @@ copy-on-write block copies with its swaps. LLM.beam_search is vLLM's offline cal
 Tensor parallelism (tensor_parallel.py) is a few hooks here: with tensor_parallel_size > 1
 the workers start before the model loads, rank 0 loads its shard, and close() stops them.
 
-Disaggregated prefill and decode (kv_connector.py) is a hook here and two in the scheduler:
-execute() has the KV connector copy the admitted sequences' loaded K/V into their blocks
-before the forward (start_load_kv), and update() has a producer save each prompt computed
-(save_kv); the scheduler asks it at admission how many prompt tokens it holds.
+Disaggregated prefill and decode (kv_connector.py) is a hook here and three in the scheduler:
+execute() has the KV connector copy the K/V of the loads that finished into their blocks
+first thing (start_load_kv), and update() has a producer save each prompt computed
+(save_kv); the scheduler asks it at admission how many prompt tokens it holds, parks the
+request while a background thread reads them, and at each step's start which loads finished.
 
 Left out: multi-modal inputs.
 """
@@ -319,11 +320,11 @@ class EngineStats:
         self.kv_load_seconds += step.kv_load_seconds
         self.num_kv_load_failures += step.num_kv_load_failures
         self.num_kv_saved_tokens += step.num_kv_saved_tokens
-        if not step.scheduled:  # only aborts since the last step
+        self.num_queried_tokens += step.num_queried_tokens  # admitted to load (kv_connector.py)
+        self.num_cached_tokens += sum(step.num_cached_tokens.values())  # or to run
+        if not step.scheduled:  # only aborts since the last step, or admissions to load
             return
         self.num_steps += 1
-        self.num_queried_tokens += step.num_queried_tokens
-        self.num_cached_tokens += sum(step.num_cached_tokens.values())
         self.num_generated_tokens += len(step.sampled) + sum(step.num_accepted_tokens.values())
         self.spec_decode_num_drafts += len(step.num_draft_tokens)
         self.spec_decode_num_draft_tokens += sum(step.num_draft_tokens.values())
@@ -433,7 +434,10 @@ class Engine:
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (done too when the engine is collected,
-        and at exit), after which the engine cannot step; without workers, nothing."""
+        and at exit), and the KV connector's loading thread, after which the engine cannot
+        step; without either, nothing."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
         if self.tensor_parallel is not None:
             self.tensor_parallel.close()
 
@@ -532,10 +536,10 @@ class Engine:
         each sequence alone: the ones that fail alone are the ones that fail."""
         for seq in scheduler_output.preempted:  # readmitted, it will start from a new row
             self._remove(seq)
+        if self.kv_connector is not None:  # loaded K/V into their blocks, before a swap out
+            self.kv_connector.start_load_kv()  # reads them or anything else writes the blocks
         self.model_runner.swap(scheduler_output.swapped_out, scheduler_output.swapped_in,
                                scheduler_output.block_copies)
-        if self.kv_connector is not None:  # the admitted sequences' K/V from other instances
-            self.kv_connector.start_load_kv()
         num_scheduled_tokens = scheduler_output.num_scheduled_tokens
         spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
         if not num_scheduled_tokens:
@@ -616,9 +620,10 @@ class Engine:
     def record(self, scheduler_output: SchedulerOutput, model_output: ModelOutput,
                outputs: list[RequestOutput]) -> None:
         """Make the step's StepRecord (an idle step without outputs makes none, and says so in
-        step_recorded) and count it."""
+        step_recorded; one that only admitted sequences to load their K/V is not idle) and
+        count it."""
         scheduled = scheduler_output.num_scheduled_tokens
-        self.step_recorded = bool(scheduled or outputs)
+        self.step_recorded = bool(scheduled or outputs or scheduler_output.newly_admitted)
         if not self.step_recorded:
             return
         self.last_step = StepRecord(
@@ -1039,10 +1044,14 @@ class Engine:
 
 def model_id(checkpoint, config: EngineConfig) -> str:
     """What a KV connector's entries name as their model, so another model's K/V of the same
-    shape are never loaded: the checkpoint's real path, or a preset and its seed."""
+    shape are never loaded: the checkpoint's real path, or a preset and its seed, and the
+    weights' quantization (int8 weights compute other K/V in the same dtype)."""
+    name = f"preset {config.preset} seed {config.seed}"
     if checkpoint.path is not None:
-        return os.path.realpath(checkpoint.path)
-    return f"preset {config.preset} seed {config.seed}"
+        name = os.path.realpath(checkpoint.path)
+    if config.quantization is None:
+        return name
+    return f"{name} quantization {config.quantization}"
 
 
 def lora_cache_salt(lora_request: LoRARequest | None) -> bytes:

@@ -12,8 +12,9 @@ on readmission and resumes from them. This is vLLM v1's rule, after Orca and Sar
 K/V copied to host memory (swap.py), its progress kept, and copied back into fresh blocks
 when it is readmitted; SchedulerOutput lists the copies for the engine to make. With a KV
 connector (kv_connector.py, disaggregated prefill), an admitted sequence starts past the
-blocks the connector holds too, after its prefix-cache hit: a hit that came from outside,
-loaded into fresh blocks before the step's forward.
+blocks the connector holds too, after its prefix-cache hit: a hit that came from outside. It
+takes fresh blocks for them and waits out of both queues (WAITING_FOR_REMOTE_KVS, `loading`)
+while they are read in the background; once they are, it runs from past them.
 
 In this file, in order: Sequence (one sample of a request), BeamGroup (a beam-search request's
 live beams, which are admitted and preempted together), SchedulerOutput (what a step runs
@@ -48,9 +49,13 @@ class SequenceStatus(enum.Enum):
     FINISHED_LENGTH = "length"      # max_tokens reached
     FINISHED_ABORTED = "abort"      # cancelled by the caller (a client gone, Ctrl-C, shutdown)
     FINISHED_ERROR = "error"        # failed: an error while running it (Sequence.error says)
+    # admitted with blocks for K/V that a KV connector loads in the background: it waits for
+    # them out of both queues (vLLM's name; Scheduler.loading)
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
 
 
-UNFINISHED = (SequenceStatus.WAITING, SequenceStatus.RUNNING)  # read once, not at every check
+UNFINISHED = (SequenceStatus.WAITING, SequenceStatus.RUNNING,  # read once, not at every check
+              SequenceStatus.WAITING_FOR_REMOTE_KVS)
 
 
 @dataclass(eq=False)
@@ -166,8 +171,8 @@ class SchedulerOutput:
     # copy-on-write (beam search): each sequence that writes into a block it shared this step
     # -> (shared block, its new block) pairs, copied after the swaps out, before the swaps in
     block_copies: dict[Sequence, list[tuple[int, int]]] = field(default_factory=dict)
-    # admitted this step with K/V the KV connector loads (kv_connector.py) -> how many tokens;
-    # the engine has them copied into their blocks before the step's forward
+    # whose K/V the KV connector finished loading (kv_connector.py) -> how many tokens; the
+    # engine has them copied into their blocks first thing in the step
     num_external_tokens: dict[Sequence, int] = field(default_factory=dict)
 
     def schedule(self, seq: Sequence, num_new: int) -> None:
@@ -340,6 +345,10 @@ class Scheduler:
         self.swap_space = swap_space
         self.max_loras = max_loras  # LoRA adapters the running sequences may hold; None: no LoRA
         self.kv_connector = kv_connector  # K/V from other instances (kv_connector.py), or None
+        # admitted, their blocks taken, waiting for the connector to load their K/V (in
+        # admission order); never preempted: their blocks are reserved like a running
+        # sequence's, and they join running as soon as the load is read
+        self.loading: list[Sequence] = []
         self.num_schedule_calls = 0  # the queue's clock: arrival_step and sjf's aging read it
         self.num_preemptions = 0   # by recompute and by swapping
         self.num_swapped_out = 0
@@ -350,7 +359,7 @@ class Scheduler:
         self.waiting.push(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(len(self.waiting) or self.running)
+        return bool(len(self.waiting) or self.running or self.loading)
 
     # The policy, in English:
     # 1) Running sequences first, decodes before unfinished prefills: a decode costs one
@@ -377,6 +386,7 @@ class Scheduler:
         """The next step's batch, and who was admitted, preempted and swapped to make it."""
         self.num_schedule_calls += 1
         output = SchedulerOutput()
+        self._finish_loads(output)
         self._schedule(output)
         # The host blocks swapped in are free once the step is decided, not before: a swap-out
         # decided after a swap-in in the same step could otherwise take a host block that the
@@ -499,12 +509,13 @@ class Scheduler:
             for victim in victims:
                 budget += self._preempt_in_step(victim, output)
             self._admit(seq, output, cached_hashes, cached_block_ids)
-            took_blocks = seq.block_table.ensure(num_computed + num_external + num_new,
-                                                 num_computed)
-            assert took_blocks, "_has_room counted these blocks as free"
-            self._load_external(seq, num_external, output)
-            output.schedule(seq, num_new)
-            budget -= num_new
+            if num_external:  # it waits for them, its blocks taken: no tokens this step
+                self._start_loading(seq, num_external)
+            else:
+                took_blocks = seq.block_table.ensure(num_computed + num_new, num_computed)
+                assert took_blocks, "_has_room counted these blocks as free"
+                output.schedule(seq, num_new)
+                budget -= num_new
             if victims:  # the step's last admission: its victims are not readmitted in it
                 return budget
         return budget
@@ -544,7 +555,8 @@ class Scheduler:
         """Sequence slots held for beams not forked yet: a beam-search request running only
         its prompt will fork into beam_width sequences."""
         groups = {id(seq.beams): seq.beams for seq in self.running if seq.beams is not None}
-        return sum(group.beam_width - len(group.seqs) for group in groups.values())
+        num_forks = sum(group.beam_width - len(group.seqs) for group in groups.values())
+        return num_forks + len(self.loading)  # and the loading sequences' slots
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Beam search: child, a copy of the running parent sharing its blocks, runs too."""
@@ -556,31 +568,57 @@ class Scheduler:
         tokens past its first num_computed another instance computed and it can load, whole
         blocks, never its last token. None without a connector, when swapped out (its blocks
         come back from host memory) or for prompt log-probabilities (every prompt token
-        computed)."""
+        computed). ExampleConnector always loads asynchronously; a synchronous load (vLLM's
+        load_async False) is left out."""
         if self.kv_connector is None or seq.is_swapped_out:
             return 0
         if seq.params.prompt_logprobs is not None:
             return 0
-        return self.kv_connector.get_num_new_matched_tokens(seq, num_computed)
+        num_tokens, load_async = self.kv_connector.get_num_new_matched_tokens(seq, num_computed)
+        assert load_async or num_tokens == 0, "only asynchronous loads are handled"
+        return num_tokens
 
-    def _load_external(self, seq: Sequence, num_external: int, output: SchedulerOutput
-                       ) -> None:
-        """seq, just admitted with blocks for them, takes num_external tokens from the KV
-        connector (vLLM's update_state_after_alloc): the blocks past its cached prefix are
-        theirs, loaded before the step's forward, and its progress starts past them, as after
-        a prefix-cache hit that came from outside."""
-        if self.kv_connector is None:
+    def _start_loading(self, seq: Sequence, num_external: int) -> None:
+        """seq, just admitted, takes blocks for num_external tokens past its cached prefix and
+        hands them to the KV connector (vLLM's update_state_after_alloc), which reads their
+        K/V in the background; it leaves running for `loading` until the load has been read
+        (_finish_loads). Example, block_size 16, a 40-token prompt of which the folder holds
+        blocks 0 and 1: it takes two blocks now and waits; once they are read it runs as a
+        prefill of tokens 32-39 from the step their K/V are copied in."""
+        num_computed = seq.num_computed_tokens
+        took_blocks = seq.block_table.ensure(num_computed + num_external, num_computed)
+        assert took_blocks, "_has_room counted these blocks as free"
+        first = num_computed // self.block_pool.block_size
+        self.kv_connector.update_state_after_alloc(seq, seq.block_table.block_ids[first:],
+                                                   num_external)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
+        self.loading.append(seq)
+
+    def _finish_loads(self, output: SchedulerOutput) -> None:
+        """The loading sequences whose K/V the connector has read (its get_finished) run
+        again, from past the tokens that arrived good (a failed entry's are computed); the
+        engine copies those into their blocks before this step's forward. Nothing else to
+        run or admit: wait for a load rather than step idle."""
+        if not self.loading:
             return
-        first = seq.num_computed_tokens // self.block_pool.block_size
-        num_blocks = num_external // self.block_pool.block_size
-        block_ids = seq.block_table.block_ids[first:first + num_blocks]
-        self.kv_connector.update_state_after_alloc(seq, block_ids, num_external)
-        if num_external == 0:
-            return
-        if seq.num_preemptions == 0:  # its first admission
-            seq.num_external_computed_tokens = num_external
-        seq.num_computed_tokens += num_external
-        output.num_external_tokens[seq] = num_external
+        idle = not self.running and not len(self.waiting)
+        finished = self.kv_connector.get_finished(wait=idle)
+        for seq in list(self.loading):  # in admission order
+            if seq not in finished:
+                continue
+            self.loading.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            num_loaded = finished[seq]
+            if seq.num_preemptions == 0:  # its first admission
+                seq.num_external_computed_tokens = num_loaded
+            if num_loaded:
+                seq.num_computed_tokens += num_loaded
+                output.num_external_tokens[seq] = num_loaded
+                # in the prefix cache now, not after the step: a sample of its request
+                # admitted in this step takes them (their K/V are copied in before any read)
+                seq.block_table.cache_full_blocks(seq.token_ids, seq.num_computed_tokens)
 
     def _num_new_tokens(self, num_uncomputed: int, budget: int) -> int:
         """How many of a sequence's uncomputed tokens this step can take: all that the budget
@@ -605,7 +643,7 @@ class Scheduler:
         block_size = self.block_pool.block_size
         shareable = (seq.num_prompt_tokens - 1) // block_size * block_size  # not the last
         return any(other.request_id == seq.request_id and other.num_computed_tokens < shareable
-                   for other in self.running)
+                   for other in self.running + self.loading)
 
     def _find_cached_prefix(self, seq: Sequence) -> tuple[list[bytes], list[int]]:
         """The block hashes and ids of seq's longest cached prefix; none for a request that
@@ -622,7 +660,7 @@ class Scheduler:
         as vLLM does, and the requests of the adapters held are admitted behind it."""
         if seq.lora_request is None:
             return True
-        held = {running.lora_request.lora_int_id for running in self.running
+        held = {running.lora_request.lora_int_id for running in self.running + self.loading
                 if running.lora_request is not None}
         return seq.lora_request.lora_int_id in held or len(held) < self.max_loras
 
@@ -644,7 +682,7 @@ class Scheduler:
         takes them, so they are subtracted from what is free."""
         block_size = self.block_pool.block_size
         needed = cdiv(len(seq.token_ids) + 1, block_size) - len(cached_block_ids)
-        for running in self.running:
+        for running in self.running + self.loading:
             needed += blocks_to_finish(running)
         free = self.block_pool.num_free_blocks - self.block_pool.count_free(cached_block_ids)
         return needed - free
@@ -835,6 +873,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS:
+            self.loading.remove(seq)
         seq.block_table.release()
         if self.kv_connector is not None:
             self.kv_connector.request_finished(seq)

@@ -28,7 +28,7 @@ import torch
 from beam_search import BeamSearchParams
 from checkpoint import load_model, save_checkpoint
 from conftest import assert_no_leaks, http, server_in_process, tiny
-from nanoserve import Engine, RequestOutput, accumulate
+from nanoserve import Engine, EngineConfig, RequestOutput, accumulate
 from sampling import SamplingParams
 from structured_output import StructuredOutputsParams
 
@@ -41,6 +41,9 @@ FACTORS = {
     "budget": ("large_budget", "small_budget"),
     "prefix": ("prefix_cache", "no_prefix_cache"),
     "quant": ("unquantized", "int8", "fp8_kv"),
+    # disaggregated prefill (kv_connector.py): the engine a consumer of a producer's folder,
+    # which holds each prompt's full blocks (the section "disaggregation" below)
+    "disagg": ("one_instance", "kv_consumer"),
 }
 # Short prompts and outputs of up to 16 tokens: the sequences admitted on a tight cache
 # outgrow it whatever the policy (admission counts a running sequence's prompt, not its output)
@@ -187,6 +190,7 @@ class Served:
     num_prefill_chunks: int     # prefill steps of a sequence past its first
     num_forks: int              # beams forked (beam search)
     dtypes: tuple               # the first projection's weight and the KV cache's
+    num_kv_loaded_tokens: int = 0  # disaggregation: prompt tokens loaded from the folder
 
 
 def serve(engine: Engine, requests: list[Request], chunks: list[int] | None = None,
@@ -234,7 +238,8 @@ def what_is_held(engine: Engine) -> list[str]:
 def served_under(config: dict[str, str], requests: list[Request], draft_path: str) -> Served:
     """The batch on a fresh engine of config, then each request alone on the same engine
     (those it did not refuse)."""
-    engine = tiny(**engine_args(config, draft_path)).engine
+    engine = tiny(**engine_args(config, draft_path),
+                  **kv_transfer_args(config, requests, draft_path)).engine
     chunks = []
     refused = {}
     batch = serve(engine, requests, chunks, refused)
@@ -242,12 +247,14 @@ def served_under(config: dict[str, str], requests: list[Request], draft_path: st
     alone = {r.name: serve(engine, [r], chunks)[r.name] for r in requests
              if r.name not in refused}
     held += what_is_held(engine)
-    return Served(batch, alone, held, refused, engine.stats.num_fallbacks,
-                  engine.scheduler.num_preemptions,
-                  engine.scheduler.num_swapped_out, engine.stats.spec_decode_num_accepted_tokens,
-                  engine.stats.num_cached_tokens, sum(chunks), engine.beam_search.num_forks,
-                  (engine.model.model.layers[0].mlp.down_proj.weight.dtype,
-                   engine.model_runner.k_caches.dtype))
+    run = Served(batch, alone, held, refused, engine.stats.num_fallbacks,
+                 engine.scheduler.num_preemptions,
+                 engine.scheduler.num_swapped_out, engine.stats.spec_decode_num_accepted_tokens,
+                 engine.stats.num_cached_tokens, sum(chunks), engine.beam_search.num_forks,
+                 (engine.model.model.layers[0].mlp.down_proj.weight.dtype,
+                  engine.model_runner.k_caches.dtype))
+    run.num_kv_loaded_tokens = engine.stats.num_kv_loaded_tokens  # disaggregation
+    return run
 
 
 def served_requests(run: Served, requests: list[Request]) -> list[Request]:
@@ -449,3 +456,44 @@ def test_use_beam_search_is_refused_with_structured_output():
     assert (status, answer["error"]["param"]) == (400, "structured_outputs")
     assert answer["error"]["message"] == "use_beam_search does not take structured_outputs"
     assert_no_leaks(engine)
+
+
+# ----------------------------------------------------------------------------- disaggregation
+# The "disagg" factor: under kv_consumer the engine loads each prompt's full blocks from a
+# folder that a producer of the same model, block size and quantization filled (the proxy's
+# max_tokens 1 prefill), in the background while the others run (kv_connector.py); the tests
+# above hold it to the same outputs and to nothing held.
+
+def kv_transfer_args(config: dict[str, str], requests: list[Request], draft_path: str) -> dict:
+    """The consumer's kv_transfer_config, its folder filled by a producer (beside the draft
+    model, in pytest's temporary folder); nothing for one instance."""
+    if config["disagg"] == "one_instance":
+        return {}
+    folder = os.path.join(os.path.dirname(draft_path), "kv-" + config_id(config))
+    producer = tiny(block_size=BLOCK_SIZE, **QUANTIZATION[config["quant"]],
+                    kv_transfer_config=kv_config(folder, "kv_producer"))
+    producer.generate([request.prompt for request in requests],
+                      SamplingParams(max_tokens=1, temperature=0))
+    assert_no_leaks(producer.engine)
+    return dict(kv_transfer_config=kv_config(folder, "kv_consumer"))
+
+
+def kv_config(folder: str, role: str) -> dict:
+    return {"kv_connector": "ExampleConnector", "kv_role": role,
+            "kv_connector_extra_config": {"shared_storage_path": folder}}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+def test_a_consumer_loads_what_the_producer_saved(config, served):
+    """Else the factor would cross nothing: a consumer loads prompt blocks (every prompt but
+    the shortest has a full block before its last token), one instance none."""
+    run = served(config)
+    assert (run.num_kv_loaded_tokens > 0) == (config["disagg"] == "kv_consumer")
+
+
+@pytest.mark.parametrize("config, message", [
+    (dict(tensor_parallel_size=2), "kv_transfer_config with tensor_parallel_size > 1")])
+def test_a_combination_disaggregation_refuses_says_why(tmp_path, config, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(preset="tiny", device="cpu",
+                     kv_transfer_config=kv_config(str(tmp_path), "kv_consumer"), **config)

@@ -12,12 +12,15 @@ import pytest
 
 from conftest import (GREEDY, PROMPTS, assert_no_leaks, http, nanoserve_main, parse_events,
                       run_to_end, server_in_process, tiny, token_ids)
+import kv_connector
 from disagg_proxy import DisaggProxy, ProxyConfig, prefill_body
 from display import trace_mark
 from kv_connector import (HEADER_LENGTH, MAGIC, SUFFIX, KVTransferConfig,
                           parse_kv_transfer_config)
+from lora import LoRARequest, save_random_lora
 from nanoserve import EngineConfig
 from sampling import SamplingParams
+from scheduler import SequenceStatus
 import watch
 
 SEEDED = SamplingParams(max_tokens=20, temperature=1.0, seed=7, ignore_eos=True)
@@ -49,6 +52,12 @@ def entries(folder) -> list[str]:
 @pytest.fixture(scope="module")
 def greedy_alone() -> list[list[int]]:
     return token_ids(tiny().generate(PROMPTS, GREEDY))
+
+
+@pytest.fixture(scope="module")
+def short_and_long_alone() -> list[list[int]]:
+    """PROMPTS[1] and LONG, greedy, on one instance."""
+    return token_ids(tiny().generate([PROMPTS[1], LONG], GREEDY))
 
 
 # ----------------------------------------------------------------------------- exactness
@@ -166,17 +175,41 @@ def test_a_bad_entry_is_recomputed_and_counted(tmp_path, damage):
     assert_no_leaks(engine)
 
 
+def test_an_entry_removed_after_the_match_is_computed(tmp_path, monkeypatch):
+    """Another instance trims the folder between the match and the read: the prompt's second
+    block is computed, not counted as a failure, and the output is exact."""
+    want = token_ids(tiny().generate([LONG], GREEDY))
+    produce(tmp_path, [LONG])
+    engine = consumer(tmp_path).engine
+    read = kv_connector.read_entry
+    second = []
+
+    def trimmed_first(path, key):
+        if key.parent_hash:  # the second block's entry onwards: gone
+            second.append(path)
+            os.remove(path)
+        return read(path, key)
+    monkeypatch.setattr(kv_connector, "read_entry", trimmed_first)
+    engine.add_request(LONG, GREEDY, request_id="0", stream=False)
+    deltas = run_to_end(engine)
+    assert second and deltas["0"][-1].outputs[0].token_ids == want[0]
+    assert engine.stats.num_kv_loaded_tokens == 16
+    assert engine.stats.num_kv_load_failures == 0
+    assert_no_leaks(engine)
+
+
 def new_waiting(engine, prompt_ids):
     """A sequence of prompt_ids as the engine would make it (for its entries' keys)."""
     return engine._sample_sequence("probe", 0, None, prompt_ids, GREEDY, False)
 
 
-@pytest.mark.parametrize("producer_args", [dict(dtype="bfloat16"), dict(seed=1)],
-                         ids=["other_dtype", "other_model"])
+@pytest.mark.parametrize("producer_args", [dict(dtype="bfloat16"), dict(seed=1),
+                                           dict(quantization="int8")],
+                         ids=["other_dtype", "other_model", "other_quantization"])
 def test_another_models_or_dtypes_entries_are_recomputed(tmp_path, producer_args,
                                                          greedy_alone):
-    """A producer in bfloat16, or with other weights, writes under the same block hashes: the
-    float32 consumer of other weights refuses every entry and computes."""
+    """A producer in bfloat16, with other weights or int8 ones, writes under the same block
+    hashes: the float32 consumer of other weights refuses every entry and computes."""
     produce(tmp_path, PROMPTS, **producer_args)
     llm = consumer(tmp_path)
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == greedy_alone
@@ -232,7 +265,11 @@ def test_n_samples_on_the_consumer_equal_one_instance(tmp_path):
     got = llm.generate(PROMPTS, params)
     assert [[c.token_ids for c in o.outputs] for o in got] == \
         [[c.token_ids for c in o.outputs] for o in want]
-    assert llm.engine.stats.num_kv_loaded_tokens > 0
+    # each prompt loaded once: its other samples wait for the first's load, then take its
+    # blocks from the prefix cache
+    tokenizer = llm.engine.tokenizer
+    assert llm.engine.stats.num_kv_loaded_tokens == sum(
+        16 * ((len(tokenizer.encode(prompt)) - 1) // 16) for prompt in PROMPTS)
     assert_no_leaks(llm.engine)
 
 
@@ -281,13 +318,149 @@ def test_ngram_speculation_on_the_consumer_keeps_outputs_exact(tmp_path, greedy_
     assert_no_leaks(llm.engine)
 
 
+@pytest.fixture
+def held_reads(monkeypatch):
+    """The entries' reads wait until the test sets the event it yields (at most 5 s: on a
+    synchronous load, the step itself would wait)."""
+    release = threading.Event()
+    read = kv_connector.read_entry
+
+    def held(*args):
+        release.wait(5)
+        return read(*args)
+    monkeypatch.setattr(kv_connector, "read_entry", held)
+    yield release
+    release.set()
+
+
+def test_the_others_decode_while_a_load_is_read(tmp_path, held_reads,
+                                                short_and_long_alone):
+    """A long prompt's K/V are read in the background: the request waits for them, its
+    blocks taken (WAITING_FOR_REMOTE_KVS), while the running one samples a token every step;
+    then it runs from past them, and both answer as one instance does."""
+    produce(tmp_path, [LONG])
+    engine = consumer(tmp_path).engine
+    engine.add_request(PROMPTS[1], GREEDY, request_id="short", stream=False)
+    engine.step()
+    engine.add_request(LONG, GREEDY, request_id="long", stream=False)
+    for _ in range(3):
+        engine.step()
+        assert engine.last_step.sampled == ["short"]
+    long = engine.seqs["long"]
+    assert long.status == SequenceStatus.WAITING_FOR_REMOTE_KVS and long.block_table.block_ids
+    held_reads.set()
+    deltas = run_to_end(engine)
+    assert [deltas[name][-1].outputs[0].token_ids for name in ("short", "long")] == \
+        short_and_long_alone
+    assert engine.stats.num_kv_loaded_tokens == 16 * ((len(long.prompt_token_ids) - 1) // 16)
+    assert_no_leaks(engine)
+
+
+def test_an_idle_step_waits_for_a_load_a_bounded_time(tmp_path, held_reads):
+    """With nothing else to run a step waits for the load, but not for a stuck one: it
+    returns (and lets an abort take the engine's lock) with the request still loading."""
+    produce(tmp_path, [LONG])
+    engine = consumer(tmp_path).engine
+    engine.add_request(LONG, GREEDY, request_id="long")
+    engine.step()
+    engine.step()
+    assert engine.seqs["long"].status == SequenceStatus.WAITING_FOR_REMOTE_KVS
+    held_reads.set()
+    run_to_end(engine)
+    assert_no_leaks(engine)
+
+
+def test_a_request_aborted_while_loading_frees_its_blocks(tmp_path, held_reads,
+                                                          short_and_long_alone):
+    """Aborted while its K/V are read: its blocks are free at once (the reading thread writes
+    none), its load forgotten, and the engine serves on, exact."""
+    produce(tmp_path, [LONG])
+    engine = consumer(tmp_path).engine
+    engine.add_request(LONG, GREEDY, request_id="long")
+    engine.step()
+    assert engine.seqs["long"].status == SequenceStatus.WAITING_FOR_REMOTE_KVS
+    engine.abort("long")
+    (output,) = engine.step()
+    assert output.outputs[0].finish_reason == "abort"
+    assert_no_leaks(engine)
+    assert not engine.kv_connector.loads  # forgotten: never copied into freed blocks
+    held_reads.set()
+    for name, prompt in (("short", PROMPTS[1]), ("again", LONG)):
+        engine.add_request(prompt, GREEDY, request_id=name, stream=False)
+    deltas = run_to_end(engine)
+    assert [deltas[name][-1].outputs[0].token_ids for name in ("short", "again")] == \
+        short_and_long_alone
+    assert_no_leaks(engine)
+
+
+def test_a_sequence_swapped_out_as_its_load_finishes_keeps_its_k_v(tmp_path, held_reads,
+                                                                   short_and_long_alone):
+    """12 blocks of 16: a short request (11 + 40 tokens) runs while a long prompt's 9 blocks
+    load. The load finishes in the step the short one needs its 4th block, none free: the
+    long one, the newest running, is swapped out in that step; its K/V are copied into its
+    blocks before the swap copies them out, and both answer as one instance does."""
+    produce(tmp_path, [LONG])
+    engine = consumer(tmp_path, kv_cache_tokens=192, preemption_mode="swap").engine
+    engine.add_request(PROMPTS[1], GREEDY, request_id="short", stream=False)
+    engine.add_request(LONG, GREEDY, request_id="long", stream=False)
+    short, long = engine.seqs["short"], engine.seqs["long"]
+    deltas = run_to_end(engine, steps=1)
+    while short.num_computed_tokens < 48:  # its next token needs a 4th block
+        run_to_end(engine, deltas, steps=1)
+    held_reads.set()
+    engine.kv_connector.loads[long].future.result()
+    run_to_end(engine, deltas, steps=1)
+    assert engine.last_step.swapped_out == ["long"]
+    run_to_end(engine, deltas)
+    assert [deltas[name][-1].outputs[0].token_ids for name in ("short", "long")] == \
+        short_and_long_alone
+    assert_no_leaks(engine)
+
+
+def test_loading_requests_count_against_max_num_seqs(tmp_path, greedy_alone):
+    """Two sequence slots: a request loading its K/V holds one, so at most two run at once
+    when the loads finish."""
+    produce(tmp_path, PROMPTS)
+    llm = consumer(tmp_path, max_num_seqs=2)
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == greedy_alone
+    assert llm.engine.stats.peak_batch_size == 2
+    assert_no_leaks(llm.engine)
+
+
+def test_a_loading_request_holds_its_lora_adapters_slot(tmp_path):
+    """One adapter slot, two adapters' requests: while the first loads its K/V, the second is
+    passed over (else both would run in one step with one slot). Each loads its own entries
+    (the adapter salts the hash chain) and answers as one instance does."""
+    model = tiny().engine.model
+    adapters = []
+    for lora_id in (1, 2):
+        path = str(tmp_path / f"adapter{lora_id}")
+        save_random_lora(path, model, ["c_attn", "c_proj", "c_fc"], r=8, seed=lora_id)
+        adapters.append(LoRARequest(f"adapter{lora_id}", lora_id, path))
+    args = dict(enable_lora=True, max_loras=1)
+    want = tiny(**args).generate([LONG, LONG], GREEDY, lora_request=adapters)
+    producer = tiny(kv_transfer_config=kv_config(tmp_path / "kv", "kv_producer"), **args)
+    producer.generate([LONG, LONG], PREFILL, lora_request=adapters)
+    llm = consumer(tmp_path / "kv", **args)
+    assert token_ids(llm.generate([LONG, LONG], GREEDY, lora_request=adapters)) == \
+        token_ids(want)
+    num_prompt_tokens = len(llm.engine.tokenizer.encode(LONG))
+    assert llm.engine.stats.num_kv_loaded_tokens == 2 * 16 * ((num_prompt_tokens - 1) // 16)
+    assert_no_leaks(llm.engine)
+
+
 def test_the_trace_and_the_watch_page_mark_loaded_tokens(tmp_path):
     produce(tmp_path, [LONG])
     engine = consumer(tmp_path).engine
     engine.step_records = []
     engine.add_request(LONG, GREEDY, request_id="r")
-    engine.step()
-    assert trace_mark("r", engine.step_records[0]) == "k"
+    engine.step()  # admitted: its blocks taken, its K/V read in the background
+    assert trace_mark("r", engine.step_records[0]) == "."
+    (waiting,) = watch.frame(engine)["waiting"]  # the page shows whose blocks they are
+    assert waiting["id"] == "r" and waiting["blocks"] == engine.seqs["r"].block_table.block_ids
+    while engine.seqs["r"].status == SequenceStatus.WAITING_FOR_REMOTE_KVS:
+        engine.step()  # nothing else to run: waits for them, copies them in, runs the rest
+    assert trace_mark("r", engine.step_records[-1]) == "k"
     num_prompt_tokens = engine.seqs["r"].num_prompt_tokens
     assert watch.frame(engine)["running"][0]["loaded"] == 16 * ((num_prompt_tokens - 1) // 16)
     run_to_end(engine)

@@ -14,7 +14,8 @@ StepRecord and its block pool and queues; the engine knows nothing of it:
                   "host_blocks": [4, 5]}],        swapped out: its K/V in host blocks 4, 5
      "swap_space": {"blocks": 256, "used": 2}}   the host pool (None without one: recompute)
 
-running is in admission order, waiting in the order they will be admitted. The command line
+running is in admission order, waiting in the order they will be admitted, after those that
+hold blocks while a KV connector loads their K/V (Scheduler.loading). The command line
 (cli.py, --trace-html) keeps a run's frames in a FrameLog and writes them into the page
 (write_page), to replay offline; the server (server.py) builds a frame after each step only
 while a page at / watches, and sends it as a server-sent event.
@@ -48,7 +49,7 @@ def frame(engine: Engine) -> dict:
             "block_size": engine.block_pool.block_size,
             "blocks": block_states(engine.block_pool),
             "running": [sequence(seq) for seq in scheduler.running],
-            "waiting": [sequence(seq) for seq in waiting],
+            "waiting": [sequence(seq) for seq in scheduler.loading + waiting],
             "swap_space": swap_space(engine)}
 
 
