@@ -41,6 +41,7 @@ def add_config_args(parser, cls, skip=()) -> None:
         if f.name in skip or "help" not in f.metadata:
             continue
         kwargs = {k: v for k, v in f.metadata.items() if k not in ("low", "high", "open_low")}
+        kwargs["help"] = kwargs["help"].replace("%", "%%")  # argparse formats help with %
         if not isinstance(kwargs.get("type", str), type):  # a parser: the config runs it on
             kwargs["type"] = str                         # the text, its error names the field
         if isinstance(f.default, bool):

@@ -840,3 +840,12 @@ def test_bench_tensor_parallel_counts_each_steps_all_reduces(tmp_path):
     assert all(r["same_tokens"] and r["step_ms"] > 0 for r in rows)
     assert rows[1]["channel_ms_a_step"] > 0
     assert "tensor parallelism" in printed.getvalue()
+
+
+def test_help_lists_every_flag_and_its_percent_signs(capsys):
+    """bench.py --help prints (a % in a help text once made argparse raise instead)."""
+    with pytest.raises(SystemExit) as exited:
+        bench.parse_args(["--help"])
+    assert exited.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--quant-eval-bytes" in text and "last 10%, as train.py splits it" in text
