@@ -31,43 +31,45 @@ def code_lines(path):
             if l not in doc:
                 lines.add(l)
     return len(lines), len(src.splitlines())
-readme = open('README.md').read()
-out = []
-for line in readme.splitlines():
-    m = re.match(r"\| `([^`]+)`(?:, `([^`]+)`)? \| (.*) \| ([\d,]+) \| ([\d,]+) \|$", line)
-    if not m:
-        continue
-    files = [m.group(1)] + ([m.group(2)] if m.group(2) else [])
-    if files[0].startswith('test_'):
-        files = sorted(glob.glob('test_*.py')) + ['conftest.py']
-    c = t = 0
-    for f in files:
-        a, b = code_lines(f); c += a; t += b
-    print(f"{files[0]:24} {m.group(4):>6} -> {c:,}   {m.group(5):>6} -> {t:,}")
+ROW = re.compile(r"\| `([^`]+)`(?:, `([^`]+)`)? \| (.*) \| ([\d,]+) \| ([\d,]+) \|$")
 
-# rewrite the table
-lines = readme.splitlines()
-core = [0, 0]; total = [0, 0]; in_core = False
-new = []
-for line in lines:
-    m = re.match(r"\| `([^`]+)`(?:, `([^`]+)`)? \| (.*) \| ([\d,]+) \| ([\d,]+) \|$", line)
-    if line.startswith("| **the engine's core**"): in_core = True
-    if line.startswith("| **beside it**"): in_core = False
-    if m:
-        files = [m.group(1)] + ([m.group(2)] if m.group(2) else [])
-        if files[0].startswith('test_'):
-            files = sorted(glob.glob('test_*.py')) + ['conftest.py']
-        c = t = 0
-        for f in files:
-            a, b = code_lines(f); c += a; t += b
-        total[0] += c; total[1] += t
-        if in_core: core[0] += c; core[1] += t
-        head = line[:line.rfind(m.group(4) + " | " + m.group(5))]
-        line = f"{head}{c:,} | {t:,} |"
-    elif line.startswith("| *the core*"):
-        line = f"| *the core* | | *{core[0]:,}* | *{core[1]:,}* |"
-    elif line.startswith("| **total**"):
-        line = f"| **total** | | {total[0]:,} | {total[1]:,} |"
-    new.append(line)
-if "--write" in sys.argv:
-    open('README.md', 'w').write("\n".join(new) + "\n")
+
+def row_counts(row: re.Match) -> tuple[int, int]:
+    """A row's files' code lines and lines (the tests' row: every test file and conftest)."""
+    files = [row.group(1)] + ([row.group(2)] if row.group(2) else [])
+    if files[0].startswith("test_"):
+        files = sorted(glob.glob("test_*.py")) + ["conftest.py"]
+    counts = [code_lines(f) for f in files]
+    return sum(c for c, _ in counts), sum(t for _, t in counts)
+
+
+def main() -> None:
+    with open("README.md", encoding="utf-8") as f:
+        readme = f.read()
+    core, total = [0, 0], [0, 0]
+    in_core = False
+    new = []
+    for line in readme.splitlines():
+        in_core = line.startswith("| **the engine's core**") or (
+            in_core and not line.startswith("| **beside it**"))
+        row = ROW.match(line)
+        if row:
+            code, lines = row_counts(row)
+            print(f"{row.group(1):24} {row.group(4):>6} -> {code:,}   {row.group(5):>6} -> {lines:,}")
+            total = [total[0] + code, total[1] + lines]
+            if in_core:
+                core = [core[0] + code, core[1] + lines]
+            head = line[:line.rfind(row.group(4) + " | " + row.group(5))]
+            line = f"{head}{code:,} | {lines:,} |"
+        elif line.startswith("| *the core*"):
+            line = f"| *the core* | | *{core[0]:,}* | *{core[1]:,}* |"
+        elif line.startswith("| **total**"):
+            line = f"| **total** | | {total[0]:,} | {total[1]:,} |"
+        new.append(line)
+    if "--write" in sys.argv:
+        with open("README.md", "w", encoding="utf-8") as f:
+            f.write("\n".join(new) + "\n")
+
+
+if __name__ == "__main__":
+    main()
