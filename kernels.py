@@ -199,8 +199,8 @@ class StepPlan:
 
 def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype) -> StepPlan:
     """The step's prefill chunks, and its decodes sorted by context length, so each batch pads
-    only to its longest context, in batches of as few as keep their K/V under DECODE_BYTES,
-    to stay in the CPU's caches while attended. dtype: the queries' (the masks')."""
+    only to its longest context, in batches whose K/V stay in the CPU's caches while attended
+    (decode_batches). dtype: the queries' (the masks')."""
     starts = meta.query_start_loc.tolist()
     prefills = []
     decodes = []
@@ -214,14 +214,13 @@ def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype
     lens = meta.context_lens.tolist()
     block_size = k_cache.shape[1]
     decodes.sort(key=lens.__getitem__)
-    longest = lens[decodes[-1]]
-    # its K and V at the longest context: k_cache[0, 0] is one token's (Hkv, D), the KV heads
-    bytes_per_decode = 2 * longest * k_cache[0, 0].nbytes
-    batch_size = max(1, min(DECODE_BATCH, DECODE_BYTES // bytes_per_decode))
     batches = []
-    for start in range(0, len(decodes), batch_size):
-        batch = decodes[start:start + batch_size]
+    start = 0
+    largest = 0  # the blocks of the largest batch's gather, which the buffers hold
+    # k_cache[0, 0] is one token's K: (Hkv, D)
+    for batch in decode_batches(decodes, lens, k_cache[0, 0].nbytes):
         num_blocks = cdiv(lens[batch[-1]], block_size)
+        largest = max(largest, len(batch) * num_blocks)
         positions = torch.arange(num_blocks * block_size, device=k_cache.device)
         past_end = positions >= meta.context_lens[batch, None]                   # (b, T)
         mask = past_end.new_zeros(past_end.shape, dtype=dtype).masked_fill_(past_end,
@@ -229,11 +228,32 @@ def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype
         block_ids = meta.block_tables[batch, :num_blocks].flatten().to(torch.int64)
         batches.append(DecodeBatch(start=start, end=start + len(batch), block_ids=block_ids,
                                    mask=mask[:, None, None]))
+        start += len(batch)
     decode_tokens = meta.query_start_loc[decodes].to(torch.int64)                  # (d,)
-    buffer_shape = (min(len(decodes), batch_size) * cdiv(longest, block_size), *k_cache.shape[1:])
+    buffer_shape = (largest, *k_cache.shape[1:])
     buffers = (k_cache.new_empty(buffer_shape), k_cache.new_empty(buffer_shape))
     return StepPlan(prefills=prefills, decode_tokens=decode_tokens, batches=batches,
                     buffers=buffers)
+
+
+def decode_batches(decodes: list[int], lens: list[int], token_bytes: int) -> list[list[int]]:
+    """The step's decodes, sorted by context length, in the batches attended together: each as
+    many as keep its K and V, padded to its longest context, within DECODE_BYTES (one at the
+    least), at most DECODE_BATCH, and none padding a context past twice its length. So a long
+    context among short ones goes alone, where batches sized for it would shrink every batch
+    and pad its neighbours to it: contexts [90, 100, 110, 900] -> [90, 100, 110], [900].
+    token_bytes: one token's K (or V) in the cache."""
+    batches = [[decodes[0]]]
+    for s in decodes[1:]:
+        batch = batches[-1]
+        padded_bytes = (len(batch) + 1) * 2 * lens[s] * token_bytes
+        fits = len(batch) < DECODE_BATCH and padded_bytes <= DECODE_BYTES \
+            and lens[s] <= 2 * lens[batch[0]]
+        if fits:
+            batch.append(s)
+        else:
+            batches.append([s])
+    return batches
 
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

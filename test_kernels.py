@@ -143,13 +143,14 @@ MANY_DECODES = [(5 + 23 * i % 97, 1) for i in range(19)] + [(40, 40), (70, 9)]
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", [
     pytest.param(NUM_HEADS, NUM_HEADS, id="G1"), *GROUPED_HEADS])
-@pytest.mark.parametrize("decode_bytes, num_batches", [(8 << 20, 3), (1, 19)])
+@pytest.mark.parametrize("decode_bytes, num_batches", [(8 << 20, 4), (1, 19)])
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_cpu_attention_matches_reference_in_every_layer(block_size, decode_bytes, num_batches,
                                                         num_heads, num_kv_heads, monkeypatch):
     """paged_attention_cpu plans a step's decodes in its first layer and reuses the plan (and
     its buffers) in the others: each layer, its own caches, must still get the reference,
-    whether the decodes go DECODE_BATCH together or one by one (K/V past DECODE_BYTES). With
+    whether the decodes go up to DECODE_BATCH together (contexts 5 to 101: four batches, none
+    padding a context past twice its length) or one by one (K/V past DECODE_BYTES). With
     GQA the K/V it gathers are the cache's Hkv heads, never copied per query head."""
     monkeypatch.setattr("kernels.DECODE_BYTES", decode_bytes)
     q, k_cache, v_cache, meta = make_batch(MANY_DECODES, block_size, 32, device="cpu",
@@ -162,6 +163,14 @@ def test_cpu_attention_matches_reference_in_every_layer(block_size, decode_bytes
                                    atol=1e-5, rtol=1e-5)
     assert len(meta.step_plan.batches) == num_batches
     assert all(b.shape[1:] == k_cache.shape[1:] for b in meta.step_plan.buffers)
+
+
+def test_decode_batches_put_a_long_context_alone_not_beside_short_ones():
+    assert kernels.decode_batches([3, 1, 2, 0], [900, 100, 110, 90], 1024) == [[3, 1, 2], [0]]
+    assert kernels.decode_batches(list(range(10)), [100] * 10, 1024) == [
+        list(range(kernels.DECODE_BATCH)), [8, 9]]
+    one_over = kernels.DECODE_BYTES // 2  # a token's K: one decode's K and V fill the bytes
+    assert kernels.decode_batches([0, 1], [1, 1], one_over) == [[0], [1]]
 
 
 # Tolerances: a few roundings of the type (p cast for the P @ V dot, the output), |out| < 4.
