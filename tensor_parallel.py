@@ -713,11 +713,9 @@ class Worker:
         if self.lora_mapping is not None:
             self.lora_mapping.set(None)
             if "lora_slots" in step:
-                host_slots = step["lora_slots"].tolist()
                 token_slots = torch.from_numpy(step["lora_slots"]).to(self.device)
-                if cuda_runtime.is_cuda(self.device):
-                    host_slots = None  # the Triton kernels read the slots on the device
-                self.lora_mapping.set(token_slots, host_slots)
+                on_cpu = not cuda_runtime.is_cuda(self.device)  # else Triton reads token_slots
+                self.lora_mapping.set(token_slots, step["lora_slots"].tolist() if on_cpu else None)
         self.model(input_ids, positions, meta, k_caches, v_caches, self.attention)
 
     def make_graphs(self, sizes: list[int], capture: bool, rows: dict) -> None:
