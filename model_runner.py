@@ -605,8 +605,8 @@ class ModelRunner:
             lora_slots = self.lora_manager.token_slots(decodes_first)
             if lora_slots is not None:
                 ints["lora_slots"] = lora_slots
-            if lora_slots is not None and not cuda_runtime.is_cuda(self.device):
-                lora_host_slots = lora_slots
+            on_cpu = not cuda_runtime.is_cuda(self.device)  # else Triton reads the uploaded slots
+            lora_host_slots = lora_slots if on_cpu else None  # the CPU's layouts are made of
         sample_drafts = None
         if spec_decode_tokens:
             sample_drafts = [spec_decode_tokens.get(seq, []) for seq in sample_seqs]
