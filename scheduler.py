@@ -53,9 +53,9 @@ class SequenceStatus(enum.Enum):
 UNFINISHED = (SequenceStatus.WAITING, SequenceStatus.RUNNING)  # read once, not at every check
 
 
-# slots: past 30 attributes (the features' state took it to 33) CPython stops sharing one
-# key table among a class's instances, and each sequence's attributes went to a dict of its
-# own, 1.6 kB, read through hash lookups at every step: slots are fixed offsets (issue 47)
+# slots: the features' state took a sequence to 33 attributes, past the 30 for which CPython
+# shares one key table among a class's instances: each had a dict of its own, 1.6 kB. Slots
+# are fixed offsets, read about a fifth faster than a dict's attributes (issue 47)
 @dataclass(eq=False, slots=True)
 class Sequence:
     """One sample of a request as the engine sees it: its tokens, its progress and its cache
