@@ -177,6 +177,8 @@ class BeamSearch:
         """After a step: for each beam that sampled (its sampled token means nothing; the
         engine leaves it), keep its top 2 x beam_width candidates, and advance each request
         whose live beams all have theirs. The requests that finished."""
+        if not self.requests:  # most steps: no beam search, no pass over the step's samples
+            return []
         rows = []
         beams = []
         for row, seq in enumerate(model_output.sample_seqs):

@@ -12,6 +12,8 @@ import torch
 
 def is_cuda(device) -> bool:
     """Whether `device` (a torch.device or its name: cuda, cuda:1) is a CUDA GPU."""
+    if isinstance(device, str):  # most calls, several a step: no torch.device made (2 us)
+        return device == "cuda" or device.startswith("cuda:")
     return torch.device(device).type == "cuda"
 
 

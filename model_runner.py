@@ -43,6 +43,7 @@ from swap import SwapSpace, copy_blocks, swap_space_blocks
 
 KV_CACHE_BYTES = 1 << 30  # the CPU's KV cache, by default: a full context for every sequence,
                           # within 1 GiB (on CUDA: gpu_memory_utilization of the GPU's memory)
+NO_DRAFTS: tuple[int, ...] = ()  # a sequence's drafts in a step that verifies none
 MAX_CAPTURE_SIZE = 512    # the largest batch a decode graph is captured for (nano-vllm's)
 PROMPT_LOGPROBS_CHUNK = 1024  # prompt positions whose logits and log-softmax are made at once:
                               # 1,024 x a 152k vocabulary is 0.6 GB of fp32 logits, where an
@@ -653,15 +654,25 @@ class ModelRunner:
         prompt_logits_indices = []
         prompt_targets = []
         prompt_seqs = []     # the sequence of each of prompt_logits_indices
+        # the features' checks, once a step: a plain step pays no lookup or call a sequence
+        any_drafts = bool(spec_decode_tokens)
+        any_forked = self.block_pool.num_forks > 0  # copy-on-write shares blocks only then
         for seq, num_new in scheduled:
             start = seq.num_computed_tokens
             end = start + num_new
-            drafts = spec_decode_tokens.get(seq, [])
-            end_of_tokens = end - len(drafts)  # the drafts are not in token_ids
-            seq.block_table.assert_owned(start)  # copy-on-write: no block written is shared
+            drafts = NO_DRAFTS
+            num_drafts = 0
+            if any_drafts:
+                drafts = spec_decode_tokens.get(seq, NO_DRAFTS)
+                num_drafts = len(drafts)
+            end_of_tokens = end - num_drafts  # the drafts are not in token_ids
+            if any_forked:  # copy-on-write: no block written is shared
+                seq.block_table.assert_owned(start)
             first_token = query_start_loc[-1]
             row, first_column, gained = self.input_batch.new_blocks(seq)
-            input_ids += seq.token_ids[start:end_of_tokens] + drafts
+            input_ids += seq.token_ids[start:end_of_tokens]
+            if drafts:
+                input_ids += drafts
             positions += range(start, end)
             context_lens.append(end)
             query_start_loc.append(first_token + num_new)
@@ -673,7 +684,7 @@ class ModelRunner:
                 new_block_ids += gained
             if end_of_tokens == len(seq.token_ids):  # none uncomputed left: sample the next
                 last_token = first_token + num_new - 1
-                logits_indices += range(last_token - len(drafts), last_token + 1)
+                logits_indices += range(last_token - num_drafts, last_token + 1)
                 sample_seqs.append(seq)
             if seq.params.prompt_logprobs is not None:
                 for position in prompt_positions_to_score(seq, start, end_of_tokens):

@@ -588,10 +588,13 @@ class Engine:
                 self._verified(seq, drafts, model_output.sampled_token_ids[seq])
         for seq, entries in model_output.prompt_logprobs.items():
             seq.prompt_logprobs += entries
+        logprobs = model_output.logprobs
         for seq, tokens in model_output.sampled_token_ids.items():
             if seq.beams is not None:  # its sample is unused: BeamSearch.update chose for it
                 continue
-            output = self._append_tokens(seq, tokens, model_output.logprobs.get(seq))
+            # most steps ask for no log-probabilities: no lookup a sequence then
+            seq_logprobs = logprobs.get(seq) if logprobs else None
+            output = self._append_tokens(seq, tokens, seq_logprobs)
             if output is not None:
                 outputs.append(output)
         return outputs
@@ -648,8 +651,7 @@ class Engine:
                                  if seq in model_output.sampled_token_ids},
             swapped_out=[seq.seq_id for seq in scheduler_output.swapped_out],
             swapped_in=[seq.seq_id for seq in scheduler_output.swapped_in],
-            lora_names={seq.seq_id: seq.lora_request.lora_name for seq in scheduled
-                        if seq.lora_request is not None},
+            lora_names=self._lora_names(scheduled),
             swap_blocks_used=self.swap_blocks_used,
             num_block_copies=sum(map(len, scheduler_output.block_copies.values())),
             fell_back=model_output.fell_back)
@@ -657,6 +659,14 @@ class Engine:
         self.stats.record(self.last_step)
         if self.step_records is not None:
             self.step_records.append(self.last_step)
+
+    def _lora_names(self, scheduled: dict[Sequence, int]) -> dict[str, str]:
+        """Each scheduled sequence's adapter name, by sequence id, if it has one (an engine
+        without LoRA makes no pass over the step for it)."""
+        if self.lora_manager is None:
+            return {}
+        return {seq.seq_id: seq.lora_request.lora_name for seq in scheduled
+                if seq.lora_request is not None}
 
     def _record_kv_transfer(self, step: StepRecord, scheduler_output: SchedulerOutput) -> None:
         """What the KV connector loaded, read, spent and saved in the step (kv_connector.py)."""
@@ -958,7 +968,8 @@ class Engine:
         try:
             for i, token in enumerate(tokens):
                 seq.token_ids.append(token)
-                accept_token(seq, token)  # structured output: a token outside it fails seq alone
+                if seq.grammar is not None:  # structured output: a token outside it fails seq
+                    accept_token(seq, token)
                 if logprobs is not None:
                     seq.logprobs.append(logprobs[i])
                 stop_string = self._append_text(seq, token)

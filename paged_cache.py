@@ -192,7 +192,9 @@ class BlockTable:
         writes from token first_written on, a copy of each shared block it writes into."""
         block_size = self.block_pool.block_size
         capacity = len(self.block_ids) * block_size
-        num_copies = len(self.shared_blocks(first_written))
+        num_copies = 0
+        if self.block_pool.num_forks:  # copy-on-write: no table shares a block before a fork
+            num_copies = len(self.shared_blocks(first_written))
         if num_tokens <= capacity:  # most calls: a decode within its last block
             return num_copies
         return num_copies + cdiv(num_tokens - capacity, block_size)

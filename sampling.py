@@ -228,6 +228,7 @@ class SamplingTensors:
     seeds: list                     # per row: its request's seed, or None (the engine's noise)
     positions: list                 # per row: the output position its token is for (0: the
                                     # first token after the prompt); seeded rows' noise reads it
+                                    # (empty where no row is seeded)
     all_greedy: bool
     any_top_k_top_p: bool           # some row that draws (not greedy) uses top-k or top-p
     any_greedy: bool = True         # False: no row takes the argmax, and it is not computed
@@ -462,11 +463,14 @@ def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[
     # a greedy row's draw is thrown away: its top-k or top-p neither applies nor forces a sort
     used_top_k = [k for k, p, g in zip(top_k, top_p, greedy) if not g and (k < vocab_size or p < 1)]
     max_top_k = max(used_top_k, default=vocab_size)
+    seeds = [p.seed for p in params]
+    positions = []  # only a seeded row's noise reads them: none made for a step without one
+    if any(seed is not None for seed in seeds):
+        positions = [seq.num_output_tokens + offset for seq, offset in zip(seqs, output_offsets)]
     tensors = SamplingTensors(
         temperature=floats["temperature"], top_p=floats["top_p"],
         greedy=ints["greedy"].bool(), top_k=ints["top_k"],
-        seeds=[p.seed for p in params], all_greedy=all(greedy),
-        positions=[seq.num_output_tokens + offset for seq, offset in zip(seqs, output_offsets)],
+        seeds=seeds, all_greedy=all(greedy), positions=positions,
         any_top_k_top_p=bool(used_top_k), any_greedy=any(greedy),
         max_top_k=max_top_k if max_top_k <= MAX_TOP_K_CANDIDATES else None)
     if any(p.min_p > 0 for p in params):

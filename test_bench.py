@@ -8,6 +8,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -612,6 +613,33 @@ def test_bench_stub_sample_gives_what_sample_gives_on_the_stubbed_engine():
     given = bench.stub_sample(engine.model, logits, tensors, None)
     assert torch.equal(given, sample(logits, tensors, engine.model_runner.generator))
     assert len(set(given.tolist())) == 3  # each row its own token: a real check
+
+
+def calls_in_a_decode_step(batch: int) -> int:
+    """The function calls, Python's and builtins', of one decode step of a stubbed engine of
+    `batch` plain greedy sequences (no feature in use)."""
+    engine = bench.stubbed_engine(bench.parse_args(["--threads", "1"]), batch, 8, 6)
+    calls = []
+
+    def count(frame, event, arg):
+        if event in ("call", "c_call"):
+            calls.append(event)
+    sys.setprofile(count)
+    try:
+        engine.step()
+    finally:
+        sys.setprofile(None)
+    return len(calls)
+
+
+def test_a_plain_decode_step_makes_no_more_calls_a_sequence_than_before_the_features():
+    """Issue 47: with no request using them, speculation, structured output, beam search,
+    copy-on-write, log-probabilities, LoRA and the KV connector cost a decode step nothing a
+    sequence: each hook is a check once a step. 60 calls a sequence is the step's count at
+    350d11f, before them (BENCHMARKS.md, section 16); a call a sequence more is a hook that
+    runs for everyone. A count, not a time: it does not depend on the machine."""
+    per_sequence = (calls_in_a_decode_step(4) - calls_in_a_decode_step(2)) / 2
+    assert per_sequence <= 60, per_sequence
 
 
 def test_bench_detokenizer_times_a_token_at_each_length_of_unreturned_text(tmp_path):
