@@ -35,6 +35,7 @@ by pipelined cp.async; at head dim 64 <= 128 registers and < 64 KB of shared mem
 checked: speed, or results, on a GPU; MIN_SPLIT_KEYS and the splits rule are not tuned."""
 import contextlib
 import ctypes
+import itertools
 import os
 import sys
 from dataclasses import dataclass
@@ -748,17 +749,16 @@ def lora_expand_ref(shrunk: torch.Tensor, lora_b: torch.Tensor, token_slots: tor
 def lora_segments(token_slots: list[int]) -> list[tuple[int, int, int]]:
     """(slot, start, end) for each run of consecutive tokens of one adapter, base tokens (-1)
     left out: [2, 2, -1, 0, 0] -> [(2, 0, 2), (0, 3, 5)]. These are Punica's SGMV segments:
-    the model runner orders a step's sequences by adapter (lora.LoRAManager.batch_order), so
+    the model runner orders a step's sequences by adapter (model_runner.adapter_order), so
     each adapter's decodes are one run and its prefills another, and the CPU runs a GEMM pair
     a run (sgmv_shrink, sgmv_expand) with no gather or scatter. Made on the host, once a
     step, from the list the slots were uploaded from."""
     segments = []
     start = 0
-    for end in range(1, len(token_slots) + 1):
-        if end < len(token_slots) and token_slots[end] == token_slots[start]:
-            continue
-        if token_slots[start] >= 0:
-            segments.append((token_slots[start], start, end))
+    for slot, run in itertools.groupby(token_slots):
+        end = start + len(list(run))
+        if slot >= 0:
+            segments.append((slot, start, end))
         start = end
     return segments
 

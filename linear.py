@@ -91,11 +91,10 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, weight_scale: torch.Tensor,
     are, 2.4x faster than bf16 F.linear at batch 1 on a 2-core EPYC); elsewhere q upcast to
     x's dtype for the GEMM (exact: |q| <= 127), each output column times its scale after (in
     fp32, torch's int8 kernel is 10x slower than that)."""
-    if x.dtype != torch.float32 and not cuda_runtime.is_cuda(x.device):
-        y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), q, weight_scale.to(x.dtype))
-        y = y.reshape(*x.shape[:-1], -1)
-    else:
-        y = F.linear(x, q.to(x.dtype)) * weight_scale.to(x.dtype)
+    if x.dtype == torch.float32 or cuda_runtime.is_cuda(x.device):
+        return dequantized_linear(x, q, weight_scale, bias)
+    y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), q, weight_scale.to(x.dtype))
+    y = y.reshape(*x.shape[:-1], -1)
     if bias is not None:
         y = y + bias
     return y
@@ -109,6 +108,13 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, weight_scale: torch.Tensor,
     column times its scale after."""
     if uses_scaled_mm(x, q):
         return fp8_scaled_mm(x, q, weight_scale, bias)
+    return dequantized_linear(x, q, weight_scale, bias)
+
+
+def dequantized_linear(x: torch.Tensor, q: torch.Tensor, weight_scale: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """The 8-bit GEMMs' portable form: q upcast to x's dtype for the GEMM (exact for int8 and
+    for fp8, whose values are all bf16 values), each output column times its scale after."""
     y = F.linear(x, q.to(x.dtype)) * weight_scale.to(x.dtype)
     if bias is not None:
         y = y + bias
@@ -153,22 +159,23 @@ class LoRAMapping:
     adapters (vLLM's punica wrapper's metadata): set by the model runner before a forward."""
     token_slots: torch.Tensor | None = None  # (N,) int64, -1: the base model; None: no token
                                              # of the step has an adapter (no LoRA term at all)
-    # the CPU's layouts of the same slots (kernels.py), made once a step on the host: runs of
-    # one adapter's tokens (lora_segments), and the tokens of each slot padded to one length
-    # (lora_padded_rows; None where padding would double the work); None: not made
+    # the CPU's layout of the same slots (kernels.py), made once a step on the host: the tokens
+    # of each slot padded to one length (lora_padded_rows), or where that would double the
+    # work, runs of one adapter's tokens (lora_segments); the other None, both None: not made
     segments: list[tuple[int, int, int]] | None = None
     padded_rows: torch.Tensor | None = None  # (S, P)
 
     def set(self, token_slots: torch.Tensor | None, host_slots: list[int] | None = None) -> None:
-        """The step's slots; with host_slots (the list they were uploaded from; given on a CPU
-        only) the CPU's layouts of them too."""
+        """The step's slots; on a CPU, given host_slots (the list they were uploaded from),
+        the CPU's layout of them too (on CUDA the Triton kernels read token_slots)."""
         self.token_slots = token_slots
         self.segments = None
         self.padded_rows = None
-        if host_slots is None:
+        if host_slots is None or cuda_runtime.is_cuda(token_slots.device):
             return
-        self.segments = lora_segments(host_slots)
         self.padded_rows = lora_padded_rows(host_slots)
+        if self.padded_rows is None:
+            self.segments = lora_segments(host_slots)
 
 
 class Linear(nn.Linear):
@@ -223,10 +230,10 @@ class Linear(nn.Linear):
         """y (N, sum O) += each part's x A[slot]^T B[slot]^T, slot the token's (none: -1), for
         all adapters of the step at once: a shrink to rank R, an expand into the part's slice."""
         mapping = self.lora_mapping
-        shrink, expand, tokens = lora_shrink_ref, lora_expand_ref, mapping.token_slots
         if mapping.padded_rows is not None:  # the CPU, many short runs: batched over the slots
             add_lora_padded(y, x, self.lora_a, self.lora_b, mapping.padded_rows)
             return y
+        shrink, expand, tokens = lora_shrink_ref, lora_expand_ref, mapping.token_slots
         if cuda_runtime.is_cuda(x.device):  # a program a token (BGMV): graph-safe
             shrink, expand = lora_shrink, lora_expand
         elif mapping.segments is not None:  # the CPU, long runs: a GEMM pair a run (SGMV)

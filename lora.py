@@ -23,16 +23,17 @@ a decode of "sql" (token 0), a decode of the base model (token 1), a decode of "
 
 Every projection of every layer does the same, with its own stacked A and B. The torch
 reference (kernels.py) runs one GEMM a slot, its tokens gathered. The model runner orders a
-step's sequences by adapter (LoRAManager.batch_order: decodes first, then by slot), so on a
-CPU each adapter's tokens are runs (SGMV's segments, kernels.lora_segments): the step above
-runs as slots [-1, 0, 1] for the decodes, then [0, 0, 0] for the chunk. A CPU runs a GEMM pair a run
-(sgmv_shrink, sgmv_expand), or, where the slots' tokens pad to one length without doubling
-the work (a decode batch spread over many adapters: 16 runs of 4 tokens would be 32 small
-GEMMs a part, each costing more to call than to compute), two batched GEMMs a part over the
-padded slots (add_lora_padded). The Triton kernels run a program a token (BGMV), reading its
-slot, so a CUDA graph replays them. The base model's tokens get nothing added: their outputs are the base
-model's, bit for bit, whatever runs beside them. A and B of every slot are padded with zeros to
-max_lora_rank, so one launch serves adapters of ranks 1 and 16 side by side. Merged
+step's sequences by adapter (model_runner.adapter_order: decodes first, then by slot), so on
+a CPU each adapter's tokens are runs (SGMV's segments, kernels.lora_segments): the step above
+runs as slots [-1, 0, 1] for the decodes, then [0, 0, 0] for the chunk. A CPU runs a GEMM
+pair a run (sgmv_shrink, sgmv_expand), or, where the slots' tokens pad to one length without
+doubling the work (a decode batch spread over many adapters: 16 runs of 4 tokens would be 32
+small GEMMs a part, each costing more to call than to compute), two batched GEMMs a part over
+the padded slots (add_lora_padded). The Triton kernels run a program a token (BGMV), reading
+its slot, so a CUDA graph replays them. The base model's tokens get nothing added: their
+outputs are the base model's, bit for bit, whatever runs beside them. A and B of every slot
+are padded with zeros to max_lora_rank, so one launch serves adapters of ranks 1 and 16 side
+by side. Merged
 projections (q/k/v as qkv_proj, gate/up as gate_up_proj) take each adapter as slices of
 their output: q_proj's B expands into qkv_proj's first q_size columns, k_proj's into the
 next, and GPT-2's c_attn (one adapter over q, k and v at once) into all three, its A shared.
@@ -375,13 +376,6 @@ class LoRAManager:
         self.num_slot_loads += 1
         if self.mirror is not None:
             self.mirror(slot, lora)
-
-    def batch_order(self, scheduled: tuple) -> tuple[bool, int]:
-        """The sort key of a step's (sequence, new tokens): decodes first (attention's split
-        needs them so), then by adapter slot, so each adapter's tokens of each kind are one
-        run (kernels.lora_segments: one GEMM pair a run on the CPU, not one a token)."""
-        seq, num_new = scheduled
-        return num_new > 1, self.slot_of(seq)
 
     def slot_of(self, seq) -> int:
         """seq's adapter's device slot; -1 for the base model."""

@@ -597,17 +597,15 @@ class ModelRunner:
         new in it, not its sequences' blocks."""
         batch_order = has_many_new_tokens
         if self.lora_manager is not None:  # and each adapter's sequences together
-            batch_order = self.lora_manager.batch_order
+            batch_order = partial(adapter_order, self.lora_manager)
         decodes_first = sorted(num_scheduled_tokens.items(), key=batch_order)
         spec_decode_tokens = spec_decode_tokens or {}
         ints, sample_seqs, prompt_seqs = self._flatten_inputs(decodes_first, spec_decode_tokens)
-        lora_host_slots = None
+        lora_slots = None
         if self.lora_manager is not None:  # each token's adapter slot, if any has one
             lora_slots = self.lora_manager.token_slots(decodes_first)
-            if lora_slots is not None:
-                ints["lora_slots"] = lora_slots
-            on_cpu = not cuda_runtime.is_cuda(self.device)  # else Triton reads the uploaded slots
-            lora_host_slots = lora_slots if on_cpu else None  # the CPU's layouts are made of
+        if lora_slots is not None:
+            ints["lora_slots"] = lora_slots
         sample_drafts = None
         if spec_decode_tokens:
             sample_drafts = [spec_decode_tokens.get(seq, []) for seq in sample_seqs]
@@ -631,7 +629,7 @@ class ModelRunner:
                      prompt_logits_indices=tensors["prompt_logits_indices"],
                      prompt_targets=tensors["prompt_targets"], prompt_seqs=prompt_seqs,
                      is_decode=max_query_len == 1, sample_drafts=sample_drafts,
-                     lora_slots=tensors.get("lora_slots"), lora_host_slots=lora_host_slots)
+                     lora_slots=tensors.get("lora_slots"), lora_host_slots=lora_slots)
 
     def _flatten_inputs(self, scheduled: list[tuple[Sequence, int]],
                         spec_decode_tokens: dict[Sequence, list[int]]
@@ -720,6 +718,13 @@ def wants_logprobs(batch: Batch) -> bool:
 def has_many_new_tokens(scheduled: tuple[Sequence, int]) -> bool:
     """The sort key that puts the sequences of one new token (decodes) first."""
     return scheduled[1] > 1
+
+
+def adapter_order(lora_manager: LoRAManager, scheduled: tuple[Sequence, int]) -> tuple[bool, int]:
+    """The sort key with adapters: decodes first (has_many_new_tokens), then by adapter slot,
+    so each adapter's tokens of each kind are one run (kernels.lora_segments: one GEMM pair
+    a run on the CPU, not one a token)."""
+    return has_many_new_tokens(scheduled), lora_manager.slot_of(scheduled[0])
 
 
 def prompt_positions_to_score(seq: Sequence, start: int, end: int) -> range:

@@ -714,8 +714,7 @@ class Worker:
             self.lora_mapping.set(None)
             if "lora_slots" in step:
                 token_slots = torch.from_numpy(step["lora_slots"]).to(self.device)
-                on_cpu = not cuda_runtime.is_cuda(self.device)  # else Triton reads token_slots
-                self.lora_mapping.set(token_slots, step["lora_slots"].tolist() if on_cpu else None)
+                self.lora_mapping.set(token_slots, step["lora_slots"].tolist())
         self.model(input_ids, positions, meta, k_caches, v_caches, self.attention)
 
     def make_graphs(self, sizes: list[int], capture: bool, rows: dict) -> None:

@@ -527,7 +527,7 @@ def test_a_step_orders_its_sequences_by_adapter_so_each_adapters_decodes_are_one
     def recorded(mapping, token_slots, host_slots=None):
         set_slots(mapping, token_slots, host_slots)
         if token_slots is not None and len(token_slots) == 6:  # the six sequences' decodes
-            runs.append([slot for slot, _, _ in mapping.segments])
+            runs.append([slot for slot, _, _ in kernels.lora_segments(host_slots)])
     monkeypatch.setattr(LoRAMapping, "set", recorded)
     llm.generate(PROMPTS[:2] * 3, GREEDY, lora_request=requests * 2)  # a, b, base, a, b, base
     assert runs and all(sorted(slots) == [0, 1] for slots in runs)
