@@ -1005,8 +1005,8 @@ def save_compressed_tensors_fp8(source: str, path: str, strategy: str = "channel
                                 ignore: tuple = ("lm_head",),
                                 kv_cache_scales: list[tuple[float, float]] | None = None) -> None:
     """The Llama-family checkpoint directory `source` written to `path` as llm-compressor
-    writes a model in its FP8 dynamic scheme (compressed-tensors, format float-quantized): each projection
-    of the layers F8_E4M3 with its weight_scale, fp32, per output channel (O, 1) as
+    writes a model in its FP8 dynamic scheme (compressed-tensors, format float-quantized): each
+    projection of the layers F8_E4M3 with its weight_scale, fp32, per output channel (O, 1) as
     quantize_weight makes it, or per tensor (1,) (strategy "tensor": one max|W| / 448 for the
     whole matrix); input activations dynamic per token; every other tensor as it was, and
     `ignore` in config.json (what llm-compressor leaves out: the LM head); kv_cache_scales,

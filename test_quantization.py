@@ -444,4 +444,5 @@ def test_metrics_and_the_start_up_line_report_weight_and_kv_cache_bytes(capsys):
 
 def test_the_command_line_refuses_an_unknown_quantization(capsys):
     status, _, err = nanoserve_main(capsys, "--preset", "tiny", "--quantization", "int4", "hi")
-    assert status == 2 and "--quantization: invalid choice: 'int4' (choose from 'int8', 'fp8')" in err
+    assert status == 2
+    assert "--quantization: invalid choice: 'int4' (choose from 'int8', 'fp8')" in err
