@@ -864,13 +864,10 @@ class Scheduler:
         Example, block_size 4: 5 tokens computed and 1 new, drafts [a, b, c], emitted [a, x]
         (b rejected): 5 + 4 tokens were computed, 5 + 1 + 1 = 7 are good; the table keeps 2
         blocks of its 3, and blocks full of good tokens are cached."""
-        if not spec_decode_tokens:  # the plain step: no lookup a sequence for drafts
-            for seq, num_new in num_scheduled_tokens.items():
-                seq.num_computed_tokens += num_new
-                seq.block_table.cache_full_blocks(seq.token_ids, seq.num_computed_tokens)
-            return
         for seq, num_new in num_scheduled_tokens.items():
-            drafts = spec_decode_tokens.get(seq)
+            drafts = None  # the plain step (no drafts at all): no lookup a sequence
+            if spec_decode_tokens:
+                drafts = spec_decode_tokens.get(seq)
             if not drafts:
                 seq.num_computed_tokens += num_new
                 seq.block_table.cache_full_blocks(seq.token_ids, seq.num_computed_tokens)
