@@ -341,11 +341,7 @@ class ModelRunner:
         if not capture:
             self.graphs = {size: partial(self._run_decode, size) for size in sizes}
             return
-        pool = None
-        for size in reversed(sizes):  # largest first: the smaller ones reuse its memory
-            replay, pool = cuda_runtime.capture_graph(partial(self._run_decode, size), pool)
-            self.graphs[size] = replay
-        cuda_runtime.synchronize(self.device)
+        self.graphs = capture_graphs(self._run_decode, sizes, self.device)
 
     @torch.inference_mode()
     def _run_decode(self, size: int) -> None:
@@ -713,6 +709,17 @@ def wants_logprobs(batch: Batch) -> bool:
     or has prompt tokens to score."""
     return any(seq.params.logprobs is not None for seq in batch.sample_seqs) \
         or bool(batch.prompt_seqs)
+
+
+def capture_graphs(run_decode, sizes: list[int], device) -> dict:
+    """Each size's run_decode(size) captured in a CUDA graph, largest first (the smaller ones
+    reuse its memory pool): size -> its replay. Rank 0's, and each tensor-parallel worker's."""
+    graphs = {}
+    pool = None
+    for size in reversed(sizes):
+        graphs[size], pool = cuda_runtime.capture_graph(partial(run_decode, size), pool)
+    cuda_runtime.synchronize(device)
+    return graphs
 
 
 def has_many_new_tokens(scheduled: tuple[Sequence, int]) -> bool:

@@ -97,7 +97,7 @@ from checkpoint import (DEFAULT_MODEL, DTYPES, checkpoint_path, config_from_hf, 
 from kernels import AttentionMetadata, select_attention
 from linear import LoRAMapping, Linear, projections, row_parallel
 from model import GPT, PRESETS, GPTConfig, LMHead
-from model_runner import DecodeBuffers
+from model_runner import DecodeBuffers, capture_graphs
 from paged_cache import kv_cache_torch_dtype
 from swap import SwapSpace
 
@@ -729,14 +729,11 @@ class Worker:
         self.graphs = {size: partial(self.run_decode, size) for size in sizes}
         if not capture:
             return
-        pool = None
-        for size in reversed(sizes):
-            if cuda_runtime.is_cuda(self.device):
-                self.graphs[size], pool = cuda_runtime.capture_graph(self.graphs[size], pool)
-            else:
-                self.graphs[size]()
         if cuda_runtime.is_cuda(self.device):
-            cuda_runtime.synchronize(self.device)
+            self.graphs = capture_graphs(self.run_decode, sizes, self.device)
+            return
+        for size in reversed(sizes):  # a CPU rank: each capture's warm-up, eagerly
+            self.graphs[size]()
 
     def fill_buffers(self, rows: dict) -> None:
         """Rank 0's static buffers' first rows (buffer_rows), into this rank's."""
@@ -752,8 +749,8 @@ class Worker:
     def run_decode(self, size: int) -> None:
         """The model over the static buffers' first `size` rows (ModelRunner._run_decode's)."""
         b = self.buffers
-        if self.lora_mapping is not None:
-            self.lora_mapping.token_slots = b.lora_slots[:size]
+        if self.lora_mapping is not None:  # no CPU layout: the slots' static buffer is read
+            self.lora_mapping.set(b.lora_slots[:size])
         self.model(b.input_ids[:size], b.positions[:size], b.metadata(size), self.k_caches,
                    self.v_caches, self.attention)
 
