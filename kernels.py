@@ -18,7 +18,8 @@ vLLM's num_queries_per_kv), and "group" means those G heads and nothing else her
 for its whole group, never copying it per query head.
 
 In this file, in order: AttentionMetadata and store_kv; paged_attention_ref (the spec), then
-paged_attention_cpu (the CPU default) and the Triton path (the CUDA default), all with one
+paged_attention_cpu (the CPU default, with cascade attention for beam search's shared
+prefixes: plan_prefixes, add_shared_prefix) and the Triton path (the CUDA default), all with one
 signature: _paged_attention_kernel for prefill chunks, _paged_attention_decode_kernel and
 _reduce_splits_kernel for decodes (flash-decoding: each decode's context split over programs,
 so that a few decodes still fill the GPU), launch_grids and the launcher paged_attention;
@@ -68,6 +69,9 @@ class AttentionMetadata:
     max_query_len: int              # longest query run in the batch (1 for a decode-only batch)
     num_decodes: int = 0            # sequences [0, num_decodes) have one query each: the Triton
                                     # path attends them apart (split over their context)
+    shared_prefixes: list | None = None  # beam search: (decodes, P) for each request's beams,
+                                    # sequences that all hold the same first P blocks (the CPU
+                                    # attends those once for all of them: cascade attention)
     step_plan: object = None        # paged_attention_cpu's, made by its step's first layer
 
 
@@ -189,6 +193,18 @@ class DecodeBatch:
 
 
 @dataclass
+class PrefixBatch:
+    """Beam groups whose shared prefixes are attended together (cascade attention): a group's
+    W beams are W * G queries of each KV head, over the P blocks they all hold, read once."""
+    block_ids: torch.Tensor  # (g * P,) int64: each group's first P blocks, flat
+    mask: torch.Tensor       # (g, 1, 1, T): -inf past each group's prefix, T = P * BS
+    rows: torch.Tensor       # (g, W) each group's beams as rows of the decodes (by context
+                             # length), a group of fewer padded with its first beam again
+    picked: torch.Tensor     # (n,) the real beams among rows, flattened: their indices
+    beams: torch.Tensor      # (n,) and their rows of the decodes
+
+
+@dataclass
 class StepPlan:
     """How paged_attention_cpu attends a step, worked out by its first layer for all: which
     sequences are prefill chunks and which decodes, and how the decodes go in batches."""
@@ -196,12 +212,16 @@ class StepPlan:
     decode_tokens: torch.Tensor  # (d,) the decodes' tokens in q, by context length
     batches: list              # DecodeBatch runs of decode_tokens, in order
     buffers: tuple             # K and V gathered for one batch: (b * nb, BS, Hkv, D) each
+    prefix_batches: list = ()  # PrefixBatch: beams' shared prefixes (the decodes' batches then
+                               # attend each beam's own blocks after its prefix only)
 
 
 def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype) -> StepPlan:
     """The step's prefill chunks, and its decodes sorted by context length, so each batch pads
     only to its longest context, in batches whose K/V stay in the CPU's caches while attended
-    (decode_batches). dtype: the queries' (the masks')."""
+    (decode_batches). A beam whose request's beams share their first P blocks
+    (meta.shared_prefixes) counts only its own tokens past them: the prefix batches attend
+    those P blocks once for all the beams (plan_prefixes). dtype: the queries' (the masks')."""
     starts = meta.query_start_loc.tolist()
     prefills = []
     decodes = []
@@ -212,29 +232,80 @@ def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype
             prefills.append((s, slice(start, end)))
     if not decodes:
         return StepPlan(prefills=prefills, decode_tokens=None, batches=[], buffers=())
-    lens = meta.context_lens.tolist()
     block_size = k_cache.shape[1]
-    decodes.sort(key=lens.__getitem__)
+    token_bytes = k_cache[0, 0].nbytes  # one token's K: (Hkv, D)
+    skipped = [0] * len(starts)  # each sequence's blocks a prefix batch attends
+    for group, num_shared in meta.shared_prefixes or ():
+        for s in group:
+            skipped[s] = num_shared
+    own_lens = [length - skip * block_size
+                for length, skip in zip(meta.context_lens.tolist(), skipped)]
+    own_lens_t = torch.tensor(own_lens, device=k_cache.device)
+    skipped_t = torch.tensor(skipped, device=k_cache.device)
+    decodes.sort(key=own_lens.__getitem__)
     batches = []
     start = 0
     largest = 0  # the blocks of the largest batch's gather, which the buffers hold
-    # k_cache[0, 0] is one token's K: (Hkv, D)
-    for batch in decode_batches(decodes, lens, k_cache[0, 0].nbytes):
-        num_blocks = cdiv(lens[batch[-1]], block_size)
+    last_column = meta.block_tables.shape[1] - 1
+    for batch in decode_batches(decodes, own_lens, token_bytes):
+        num_blocks = cdiv(own_lens[batch[-1]], block_size)
         largest = max(largest, len(batch) * num_blocks)
         positions = torch.arange(num_blocks * block_size, device=k_cache.device)
-        past_end = positions >= meta.context_lens[batch, None]                   # (b, T)
-        mask = past_end.new_zeros(past_end.shape, dtype=dtype).masked_fill_(past_end,
-                                                                           float("-inf"))
-        block_ids = meta.block_tables[batch, :num_blocks].flatten().to(torch.int64)
-        batches.append(DecodeBatch(start=start, end=start + len(batch), block_ids=block_ids,
+        mask = _mask_past(positions >= own_lens_t[batch, None], dtype)             # (b, T)
+        # each one's blocks from its first own (past a shared prefix), padding masked
+        columns = skipped_t[batch, None] + torch.arange(num_blocks, device=k_cache.device)
+        tables = meta.block_tables[batch].gather(1, columns.clamp(max=last_column))
+        batches.append(DecodeBatch(start=start, end=start + len(batch),
+                                   block_ids=tables.flatten().to(torch.int64),
                                    mask=mask[:, None, None]))
         start += len(batch)
+    prefix_batches = plan_prefixes(meta, decodes, block_size, token_bytes, dtype)
+    for batch in prefix_batches:
+        largest = max(largest, len(batch.block_ids))
     decode_tokens = meta.query_start_loc[decodes].to(torch.int64)                  # (d,)
     buffer_shape = (largest, *k_cache.shape[1:])
     buffers = (k_cache.new_empty(buffer_shape), k_cache.new_empty(buffer_shape))
     return StepPlan(prefills=prefills, decode_tokens=decode_tokens, batches=batches,
-                    buffers=buffers)
+                    buffers=buffers, prefix_batches=prefix_batches)
+
+
+def _mask_past(past_end: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An additive attention mask from a boolean one: -inf where past_end, else 0."""
+    return past_end.new_zeros(past_end.shape, dtype=dtype).masked_fill_(past_end, float("-inf"))
+
+
+def plan_prefixes(meta: AttentionMetadata, decodes: list[int], block_size: int,
+                  token_bytes: int, dtype: torch.dtype) -> list[PrefixBatch]:
+    """Cascade attention's batches: each beam group's shared prefix (meta.shared_prefixes),
+    attended once by all its beams' queries, groups batched as decodes are (decode_batches, by
+    prefix length). decodes: the step's decodes in the order of their rows."""
+    groups = meta.shared_prefixes
+    if not groups:
+        return []
+    row_of = {s: row for row, s in enumerate(decodes)}
+    prefix_lens = [num_shared * block_size for _, num_shared in groups]
+    by_length = sorted(range(len(groups)), key=prefix_lens.__getitem__)
+    batches = []
+    for batch in decode_batches(by_length, prefix_lens, token_bytes):
+        num_blocks = groups[batch[-1]][1]
+        width = max(len(groups[g][0]) for g in batch)
+        first_beams = [groups[g][0][0] for g in batch]
+        positions = torch.arange(num_blocks * block_size, device=meta.block_tables.device)
+        group_lens = torch.tensor([prefix_lens[g] for g in batch], device=positions.device)
+        mask = _mask_past(positions >= group_lens[:, None], dtype)                  # (g, T)
+        rows = []
+        picked = []
+        for i, g in enumerate(batch):
+            beams = [row_of[s] for s in groups[g][0]]
+            rows.append(beams + beams[:1] * (width - len(beams)))
+            picked += range(i * width, i * width + len(beams))
+        block_ids = meta.block_tables[first_beams, :num_blocks].flatten().to(torch.int64)
+        beam_rows = torch.tensor(rows)
+        picked = torch.tensor(picked)
+        batches.append(PrefixBatch(block_ids=block_ids, mask=mask[:, None, None],
+                                   rows=beam_rows, picked=picked,
+                                   beams=beam_rows.flatten()[picked]))
+    return batches
 
 
 def decode_batches(decodes: list[int], lens: list[int], token_bytes: int) -> list[list[int]]:
@@ -269,7 +340,10 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     and their outputs put back once, so that a batch is a slice of them, not an index. With
     GQA each KV head is gathered once and serves its G query heads as one (G, D) matrix: K/V are
     never copied per query head. An FP8 cache's K/V are gathered as they are stored, then
-    upcast (dequantize_kv)."""
+    upcast (dequantize_kv). A beam-search request's beams (meta.shared_prefixes) attend the
+    blocks they share once, together (cascade attention, add_shared_prefix), and their own
+    blocks in the decodes' batches: at W = 4 on a 128-token prompt the shared prefix is most
+    of each context, read once instead of four times."""
     _, num_heads, head_dim = q.shape
     group_size = group_size_of(q, k_cache)
     if meta.step_plan is None:
@@ -287,15 +361,72 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     q_decodes = q[plan.decode_tokens].view(num_decodes, -1, group_size, head_dim)  # (d, Hkv, G, D)
     out_decodes = torch.empty_like(q_decodes)
     k_buffer, v_buffer = plan.buffers
+    # cascade attention: each beam's own blocks here, its request's shared prefix after, the two
+    # softmaxes merged by their log-sum-exps (lse_decodes)
+    lse_decodes = None
+    if plan.prefix_batches:
+        lse_decodes = q_decodes.new_empty(q_decodes.shape[:3], dtype=torch.float32)
     for batch in plan.batches:
         num_seqs = batch.end - batch.start
         k = _gather_blocks(k_cache, batch.block_ids, k_buffer, num_seqs)  # (b, Hkv, T, D)
         v = _gather_blocks(v_cache, batch.block_ids, v_buffer, num_seqs)  # (b, Hkv, T, D)
         k, v = dequantize_kv(k, k_scale, q.dtype), dequantize_kv(v, v_scale, q.dtype)
-        out_decodes[batch.start:batch.end] = torch.nn.functional.scaled_dot_product_attention(
-            q_decodes[batch.start:batch.end], k, v, attn_mask=batch.mask, scale=scale)
+        q_batch = q_decodes[batch.start:batch.end]
+        if lse_decodes is None:
+            out_decodes[batch.start:batch.end] = F.scaled_dot_product_attention(
+                q_batch, k, v, attn_mask=batch.mask, scale=scale)
+            continue
+        out_decodes[batch.start:batch.end], lse_decodes[batch.start:batch.end] = \
+            attend_with_lse(q_batch, k, v, batch.mask, scale)
+    for batch in plan.prefix_batches:
+        num_groups = len(batch.rows)
+        k = _gather_blocks(k_cache, batch.block_ids, k_buffer, num_groups)  # (g, Hkv, T, D)
+        v = _gather_blocks(v_cache, batch.block_ids, v_buffer, num_groups)
+        k, v = dequantize_kv(k, k_scale, q.dtype), dequantize_kv(v, v_scale, q.dtype)
+        add_shared_prefix(batch, q_decodes, k, v, scale, out_decodes, lse_decodes)
     out[plan.decode_tokens] = out_decodes.view(num_decodes, num_heads, head_dim)
     return out
+
+
+def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA's result on a CPU, q (b, Hkv, L, D) over k, v (b, Hkv, T, D), and each query's
+    log-sum-exp of its scaled scores (b, Hkv, L) in fp32, which merges two attentions of one
+    query over disjoint keys (add_shared_prefix). The op is the one SDPA runs on a CPU (its
+    flash kernel): the output is SDPA's, bit for bit; SDPA's public call drops the lse."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, attn_mask=mask, scale=scale)
+    return out, lse.float()
+
+
+def add_shared_prefix(batch: PrefixBatch, q_decodes: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, scale: float, out_decodes: torch.Tensor,
+                      lse_decodes: torch.Tensor) -> None:
+    """Cascade attention's second half: each group's W beams' queries, q_decodes
+    (d, Hkv, G, D) at batch.rows, attend their shared prefix k, v (g, Hkv, T, D) as one
+    (W * G, D) matrix a KV head, a GEMM where W beams apart were W matrix-vector products over
+    the same keys; then each beam's result is merged into out_decodes, which holds its
+    attention over its own blocks, lse_decodes (d, Hkv, G) their log-sum-exps. The merge is
+    the softmax over both key sets: with a, b the two log-sum-exps and m = logaddexp(a, b),
+    out = prefix_out * exp(a - m) + own_out * exp(b - m). Example, one head, one prefix key
+    of score 0 and value 1, one own key of score 0 and value 3: a = b = 0, m = log 2,
+    out = 1 / 2 + 3 / 2 = 2, the mean of the two values, as one softmax over both gives."""
+    num_groups, width = batch.rows.shape
+    _, num_kv_heads, group_size, head_dim = q_decodes.shape
+    q = q_decodes[batch.rows.flatten()].view(num_groups, width, num_kv_heads, group_size,
+                                             head_dim)
+    q = q.transpose(1, 2).reshape(num_groups, num_kv_heads, width * group_size, head_dim)
+    out, lse = attend_with_lse(q, k, v, batch.mask, scale)  # (g, Hkv, W * G, D), (g, Hkv, W * G)
+    out = out.view(num_groups, num_kv_heads, width, group_size, head_dim).transpose(1, 2)
+    lse = lse.view(num_groups, num_kv_heads, width, group_size).transpose(1, 2)
+    prefix_out = out.flatten(0, 1)[batch.picked].float()   # (n, Hkv, G, D)
+    prefix_lse = lse.flatten(0, 1)[batch.picked]           # (n, Hkv, G)
+    own_out = out_decodes[batch.beams].float()
+    own_lse = lse_decodes[batch.beams]
+    total = torch.logaddexp(prefix_lse, own_lse)
+    merged = prefix_out * (prefix_lse - total).exp()[..., None] \
+        + own_out * (own_lse - total).exp()[..., None]
+    out_decodes[batch.beams] = merged.to(out_decodes.dtype)
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, buffer: torch.Tensor,

@@ -614,11 +614,15 @@ class ModelRunner:
         slot_mapping = self.input_batch.slot_mapping(tensors["token_rows"], tensors["positions"])
         max_query_len = max(num_scheduled_tokens.values())
         num_decodes = sum(num_new == 1 for num_new in num_scheduled_tokens.values())
+        shared_prefixes = None
+        if self.block_pool.num_forks:  # beam search: each request's beams' common blocks
+            shared_prefixes = beam_shared_prefixes(decodes_first, self.block_pool.block_size)
         attn_metadata = AttentionMetadata(
             slot_mapping=slot_mapping, block_tables=block_tables,
             context_lens=tensors["context_lens"].to(torch.int32),
             query_start_loc=tensors["query_start_loc"].to(torch.int32),
-            max_query_len=max_query_len, num_decodes=num_decodes)
+            max_query_len=max_query_len, num_decodes=num_decodes,
+            shared_prefixes=shared_prefixes)
         return Batch(input_ids=tensors["input_ids"], positions=tensors["positions"],
                      attn_metadata=attn_metadata, logits_indices=tensors["logits_indices"],
                      sample_seqs=sample_seqs,
@@ -691,6 +695,38 @@ class ModelRunner:
                     new_block_ids=new_block_ids, logits_indices=logits_indices,
                     prompt_logits_indices=prompt_logits_indices, prompt_targets=prompt_targets)
         return ints, sample_seqs, prompt_seqs
+
+
+def beam_shared_prefixes(scheduled: list[tuple[Sequence, int]], block_size: int
+                         ) -> list[tuple[list[int], int]]:
+    """Cascade attention's groups (kernels.paged_attention_cpu): for each beam-search request
+    with two beams or more decoding in the step, their indices among the scheduled sequences
+    and P, the blocks all of them hold from their first on. Example, blocks of 4, three beams
+    of a 9-token prompt at 14 tokens: tables [A, B, C, D], [A, B, E, F], [A, B, C, G] -> P = 2:
+    A and B are attended once for the three, each beam's own blocks apart. Only a request's
+    own beams are grouped, never sequences sharing a cached prompt: what a beam attends
+    together depends on its request alone, not on what else runs."""
+    beams_of = {}
+    for s, (seq, num_new) in enumerate(scheduled):
+        if seq.beams is not None and num_new == 1:
+            beams_of.setdefault(id(seq.beams), []).append(s)
+    groups = []
+    for group in beams_of.values():
+        if len(group) < 2:
+            continue
+        tables = [scheduled[s][0].block_table.block_ids for s in group]
+        num_shared = 0
+        for blocks in zip(*tables):
+            if len(set(blocks)) > 1:
+                break
+            num_shared += 1
+        # every shared block is full and before each beam's new token (copy-on-write gives a
+        # beam its own copy of a block it writes into), so each beam has keys of its own left
+        shortest = min(scheduled[s][0].num_computed_tokens for s in group)
+        num_shared = min(num_shared, shortest // block_size)
+        if num_shared:
+            groups.append((group, num_shared))
+    return groups
 
 
 def top_logprobs(logits: torch.Tensor, targets: torch.Tensor, top_k: int

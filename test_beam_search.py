@@ -3,6 +3,7 @@ transformers' (a full recompute of every beam), copy-on-write on shared blocks, 
 beside ordinary requests, under preemption, with nothing held at the end.
 """
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -249,6 +250,44 @@ def test_beams_share_their_prefix_blocks():
                          sum(len(seq.block_table.block_ids) for seq in beams)))
     assert all(used < tables for used, tables in held)  # shared: fewer than the tables name
     assert_no_leaks(engine)
+
+
+def test_beam_shared_prefixes_are_the_blocks_all_beams_of_a_request_hold():
+    """model_runner.beam_shared_prefixes' example: three beams of one request at 14 tokens,
+    blocks of 4, share A and B; a sequence sharing a cached prompt, another request's lone
+    beam and a beam recomputing its prompt (many new tokens) are attended apart; a block a
+    beam writes into (here the one holding token 8) is never counted, shared or not."""
+    request, lone, other = object(), object(), object()
+
+    def scheduled(blocks, num_computed, beams=request, num_new=1):
+        table = SimpleNamespace(block_ids=list(blocks))
+        return SimpleNamespace(beams=beams, num_computed_tokens=num_computed,
+                               block_table=table), num_new
+    batch = [scheduled("ABCD", 13), scheduled("ABEF", 13), scheduled("AB", 6, beams=None),
+             scheduled("ABCG", 13), scheduled("ABHI", 13, beams=lone),
+             scheduled("JKL", 8, beams=other), scheduled("JKL", 8, beams=other),
+             scheduled("ABCD", 0, num_new=14)]
+    assert model_runner.beam_shared_prefixes(batch, 4) == [([0, 1, 3], 2), ([5, 6], 2)]
+
+
+def test_a_request_s_beams_attend_their_shared_prefix_once(shipped, monkeypatch):
+    """Cascade attention in the engine: each step's beams of one request are a group whose
+    shared blocks are attended once (kernels.add_shared_prefix), and the search still equals
+    the reference's."""
+    groups = []
+    original = model_runner.beam_shared_prefixes
+
+    def recorded(scheduled, block_size):
+        found = original(scheduled, block_size)
+        groups.extend(found)
+        return found
+    monkeypatch.setattr(model_runner, "beam_shared_prefixes", recorded)
+    found = searched(shipped, PROMPTS[1:2], beam_width=4, max_tokens=10)
+    ids = shipped.engine.tokenizer.encode(PROMPTS[1])
+    assert_same_search(found[0], reference_beam_search(shipped.engine.model, ids, 4, 10))
+    assert max(num_shared for _, num_shared in groups) >= len(ids) // 4  # the prompt at least
+    assert max(len(beams) for beams, _ in groups) == 4
+    assert_no_leaks(shipped.engine)
 
 
 # ----------------------------------------------------------------------------- with the rest

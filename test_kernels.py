@@ -165,6 +165,38 @@ def test_cpu_attention_matches_reference_in_every_layer(block_size, decode_bytes
     assert all(b.shape[1:] == k_cache.shape[1:] for b in meta.step_plan.buffers)
 
 
+# Three beam groups among other decodes and prefill chunks: (sequences, blocks they share).
+BEAM_DECODES = [(37, 1), (38, 1), (40, 1), (21, 1), (29, 1), (70, 1), (75, 1), (9, 1),
+                (40, 40), (70, 9)]
+BEAM_GROUPS = [([0, 1, 2], 2), ([3, 4], 1), ([5, 6], 4)]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [
+    pytest.param(NUM_HEADS, NUM_HEADS, id="G1"), pytest.param(8, 2, id="G4")])
+@pytest.mark.parametrize("decode_bytes", [8 << 20, 1])
+def test_cpu_cascade_attention_over_beams_shared_prefixes_matches_reference(
+        decode_bytes, num_heads, num_kv_heads, monkeypatch):
+    """Beams that share their first P blocks (meta.shared_prefixes) attend those once for all
+    of them and their own blocks apart, the two softmaxes merged by log-sum-exp: the result is
+    the reference's, in every layer, for groups of 3 and 2 beams (padded to one width), of
+    prefixes of 1 and 2 blocks of 8 tokens (one batch: padded to one width, masked to one
+    length) and of 4 (alone: twice the shortest), or each group a batch."""
+    monkeypatch.setattr("kernels.DECODE_BYTES", decode_bytes)
+    q, k_cache, v_cache, meta = make_batch(BEAM_DECODES, 8, 32, device="cpu",
+                                           num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                           num_decodes=8)
+    for group, num_shared in BEAM_GROUPS:  # the group's tables share its first beam's blocks
+        meta.block_tables[group, :num_shared] = meta.block_tables[group[0], :num_shared]
+    meta.shared_prefixes = BEAM_GROUPS
+    layers = [(q, k_cache, v_cache), (q.flip(0), v_cache.flip(0), k_cache * 2)]
+    for q, k_cache, v_cache in layers:
+        out = paged_attention_cpu(q, k_cache, v_cache, meta, 0.2)
+        torch.testing.assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, 0.2),
+                                   atol=1e-5, rtol=1e-5)
+    num_prefix_batches = 2 if decode_bytes > 1 else 3
+    assert len(meta.step_plan.prefix_batches) == num_prefix_batches
+
+
 def test_decode_batches_put_a_long_context_alone_not_beside_short_ones():
     assert kernels.decode_batches([3, 1, 2, 0], [900, 100, 110, 90], 1024) == [[3, 1, 2], [0]]
     assert kernels.decode_batches(list(range(10)), [100] * 10, 1024) == [
