@@ -234,27 +234,31 @@ def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype
         return StepPlan(prefills=prefills, decode_tokens=None, batches=[], buffers=())
     block_size = k_cache.shape[1]
     token_bytes = k_cache[0, 0].nbytes  # one token's K: (Hkv, D)
-    skipped = [0] * len(starts)  # each sequence's blocks a prefix batch attends
-    for group, num_shared in meta.shared_prefixes or ():
-        for s in group:
-            skipped[s] = num_shared
-    own_lens = [length - skip * block_size
-                for length, skip in zip(meta.context_lens.tolist(), skipped)]
-    own_lens_t = torch.tensor(own_lens, device=k_cache.device)
-    skipped_t = torch.tensor(skipped, device=k_cache.device)
+    own_lens = meta.context_lens.tolist()  # each one's tokens past its shared prefix, if any
+    own_lens_t = meta.context_lens
+    skipped_t = None
+    if meta.shared_prefixes:  # beam search
+        skipped = [0] * len(own_lens)  # each sequence's blocks a prefix batch attends
+        for group, num_shared in meta.shared_prefixes:
+            for s in group:
+                skipped[s] = num_shared
+                own_lens[s] -= num_shared * block_size
+        own_lens_t = torch.tensor(own_lens, device=k_cache.device)
+        skipped_t = torch.tensor(skipped, device=k_cache.device)
     decodes.sort(key=own_lens.__getitem__)
     batches = []
     start = 0
     largest = 0  # the blocks of the largest batch's gather, which the buffers hold
-    last_column = meta.block_tables.shape[1] - 1
     for batch in decode_batches(decodes, own_lens, token_bytes):
         num_blocks = cdiv(own_lens[batch[-1]], block_size)
         largest = max(largest, len(batch) * num_blocks)
         positions = torch.arange(num_blocks * block_size, device=k_cache.device)
         mask = _mask_past(positions >= own_lens_t[batch, None], dtype)             # (b, T)
-        # each one's blocks from its first own (past a shared prefix), padding masked
-        columns = skipped_t[batch, None] + torch.arange(num_blocks, device=k_cache.device)
-        tables = meta.block_tables[batch].gather(1, columns.clamp(max=last_column))
+        tables = meta.block_tables[batch, :num_blocks]
+        if skipped_t is not None:  # each one's blocks from its first own, padding masked
+            columns = skipped_t[batch, None] + torch.arange(num_blocks, device=k_cache.device)
+            last_column = meta.block_tables.shape[1] - 1
+            tables = meta.block_tables[batch].gather(1, columns.clamp(max=last_column))
         batches.append(DecodeBatch(start=start, end=start + len(batch),
                                    block_ids=tables.flatten().to(torch.int64),
                                    mask=mask[:, None, None]))
