@@ -657,20 +657,14 @@ class ModelRunner:
         any_forked = self.block_pool.num_forks > 0  # copy-on-write shares blocks only then
         for seq, num_new in scheduled:
             start = seq.num_computed_tokens
-            end = start + num_new
-            drafts = NO_DRAFTS
-            num_drafts = 0
-            if any_drafts:
-                drafts = spec_decode_tokens.get(seq, NO_DRAFTS)
-                num_drafts = len(drafts)
-            end_of_tokens = end - num_drafts  # the drafts are not in token_ids
+            end = start + num_new  # with drafts, past token_ids: they follow its last token
             if any_forked:  # copy-on-write: no block written is shared
                 seq.block_table.assert_owned(start)
             first_token = query_start_loc[-1]
             row, first_column, gained = self.input_batch.new_blocks(seq)
-            input_ids += seq.token_ids[start:end_of_tokens]
-            if drafts:
-                input_ids += drafts
+            input_ids += seq.token_ids[start:end]  # the slice ends at token_ids' end
+            if any_drafts:
+                input_ids += spec_decode_tokens.get(seq, NO_DRAFTS)
             positions += range(start, end)
             context_lens.append(end)
             query_start_loc.append(first_token + num_new)
@@ -680,12 +674,13 @@ class ModelRunner:
                 new_block_rows += [row] * len(gained)
                 new_block_columns += range(first_column, first_column + len(gained))
                 new_block_ids += gained
-            if end_of_tokens == len(seq.token_ids):  # none uncomputed left: sample the next
-                last_token = first_token + num_new - 1
-                logits_indices += range(last_token - num_drafts, last_token + 1)
+            num_left = len(seq.token_ids) - start  # its tokens not computed before the step
+            if num_left <= num_new:  # all of them computed now: sample the next (and drafts')
+                first_sampled = first_token + num_left - 1  # its last token, then its drafts
+                logits_indices += range(first_sampled, first_token + num_new)
                 sample_seqs.append(seq)
             if seq.params.prompt_logprobs is not None:
-                for position in prompt_positions_to_score(seq, start, end_of_tokens):
+                for position in prompt_positions_to_score(seq, start, end):
                     prompt_logits_indices.append(first_token + position - start)
                     prompt_targets.append(seq.token_ids[position + 1])
                     prompt_seqs.append(seq)

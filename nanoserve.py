@@ -414,7 +414,8 @@ class Engine:
                                    config.policy, preemption_mode=config.preemption_mode,
                                    swap_space=self.model_runner.swap_space,
                                    max_loras=config.max_loras if config.enable_lora else None,
-                                   kv_connector=self.kv_connector)
+                                   kv_connector=self.kv_connector,
+                                   speculative=spec_config is not None)
         self.lora_manager = self.model_runner.lora_manager  # None unless enable_lora
         self.seqs: dict[str, Sequence] = {}            # sequence id -> its sequence
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n samples
@@ -581,6 +582,7 @@ class Engine:
         spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
         self.scheduler.update(ran, model_output.sampled_token_ids, spec_decode_tokens)
         self.save_kv(ran)
+        any_beams = bool(self.beam_search.requests)  # before update() ends any of them
         for request in self.beam_search.update(model_output):  # the beams' next tokens
             outputs.append(self._beam_output(request))
         for seq, drafts in spec_decode_tokens.items():
@@ -589,12 +591,11 @@ class Engine:
         for seq, entries in model_output.prompt_logprobs.items():
             seq.prompt_logprobs += entries
         logprobs = model_output.logprobs
-        for seq, tokens in model_output.sampled_token_ids.items():
-            if seq.beams is not None:  # its sample is unused: BeamSearch.update chose for it
-                continue
-            # most steps ask for no log-probabilities: no lookup a sequence then
-            seq_logprobs = logprobs.get(seq) if logprobs else None
-            output = self._append_tokens(seq, tokens, seq_logprobs)
+        sampled = model_output.sampled_token_ids
+        if any_beams:  # a beam's sample is unused: BeamSearch.update chose for it
+            sampled = {seq: tokens for seq, tokens in sampled.items() if seq.beams is None}
+        for seq, tokens in sampled.items():
+            output = self._append_tokens(seq, tokens, logprobs)
             if output is not None:
                 outputs.append(output)
         return outputs
@@ -958,10 +959,10 @@ class Engine:
             merged.logits = torch.cat(logits)
         return merged
 
-    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[dict] | None
-                       ) -> RequestOutput | None:
+    def _append_tokens(self, seq: Sequence, tokens: list[int],
+                       logprobs: dict[Sequence, list[dict]]) -> RequestOutput | None:
         """Append seq's new tokens (one, or a verified run) one at a time, each with its text
-        and log-probabilities, finishing it at the first that check_stop ends it with (the
+        and log-probabilities (the step's, by sequence: most steps have none), finishing it at the first that check_stop ends it with (the
         rest are dropped, from `tokens` too: the output ends where it would have without
         speculation), each checked against its structured output if it has one; its output,
         if it streams or finished. An error here fails this request alone."""
@@ -970,8 +971,8 @@ class Engine:
                 seq.token_ids.append(token)
                 if seq.grammar is not None:  # structured output: a token outside it fails seq
                     accept_token(seq, token)
-                if logprobs is not None:
-                    seq.logprobs.append(logprobs[i])
+                if logprobs and seq in logprobs:  # most steps ask for none
+                    seq.logprobs.append(logprobs[seq][i])
                 stop_string = self._append_text(seq, token)
                 finish = check_stop(seq, token, stop_string, self.eos_token_ids)
                 if finish is not None:

@@ -465,7 +465,8 @@ def sampling_tensors(seqs: list[Sequence], vocab_size: int, eos_token_ids: list[
     max_top_k = max(used_top_k, default=vocab_size)
     seeds = [p.seed for p in params]
     positions = []  # only a seeded row's noise reads them: none made for a step without one
-    if any(seed is not None for seed in seeds):
+    num_unseeded = seeds.count(None)  # a C loop: any() over a generator cost 8 bytecodes a row
+    if num_unseeded < len(seeds):
         positions = [seq.num_output_tokens + offset for seq, offset in zip(seqs, output_offsets)]
     tensors = SamplingTensors(
         temperature=floats["temperature"], top_p=floats["top_p"],

@@ -329,7 +329,7 @@ class Scheduler:
                  enable_chunked_prefill: bool = True, policy: str = "fcfs",
                  sjf_max_wait_steps: int = 256, preemption_mode: str = "recompute",
                  swap_space: SwapSpace | None = None, max_loras: int | None = None,
-                 kv_connector=None):
+                 kv_connector=None, speculative: bool = False):
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {POLICIES}")
         if preemption_mode not in PREEMPTION_MODES:
@@ -348,6 +348,9 @@ class Scheduler:
         self.swap_space = swap_space
         self.max_loras = max_loras  # LoRA adapters the running sequences may hold; None: no LoRA
         self.kv_connector = kv_connector  # K/V from other instances (kv_connector.py), or None
+        # speculative decoding is configured: running sequences may hold drafts (spec_token_ids)
+        # to schedule; without it a step never looks for them
+        self.speculative = speculative
         # admitted, their blocks taken, waiting for the connector to load their K/V (in
         # admission order); never preempted: their blocks are reserved like a running
         # sequence's, and they join running as soon as the load is read
@@ -418,7 +421,8 @@ class Scheduler:
         # victim, its work lost (thrashing); the preempted ones wait at the front instead.
         if self.policy != "static" and not output.preempted:
             budget = self._schedule_waiting(output, budget)
-        self._schedule_drafts(output, budget)
+        if self.speculative:
+            self._schedule_drafts(output, budget)
 
     def _schedule_running(self, output: SchedulerOutput) -> int:
         """Schedule the running sequences' own tokens (their drafts come last:

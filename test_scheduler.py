@@ -13,6 +13,7 @@ from scheduler import Scheduler, Sequence, SequenceStatus, WaitingQueue
 
 def make_scheduler(num_blocks=64, budget=512, max_num_seqs=8, policy="fcfs", **kwargs):
     block_pool = BlockPool(num_blocks, block_size=4)
+    kwargs.setdefault("speculative", True)  # its tests give sequences drafts by hand
     return Scheduler(block_pool, max_num_seqs, budget, True, policy, **kwargs), block_pool
 
 
