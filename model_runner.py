@@ -674,10 +674,12 @@ class ModelRunner:
                 new_block_rows += [row] * len(gained)
                 new_block_columns += range(first_column, first_column + len(gained))
                 new_block_ids += gained
-            num_left = len(seq.token_ids) - start  # its tokens not computed before the step
-            if num_left <= num_new:  # all of them computed now: sample the next (and drafts')
-                first_sampled = first_token + num_left - 1  # its last token, then its drafts
-                logits_indices += range(first_sampled, first_token + num_new)
+            if end >= len(seq.token_ids):  # none uncomputed left: sample the next
+                if any_drafts:  # its last token's row, then each draft's (none if it has none)
+                    first_sampled = first_token + len(seq.token_ids) - 1 - start
+                    logits_indices += range(first_sampled, first_token + num_new)
+                else:
+                    logits_indices.append(first_token + num_new - 1)
                 sample_seqs.append(seq)
             if seq.params.prompt_logprobs is not None:
                 for position in prompt_positions_to_score(seq, start, end):

@@ -34,11 +34,14 @@ import json
 import threading
 import time
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 import torch
 
 import cuda_runtime
+
+GRAMMAR_OF = attrgetter("grammar")  # a Sequence's matcher, or None
 
 # Limits, checked before a request is queued: a constraint's text (a schema, a regular
 # expression, a grammar, the choices joined), the time its compilation may take, and
@@ -352,9 +355,10 @@ def apply_grammar_bitmask(seqs: list, logits: torch.Tensor) -> torch.Tensor:
     model's own. The mask (a byte a token, unpacked on the host) and the indices it covers go
     to the device as the step's other inputs do (sampling.upload): pinned on CUDA, never
     waited for."""
-    constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
-    if not constrained:
+    grammars = list(map(GRAMMAR_OF, seqs))  # a C loop: a plain step runs no bytecode a row
+    if grammars.count(None) == len(grammars):  # most steps: none constrained
         return logits
+    constrained = [i for i, grammar in enumerate(grammars) if grammar is not None]
     vocab_size = logits.shape[1]
     bitmask = grammar_bitmask(seqs, constrained, vocab_size)
     ruled_out = unpack_bitmask(~bitmask, vocab_size)  # the negated words: set where ruled out
