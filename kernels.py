@@ -826,10 +826,13 @@ def add_lora_padded(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
     layout) instead of a GEMM pair a run: a decode batch spread over 16 adapters has 16 runs
     a part, and on a CPU a small GEMM's call costs more than its math. y (N, sum O) += x's
     rows through their slots' A then B, the parts side by side as the merged projection's
-    output. lora_a (L, parts * R, I): every part's A stacked along the rank (Linear's
-    lora_a_merged), so one shrink serves them all; lora_bs[p] (L, O, R) (O: part p's rows),
-    read as B^T (L, R, O), which is dense on a CPU (create_lora_weights): the expand reads
-    each B once, whole rows at a time. The first S slots are read. Equals
+    output; the first S slots are read. lora_a (L, parts * R, I): every part's A stacked
+    along the rank (Linear.lora_a_merged), so one shrink serves every part, taken as
+    A x^T (S, parts * R, P): a decode's shrink is bound by reading A, and this form streams
+    A's rows (half the time of x A^T there). lora_bs[p] (L, O, R) (O: part p's rows), read as
+    B^T (L, R, O), which a CPU's create_lora_weights stores dense. Each part's expand is added
+    in place: into its slice of y, read as (S, P, sum O), when x's rows are the layout as
+    they stand; else into the padded rows' terms, added back into y token by token. Equals
     lora_expand_ref(lora_shrink_ref(...)) for each part, to float rounding."""
     num_slots, rows = padded.num_slots, padded.rows
     x_rows = x if padded.gather is None else x.index_select(0, padded.gather)
