@@ -916,11 +916,26 @@ def sgmv_expand(shrunk: torch.Tensor, lora_b: torch.Tensor,
         y[start:end] += shrunk[start:end] @ lora_b[slot].T
 
 
-def lora_padded_rows(token_slots: list[int]) -> torch.Tensor | None:
-    """(S, P) the tokens of each slot up to the highest of the step, S of them, padded to P,
-    the most one slot has, with N (x's zero row, which add_lora_padded appends): [0, 1, 0, -1]
-    -> [[0, 2], [1, 4]]. None when that padding more than doubles the adapters' tokens (a
-    long prefill beside a few decodes), where a GEMM pair a run (sgmv_shrink) does less."""
+@dataclass
+class PaddedSlots:
+    """A step's adapter tokens as add_lora_padded reads them: slots 0..S-1 (S: the step's
+    highest slot plus one), each slot's tokens as P rows (P: the most one slot has), the short
+    ones padded. lora_padded_slots makes it, on the host, once a step."""
+    num_slots: int                    # S
+    rows: int                         # P
+    # (S * P,) x's row for each padded row (a padding row reads row 0, its result dropped);
+    # None: x's rows are the layout as they stand, every token has an adapter, sorted by slot,
+    # P each (the model runner's order of a batch spread evenly over slots 0..S-1)
+    gather: torch.Tensor | None = None
+    positions: torch.Tensor | None = None  # (n,) the padded rows that hold the step's n
+    tokens: torch.Tensor | None = None     # adapter tokens, and (n,) which token each holds
+
+
+def lora_padded_slots(token_slots: list[int]) -> PaddedSlots | None:
+    """The step's slots padded to one length: [0, 1, 0, -1] -> S = 2, P = 2, gather
+    [0, 2, 1, 0], positions [0, 1, 2], tokens [0, 2, 1]; [0, 0, 1, 1] -> S = 2, P = 2, no
+    gather. None when the padding more than doubles the adapters' tokens (a long prefill
+    beside a few decodes), where a GEMM pair a run (sgmv_shrink) does less."""
     num_slots = max(token_slots) + 1
     tokens_of = [[] for _ in range(num_slots)]
     for token, slot in enumerate(token_slots):
@@ -930,26 +945,44 @@ def lora_padded_rows(token_slots: list[int]) -> torch.Tensor | None:
     rows = max(len(tokens) for tokens in tokens_of)
     if num_slots * rows > 2 * num_lora_tokens:
         return None
-    zero_row = len(token_slots)
-    return torch.tensor([tokens + [zero_row] * (rows - len(tokens)) for tokens in tokens_of])
+    is_sorted = all(a <= b for a, b in zip(token_slots, token_slots[1:]))
+    if num_slots * rows == len(token_slots) == num_lora_tokens and is_sorted:
+        return PaddedSlots(num_slots, rows)  # x as it stands: no gather, no scatter
+    gather = [tokens + [0] * (rows - len(tokens)) for tokens in tokens_of]
+    positions = [slot * rows + i for slot, tokens in enumerate(tokens_of)
+                 for i in range(len(tokens))]
+    return PaddedSlots(num_slots, rows, torch.tensor(gather).flatten(), torch.tensor(positions),
+                       torch.tensor([token for tokens in tokens_of for token in tokens]))
 
 
-def add_lora_padded(y: torch.Tensor, x: torch.Tensor, lora_as: list[torch.Tensor],
-                    lora_bs: list[torch.Tensor], padded_rows: torch.Tensor) -> None:
-    """Every part's LoRA term at once on the CPU, as two batched GEMMs a part over the slots
-    (lora_padded_rows' layout) instead of a GEMM pair a run: a decode batch spread over 16
-    adapters has 16 runs a part, and on a CPU a small GEMM's call costs more than its math.
-    y (N, sum O) += x's rows through their slots' A then B, the parts side by side as the
-    merged projection's output; lora_as[p] (L, R, I), lora_bs[p] (L, O, R) (O: part p's rows); the
-    first S slots are read. Equals lora_expand_ref(lora_shrink_ref(...)) for each part."""
-    num_slots, rows = padded_rows.shape
-    flat_rows = padded_rows.flatten()
-    x_padded = F.pad(x, (0, 0, 0, 1)).index_select(0, flat_rows).view(num_slots, rows, -1)
-    terms = [torch.bmm(torch.bmm(x_padded, lora_a[:num_slots].mT), lora_b[:num_slots].mT)
-             for lora_a, lora_b in zip(lora_as, lora_bs)]  # each (S, P, O)
-    term = torch.cat(terms, dim=2).flatten(0, 1)  # (S * P, sum O)
-    is_token = flat_rows < x.shape[0]
-    y.index_add_(0, flat_rows[is_token], term[is_token])
+def add_lora_padded(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
+                    lora_bs: list[torch.Tensor], padded: PaddedSlots) -> None:
+    """Every part's LoRA term at once on the CPU, batched over the slots (lora_padded_slots'
+    layout) instead of a GEMM pair a run: a decode batch spread over 16 adapters has 16 runs
+    a part, and on a CPU a small GEMM's call costs more than its math. y (N, sum O) += x's
+    rows through their slots' A then B, the parts side by side as the merged projection's
+    output; the first S slots are read. lora_a (L, parts * R, I): every part's A stacked
+    along the rank (Linear.lora_a_merged), so one shrink serves every part, taken as
+    A x^T (S, parts * R, P): a decode's shrink is bound by reading A, and this form streams
+    A's rows (half the time of x A^T there). lora_bs[p] (L, O, R) (O: part p's rows), read as
+    B^T (L, R, O), which a CPU's create_lora_weights stores dense. Each part's expand is added
+    in place: into its slice of y, read as (S, P, sum O), when x's rows are the layout as
+    they stand; else into the padded rows' terms, added back into y token by token. Equals
+    lora_expand_ref(lora_shrink_ref(...)) for each part, to float rounding."""
+    num_slots, rows = padded.num_slots, padded.rows
+    x_rows = x if padded.gather is None else x.index_select(0, padded.gather)
+    x_rows = x_rows.reshape(num_slots, rows, -1)  # (S, P, I)
+    shrunk = torch.bmm(lora_a[:num_slots], x_rows.mT).mT  # (S, P, parts * R)
+    term = y if padded.gather is None else y.new_zeros(num_slots * rows, y.shape[1])
+    term = term.view(num_slots, rows, -1)  # (S, P, sum O): y itself, or the padded rows' terms
+    rank, start = lora_bs[0].shape[2], 0
+    for part, lora_b in enumerate(lora_bs):
+        end = start + lora_b.shape[1]
+        term[:, :, start:end].baddbmm_(shrunk[:, :, part * rank:(part + 1) * rank],
+                                       lora_b[:num_slots].mT)  # += (S, P, R) @ (S, R, O)
+        start = end
+    if padded.gather is not None:  # each token's padded row added back into its row of y
+        y.index_add_(0, padded.tokens, term.flatten(0, 1).index_select(0, padded.positions))
 
 
 @triton.jit

@@ -51,9 +51,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cuda_runtime
-from kernels import (FP8_DTYPE, FP8_MAX, add_lora_padded, lora_expand, lora_expand_ref,
-                     lora_padded_rows, lora_segments, lora_shrink, lora_shrink_ref, sgmv_expand,
-                     sgmv_shrink)
+from kernels import (FP8_DTYPE, FP8_MAX, PaddedSlots, add_lora_padded, lora_expand,
+                     lora_expand_ref, lora_padded_slots, lora_segments, lora_shrink,
+                     lora_shrink_ref, sgmv_expand, sgmv_shrink)
 
 QUANTIZATION_METHODS = ("int8", "fp8")  # vLLM's quantization= names this module serves
 INT8_MAX = 127                          # symmetric: -127..127, -128 unused
@@ -160,21 +160,21 @@ class LoRAMapping:
     token_slots: torch.Tensor | None = None  # (N,) int64, -1: the base model; None: no token
                                              # of the step has an adapter (no LoRA term at all)
     # the CPU's layout of the same slots (kernels.py), made once a step on the host: the tokens
-    # of each slot padded to one length (lora_padded_rows), or where that would double the
+    # of each slot padded to one length (lora_padded_slots), or where that would double the
     # work, runs of one adapter's tokens (lora_segments); the other None, both None: not made
     segments: list[tuple[int, int, int]] | None = None
-    padded_rows: torch.Tensor | None = None  # (S, P)
+    padded: PaddedSlots | None = None
 
     def set(self, token_slots: torch.Tensor | None, host_slots: list[int] | None = None) -> None:
         """The step's slots; on a CPU, given host_slots (the list they were uploaded from),
         the CPU's layout of them too (on CUDA the Triton kernels read token_slots)."""
         self.token_slots = token_slots
         self.segments = None
-        self.padded_rows = None
+        self.padded = None
         if host_slots is None or cuda_runtime.is_cuda(token_slots.device):
             return
-        self.padded_rows = lora_padded_rows(host_slots)
-        if self.padded_rows is None:
+        self.padded = lora_padded_slots(host_slots)
+        if self.padded is None:
             self.segments = lora_segments(host_slots)
 
 
@@ -182,6 +182,8 @@ class Linear(nn.Linear):
     """y = x W^T + b (nn.Linear's, bit for bit), then, when the step has adapters, each token's
     LoRA term added (add_lora). output_sizes: the rows of each part, one part unless merged."""
     lora_a: list[torch.Tensor] | None = None  # per part (L, R, I): each slot's A, zero-padded
+    lora_a_merged: torch.Tensor | None = None  # (L, parts * R, I): lora_a's storage, the parts
+                                               # stacked along the rank: one shrink for them all
     lora_b: list[torch.Tensor] | None = None  # per part (L, O, R): each slot's B x scaling
     lora_mapping: LoRAMapping | None = None
     quant_method: str | None = None  # "int8" or "fp8": weight is q, weight_scale its scales
@@ -230,8 +232,8 @@ class Linear(nn.Linear):
         """y (N, sum O) += each part's x A[slot]^T B[slot]^T, slot the token's (none: -1), for
         all adapters of the step at once: a shrink to rank R, an expand into the part's slice."""
         mapping = self.lora_mapping
-        if mapping.padded_rows is not None:  # the CPU, many short runs: batched over the slots
-            add_lora_padded(y, x, self.lora_a, self.lora_b, mapping.padded_rows)
+        if mapping.padded is not None:  # the CPU, many short runs: batched over the slots
+            add_lora_padded(y, x, self.lora_a_merged, self.lora_b, mapping.padded)
             return y
         shrink, expand, tokens = lora_shrink_ref, lora_expand_ref, mapping.token_slots
         if cuda_runtime.is_cuda(x.device):  # a program a token (BGMV): graph-safe
@@ -248,12 +250,21 @@ class Linear(nn.Linear):
     def create_lora_weights(self, max_loras: int, max_rank: int, mapping: LoRAMapping) -> None:
         """Zeroed adapter slots for every part (vLLM's create_lora_weights), in the weight's
         dtype (the model's, over a quantized weight) and device; mapping says which slot each
-        token reads."""
+        token reads. Each part's A is a view of lora_a_merged. B is held as the device's
+        kernels read it: (L, O, R) dense on CUDA (a program reads a token's rows of B), and
+        on a CPU as views of a dense B^T (L, R, O), which add_lora_padded's batched GEMM
+        streams row by row (a 16-adapter decode step's expands, their weights cold in
+        memory, took a fifth less time so than reading B (L, O, R) transposed)."""
         kind = dict(dtype=self.params_dtype or self.weight.dtype, device=self.weight.device)
-        self.lora_a = [torch.zeros(max_loras, max_rank, self.in_features, **kind)
-                       for _ in self.output_sizes]
-        self.lora_b = [torch.zeros(max_loras, rows, max_rank, **kind)
-                       for rows in self.output_sizes]
+        num_parts = len(self.output_sizes)
+        self.lora_a_merged = torch.zeros(max_loras, num_parts * max_rank, self.in_features, **kind)
+        self.lora_a = list(self.lora_a_merged.split(max_rank, dim=1))
+        if cuda_runtime.is_cuda(self.weight.device):
+            self.lora_b = [torch.zeros(max_loras, rows, max_rank, **kind)
+                           for rows in self.output_sizes]
+        else:
+            self.lora_b = [torch.zeros(max_loras, max_rank, rows, **kind).mT
+                           for rows in self.output_sizes]
         self.lora_mapping = mapping
 
     def set_lora(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -28,15 +28,22 @@ a CPU each adapter's tokens are runs (SGMV's segments, kernels.lora_segments): t
 runs as slots [-1, 0, 1] for the decodes, then [0, 0, 0] for the chunk. A CPU runs a GEMM
 pair a run (sgmv_shrink, sgmv_expand), or, where the slots' tokens pad to one length without
 doubling the work (a decode batch spread over many adapters: 16 runs of 4 tokens would be 32
-small GEMMs a part, each costing more to call than to compute), two batched GEMMs a part over
-the padded slots (add_lora_padded). The Triton kernels run a program a token (BGMV), reading
-its slot, so a CUDA graph replays them. The base model's tokens get nothing added: their
+small GEMMs a part, each costing more to call than to compute), batched GEMMs over the
+padded slots (add_lora_padded): one shrink for all the parts of a merged projection, then an
+expand a part added in place. The Triton kernels run a program a token (BGMV), reading its
+slot, so a CUDA graph replays them. The base model's tokens get nothing added: their
 outputs are the base model's, bit for bit, whatever runs beside them. A and B of every slot
 are padded with zeros to max_lora_rank, so one launch serves adapters of ranks 1 and 16 side
-by side. Merged
-projections (q/k/v as qkv_proj, gate/up as gate_up_proj) take each adapter as slices of
-their output: q_proj's B expands into qkv_proj's first q_size columns, k_proj's into the
-next, and GPT-2's c_attn (one adapter over q, k and v at once) into all three, its A shared.
+by side. Merged projections (q/k/v as qkv_proj, gate/up as gate_up_proj) take each adapter
+as slices of their output: q_proj's B expands into qkv_proj's first q_size columns, k_proj's
+into the next, and GPT-2's c_attn (one adapter over q, k and v at once) into all three, its
+A shared.
+
+What a step costs on a CPU: a decode step reads every slot's A and B it serves, whatever
+its tokens: 16 adapters of rank 16 on SmolLM2-135M are 312 MB of fp32 a step, 58% of the
+base model's weights, for about 4% of its FLOPs. A decode step's LoRA term is bound by
+that memory traffic, not by arithmetic, and grows with the adapters a step serves (so
+max_loras 8, half the bytes, can beat 16 on the same requests).
 
 Paging: an adapter is read from disk into host memory when a request first names it (its
 errors raised there), kept in the host cache (max_cpu_loras, least recently used evicted,

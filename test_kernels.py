@@ -879,35 +879,56 @@ def test_lora_segments_are_the_runs_of_one_adapters_tokens():
     assert kernels.lora_segments([-1, -1]) == []
 
 
-def test_lora_padded_rows_pad_each_slot_to_the_longest_unless_that_doubles_the_work():
-    assert kernels.lora_padded_rows([0, 1, 0, -1]).tolist() == [[0, 2], [1, 4]]
-    assert kernels.lora_padded_rows([1, 1, 1, 0, 0, 0]).tolist() == [[3, 4, 5], [0, 1, 2]]
-    assert kernels.lora_padded_rows([0] * 5 + [3]) is None  # 4 slots x 5 rows for 6 tokens
+def test_lora_padded_slots_pad_each_slot_to_the_longest_unless_that_doubles_the_work():
+    padded = kernels.lora_padded_slots([0, 1, 0, -1])
+    assert (padded.num_slots, padded.rows) == (2, 2)
+    assert padded.gather.tolist() == [0, 2, 1, 0]  # slot 1's padding row reads row 0
+    assert padded.positions.tolist() == [0, 1, 2] and padded.tokens.tolist() == [0, 2, 1]
+    assert kernels.lora_padded_slots([1, 1, 1, 0, 0, 0]).gather.tolist() == [3, 4, 5, 0, 1, 2]
+    assert kernels.lora_padded_slots([0] * 5 + [3]) is None  # 4 slots x 5 rows for 6 tokens
 
 
-def test_lora_cpu_layouts_give_the_references_terms():
+def test_lora_padded_slots_take_x_as_it_stands_only_when_sorted_evenly_and_all_adapters():
+    padded = kernels.lora_padded_slots([0, 0, 1, 1, 2, 2])
+    assert (padded.num_slots, padded.rows, padded.gather) == (3, 2, None)
+    for slots in ([0, 1, 0, 1], [0, 0, 1, 1, -1, -1], [0, 0, 2, 2]):  # unsorted, base, slot 1
+        assert kernels.lora_padded_slots(slots).gather is not None, slots
+
+
+def cpu_lora_weights(num_slots: int, rank: int, in_features: int, out_sizes) -> tuple:
+    """Random adapter slots laid out as Linear.create_lora_weights lays them out on a CPU:
+    every part's A a view of one (L, parts * R, I), each B a view of a dense B^T (L, R, O)."""
+    lora_a = torch.randn(num_slots, len(out_sizes) * rank, in_features)
+    lora_bs = [torch.randn(num_slots, rank, rows).mT for rows in out_sizes]
+    return lora_a, list(lora_a.split(rank, dim=1)), lora_bs
+
+
+@pytest.mark.parametrize("slots", [LORA_SLOTS, [0, 0, 0, 1, 1, 1, 2, 2, 2]],
+                         ids=["gathered", "in-place"])
+def test_lora_cpu_layouts_give_the_references_terms(slots):
     """sgmv_shrink/sgmv_expand over runs, and add_lora_padded over every part at once, into a
-    merged projection's output (two parts side by side), equal the reference's per part."""
+    merged projection's output (three parts side by side), equal the reference's per part,
+    the padded layout gathered (slots mixed, base tokens) or read in place (sorted, even);
+    fewer slots in the step than the weights hold."""
     torch.manual_seed(0)
-    num_tokens, in_features, out_sizes, num_slots, rank = len(LORA_SLOTS), 24, (6, 10), 5, 4
+    num_tokens, in_features, out_sizes, rank = len(slots), 24, (6, 10, 3), 4
     x = torch.randn(num_tokens, in_features)
-    lora_as = [torch.randn(num_slots, rank, in_features) for _ in out_sizes]
-    lora_bs = [torch.randn(num_slots, rows, rank) for rows in out_sizes]
-    slots = torch.tensor(LORA_SLOTS)
+    lora_a, lora_as, lora_bs = cpu_lora_weights(5, rank, in_features, out_sizes)
+    token_slots = torch.tensor(slots)
     y = torch.randn(num_tokens, sum(out_sizes))
     expected, by_runs, padded = y.clone(), y.clone(), y.clone()
-    segments = kernels.lora_segments(LORA_SLOTS)
+    segments = kernels.lora_segments(slots)
     start = 0
-    for lora_a, lora_b in zip(lora_as, lora_bs):
-        end = start + lora_b.shape[1]
-        kernels.lora_expand_ref(kernels.lora_shrink_ref(x, lora_a, slots), lora_b, slots,
-                                expected[:, start:end])
-        kernels.sgmv_expand(kernels.sgmv_shrink(x, lora_a, segments), lora_b, segments,
+    for part_a, part_b in zip(lora_as, lora_bs):
+        end = start + part_b.shape[1]
+        kernels.lora_expand_ref(kernels.lora_shrink_ref(x, part_a, token_slots), part_b,
+                                token_slots, expected[:, start:end])
+        kernels.sgmv_expand(kernels.sgmv_shrink(x, part_a, segments), part_b, segments,
                             by_runs[:, start:end])
         start = end
-    kernels.add_lora_padded(padded, x, lora_as, lora_bs, kernels.lora_padded_rows(LORA_SLOTS))
+    kernels.add_lora_padded(padded, x, lora_a, lora_bs, kernels.lora_padded_slots(slots))
     torch.testing.assert_close(by_runs, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(padded, expected, atol=1e-5, rtol=1e-5)
-    base_rows = slots < 0
+    base_rows = token_slots < 0
     assert torch.equal(padded[base_rows], y[base_rows])
     assert torch.equal(by_runs[base_rows], y[base_rows])

@@ -533,13 +533,17 @@ def test_a_step_orders_its_sequences_by_adapter_so_each_adapters_decodes_are_one
     assert runs and all(sorted(slots) == [0, 1] for slots in runs)
 
 
-def test_the_cpus_lora_layouts_give_the_references_outputs(tmp_path, monkeypatch):
-    """Padded over the slots (a mixed decode batch), a GEMM pair a run (a long prefill beside
-    a decode), and the reference's gather a slot: the same tokens and log-probabilities."""
-    requests = [adapter(tmp_path, "tiny", name, seed=i, lora_id=i + 1)
-                for i, name in enumerate("abc")]
-    prompts = ["x" * 300, "Hi", "Yo"]  # their prefills: 3 slots x 300 rows for 304 tokens
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+def test_the_cpus_lora_layouts_give_the_references_outputs(tmp_path, monkeypatch, preset):
+    """Padded over the slots, gathered (a decode batch with a base request) and in place (its
+    three adapters' decodes, once the base request is done), a GEMM pair a run (a long prefill
+    beside short ones), and the reference's gather a slot: the same tokens and
+    log-probabilities, on GPT-2's one-part projections and Llama's merged q/k/v and gate/up."""
+    requests = [adapter(tmp_path, preset, name, seed=i, lora_id=i + 1)
+                for i, name in enumerate("abc")] + [None]
+    prompts = ["x" * 300, "Hi", "Yo", "Hm"]  # their prefills: 3 slots x 300 rows for 306 tokens
+    params = [SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=1)
+              for tokens in (6, 6, 6, 2)]
     calls = []
 
     def counted(name, kernel):
@@ -547,16 +551,20 @@ def test_the_cpus_lora_layouts_give_the_references_outputs(tmp_path, monkeypatch
             calls.append(name)
             return kernel(*args)
         return run
-    monkeypatch.setattr(linear, "add_lora_padded", counted("padded", kernels.add_lora_padded))
+
+    def padded(y, x, lora_a, lora_bs, layout):
+        calls.append("in place" if layout.gather is None else "gathered")
+        kernels.add_lora_padded(y, x, lora_a, lora_bs, layout)
+    monkeypatch.setattr(linear, "add_lora_padded", padded)
     monkeypatch.setattr(linear, "sgmv_shrink", counted("runs", kernels.sgmv_shrink))
-    got = lora_llm(max_loras=3).generate(prompts, params, lora_request=requests)
-    assert {"padded", "runs"} <= set(calls)
+    got = lora_llm(preset, max_loras=3).generate(prompts, params, lora_request=requests)
+    assert {"in place", "gathered", "runs"} <= set(calls)
     set_slots = LoRAMapping.set
 
     def without_host_slots(mapping, token_slots, host_slots=None):  # the reference's path
         set_slots(mapping, token_slots)
     monkeypatch.setattr(LoRAMapping, "set", without_host_slots)
     calls.clear()
-    expected = lora_llm(max_loras=3).generate(prompts, params, lora_request=requests)
+    expected = lora_llm(preset, max_loras=3).generate(prompts, params, lora_request=requests)
     assert calls == []
     assert_same_outputs(got, expected)
