@@ -1672,16 +1672,20 @@ def lora_sweep(cfg: BenchConfig) -> dict:
             lora.save_random_lora(path, base.model, lora_targets(base), r=cfg.lora_rank, seed=i)
             requests.append(lora.LoRARequest(f"adapter{i}", i + 1, path))
         run_lora_batches(base, [[(p, None) for p in prompts[:4]]], 4)  # warm-up, not timed
-        rows = [emit(cfg, "lora", dict(adapters=0, max_loras=0, mode="base") | run_lora_batches(
-            base, [[(p, None) for p in prompts]], cfg.lora_max_tokens))]
+        base_row = dict(adapters=0, max_loras=0, mode="base", vs_base=None)
+        base_row |= run_lora_batches(base, [[(p, None) for p in prompts]], cfg.lora_max_tokens)
+        rows = [emit(cfg, "lora", base_row)]
         for k in cfg.lora_adapters:
-            rows += lora_rows(cfg, prompts, requests[:k])
+            rows += lora_rows(cfg, base, prompts, requests[:k])
         load = lora_load_cost(cfg, base, requests)
     return dict(rows=rows, load=load)
 
 
-def lora_rows(cfg: BenchConfig, prompts: list, requests: list) -> list[dict]:
-    """(b) at max_loras K and K/2, then (c), for K = len(requests) adapters."""
+def lora_rows(cfg: BenchConfig, base: Engine, prompts: list, requests: list) -> list[dict]:
+    """(b) at max_loras K and K/2, then (c), for K = len(requests) adapters. Each row's
+    vs_base: its throughput over the base model's on the same requests, run just before it
+    (this machine's speed drifts by 10-20% over a few minutes: a ratio to one base run at the
+    start would carry that drift)."""
     k = len(requests)
     assigned = [(p, requests[i % k]) for i, p in enumerate(prompts)]
     rows = []
@@ -1694,9 +1698,11 @@ def lora_rows(cfg: BenchConfig, prompts: list, requests: list) -> list[dict]:
         engine = make_engine(cfg, enable_lora=True, max_loras=max_loras,
                              max_lora_rank=cfg.lora_rank, max_cpu_loras=k)
         run_lora_batches(engine, [assigned[:1]], 2)  # warm-up, not timed
+        base_run = run_lora_batches(base, [[(p, None) for p in prompts]], cfg.lora_max_tokens)
         row = dict(adapters=k, max_loras=max_loras, mode=mode)
-        rows.append(emit(cfg, "lora", row | run_lora_batches(engine, batches,
-                                                             cfg.lora_max_tokens)))
+        row |= run_lora_batches(engine, batches, cfg.lora_max_tokens)
+        row["vs_base"] = row["output_throughput"] / base_run["output_throughput"]
+        rows.append(emit(cfg, "lora", row))
     return rows
 
 
@@ -1722,7 +1728,7 @@ def lora_load_cost(cfg: BenchConfig, engine: Engine, requests: list) -> dict:
 def lora_table(found: dict) -> str:
     rows = table("Multi-LoRA serving: requests spread over K adapters (adapters 0: the base "
                  "model alone)", found["rows"],
-                 "adapters max_loras mode output_throughput mean_e2e_ms")
+                 "adapters max_loras mode output_throughput vs_base mean_e2e_ms")
     load = found["load"]
     return rows + (f"\n\nLoading an adapter of rank {load['rank']}: {load['disk_ms']:.2f} ms "
                    f"from disk, {load['slot_ms']:.2f} ms into a device slot")

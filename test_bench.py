@@ -810,6 +810,7 @@ def test_bench_lora_serves_requests_over_k_adapters_three_ways(tmp_path):
     assert [(row["adapters"], row["max_loras"], row["mode"]) for row in figures["rows"]] == [
         (0, 0, "base"), (1, 1, "multi-lora"), (1, 1, "one adapter at a time"),
         (4, 4, "multi-lora"), (4, 2, "multi-lora"), (4, 1, "one adapter at a time")]
+    assert all(row["vs_base"] > 0 for row in figures["rows"][1:])  # each against a base run
     assert all(row["output_throughput"] > 0 and row["mean_e2e_ms"] > 0
                for row in figures["rows"])
     assert figures["load"]["disk_ms"] > 0 and figures["load"]["slot_ms"] > 0
