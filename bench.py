@@ -1676,16 +1676,17 @@ def lora_sweep(cfg: BenchConfig) -> dict:
         base_row |= run_lora_batches(base, [[(p, None) for p in prompts]], cfg.lora_max_tokens)
         rows = [emit(cfg, "lora", base_row)]
         for k in cfg.lora_adapters:
-            rows += lora_rows(cfg, base, prompts, requests[:k])
+            rows += lora_rows(cfg, prompts, requests[:k])
         load = lora_load_cost(cfg, base, requests)
     return dict(rows=rows, load=load)
 
 
-def lora_rows(cfg: BenchConfig, base: Engine, prompts: list, requests: list) -> list[dict]:
+def lora_rows(cfg: BenchConfig, prompts: list, requests: list) -> list[dict]:
     """(b) at max_loras K and K/2, then (c), for K = len(requests) adapters. Each row's
-    vs_base: its throughput over the base model's on the same requests, run just before it
-    (this machine's speed drifts by 10-20% over a few minutes: a ratio to one base run at the
-    start would carry that drift)."""
+    vs_base: its throughput over the base model's on the same requests, run just before it on
+    a fresh engine warmed the same way (this machine's speed drifts by 10-20% over a few
+    minutes: a ratio to one base run at the start would carry that drift; and an engine that
+    served these prompts before would find them in its prefix cache)."""
     k = len(requests)
     assigned = [(p, requests[i % k]) for i, p in enumerate(prompts)]
     rows = []
@@ -1698,7 +1699,10 @@ def lora_rows(cfg: BenchConfig, base: Engine, prompts: list, requests: list) -> 
         engine = make_engine(cfg, enable_lora=True, max_loras=max_loras,
                              max_lora_rank=cfg.lora_rank, max_cpu_loras=k)
         run_lora_batches(engine, [assigned[:1]], 2)  # warm-up, not timed
+        base = make_engine(cfg)
+        run_lora_batches(base, [[(assigned[0][0], None)]], 2)  # warm-up, not timed
         base_run = run_lora_batches(base, [[(p, None) for p in prompts]], cfg.lora_max_tokens)
+        del base
         row = dict(adapters=k, max_loras=max_loras, mode=mode)
         row |= run_lora_batches(engine, batches, cfg.lora_max_tokens)
         row["vs_base"] = row["output_throughput"] / base_run["output_throughput"]
