@@ -40,8 +40,9 @@ Copy-on-write, worked through. Blocks of 4 tokens, beam width 2, a 6-token promp
 So W beams hold their common prefix once, and a fork costs one block copy at most (none when
 the beams' next token starts a new block). On a CPU they also read it once a step: a
 request's beams attend their shared blocks together, W queries over one copy of the keys
-(cascade attention: model_runner.beam_shared_prefixes, kernels.add_shared_prefix). The rule is checked where a step's writes are laid
-out: BlockTable.assert_owned, no block written has another owner.
+(cascade attention: model_runner.beam_shared_prefixes, kernels.add_shared_prefix). The rule
+is checked where a step's writes are laid out: BlockTable.assert_owned, no block written has
+another owner.
 
 Where transformers' `generate(num_beams=W)` differs: it divides a hypothesis's log-probability
 by its generated length ** length_penalty (vLLM: its whole length, prompt included, less a

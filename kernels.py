@@ -297,18 +297,18 @@ def plan_prefixes(meta: AttentionMetadata, decodes: list[int], block_size: int,
         positions = torch.arange(num_blocks * block_size, device=meta.block_tables.device)
         group_lens = torch.tensor([prefix_lens[g] for g in batch], device=positions.device)
         mask = _mask_past(positions >= group_lens[:, None], dtype)                  # (g, T)
-        rows = []
-        picked = []
+        rows = []    # (g, W): each group's beams' rows, padded with its first beam
+        picked = []  # the real ones' places among the rows, flattened
         for i, g in enumerate(batch):
             beams = [row_of[s] for s in groups[g][0]]
             rows.append(beams + beams[:1] * (width - len(beams)))
             picked += range(i * width, i * width + len(beams))
         block_ids = meta.block_tables[first_beams, :num_blocks].flatten().to(torch.int64)
-        beam_rows = torch.tensor(rows)
-        picked = torch.tensor(picked)
+        rows_t = torch.tensor(rows)
+        picked_t = torch.tensor(picked)
         batches.append(PrefixBatch(block_ids=block_ids, mask=mask[:, None, None],
-                                   rows=beam_rows, picked=picked,
-                                   beams=beam_rows.flatten()[picked]))
+                                   rows=rows_t, picked=picked_t,
+                                   beams=rows_t.flatten()[picked_t]))
     return batches
 
 
@@ -975,7 +975,8 @@ def add_lora_padded(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
     shrunk = torch.bmm(lora_a[:num_slots], x_rows.mT).mT  # (S, P, parts * R)
     term = y if padded.gather is None else y.new_zeros(num_slots * rows, y.shape[1])
     term = term.view(num_slots, rows, -1)  # (S, P, sum O): y itself, or the padded rows' terms
-    rank, start = lora_bs[0].shape[2], 0
+    rank = lora_bs[0].shape[2]  # R: each part's rows of shrunk
+    start = 0  # the part's first column of y
     for part, lora_b in enumerate(lora_bs):
         end = start + lora_b.shape[1]
         term[:, :, start:end].baddbmm_(shrunk[:, :, part * rank:(part + 1) * rank],

@@ -962,10 +962,11 @@ class Engine:
     def _append_tokens(self, seq: Sequence, tokens: list[int],
                        logprobs: dict[Sequence, list[dict]]) -> RequestOutput | None:
         """Append seq's new tokens (one, or a verified run) one at a time, each with its text
-        and log-probabilities (the step's, by sequence: most steps have none), finishing it at the first that check_stop ends it with (the
-        rest are dropped, from `tokens` too: the output ends where it would have without
-        speculation), each checked against its structured output if it has one; its output,
-        if it streams or finished. An error here fails this request alone."""
+        and log-probabilities (`logprobs`: the step's, by sequence; most steps have none),
+        finishing it at the first that check_stop ends it with (the rest are dropped, from
+        `tokens` too: the output ends where it would have without speculation), each checked
+        against its structured output if it has one; its output, if it streams or finished.
+        An error here fails this request alone."""
         try:
             for i, token in enumerate(tokens):
                 seq.token_ids.append(token)
