@@ -17,7 +17,9 @@ import sys
 from functools import partial
 from unittest import mock
 
-BATCH, CONTEXT, STEPS = 256, 256, 100
+BATCH = 256    # sequences decoding
+CONTEXT = 256  # their prompt tokens
+STEPS = 100    # the steps counted under valgrind (104 run, less 4)
 
 
 def warm_engine(repo: str):
@@ -59,8 +61,9 @@ def count_bytecodes(engine, steps: int = 4) -> float:
 
 def instructions(repo: str, steps: int) -> int:
     """Machine instructions of a whole run: the engine built, then `steps` steps."""
-    command = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
-               sys.executable, __file__, "--steps", repo, str(steps)]
+    command = ["valgrind", "--tool=cachegrind", "--cache-sim=no",
+               "--cachegrind-out-file=/dev/null", sys.executable, __file__, "--steps", repo,
+               str(steps)]
     env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
     result = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
     return int(re.search(r"I\s+refs:\s+([\d,]+)", result.stderr).group(1).replace(",", ""))
